@@ -1,0 +1,87 @@
+"""RL maths on plain tensors: advantages, the clipped policy loss, overlong penalty.
+
+Nothing here knows about engines, storage or Prefect, so every formula is unit-tested
+against the same formula written out by hand in ``tests/test_algorithms.py``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Literal, Sequence
+
+import torch
+
+
+def group_advantages(
+    rewards: Sequence[float], group_ids: Sequence[int], scale: Literal["std", "none"] = "std", eps: float = 1e-6
+) -> list[float]:
+    """GRPO advantage: a sample's reward minus its prompt group's mean.
+
+    ``scale="std"`` divides by the group's standard deviation (GRPO, DAPO);
+    ``scale="none"`` does not (Dr. GRPO, which argues the division biases towards
+    easy and hard prompts).
+    """
+    by_group: dict[int, list[float]] = defaultdict(list)
+    for r, g in zip(rewards, group_ids):
+        by_group[g].append(float(r))
+    stats = {}
+    for g, rs in by_group.items():
+        t = torch.tensor(rs, dtype=torch.float64)
+        stats[g] = (t.mean().item(), t.std(unbiased=False).item() if len(rs) > 1 else 0.0)
+    out = []
+    for r, g in zip(rewards, group_ids):
+        mean, std = stats[g]
+        out.append((r - mean) / (std + eps) if scale == "std" else r - mean)
+    return out
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float = 1.0) -> float:
+    """DAPO's soft overlong punishment: 0 until ``max_new_tokens - buffer`` tokens, then
+    falling linearly to ``-penalty`` at ``max_new_tokens``."""
+    if buffer <= 0:
+        return 0.0
+    expected = max_new_tokens - buffer
+    if length <= expected:
+        return 0.0
+    return -penalty * min(length - expected, buffer) / buffer
+
+
+def policy_loss_terms(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss of the clipped surrogate (DAPO's clip-higher: separate low/high
+    bounds) plus ``kl_coef`` times the k3 estimate of KL(policy || reference).
+
+    Shapes: ``[batch, tokens]`` for log-probabilities, ``[batch]`` for advantages.
+    Returns (per-token loss, per-token clipped indicator).
+    """
+    adv = advantages.unsqueeze(-1)
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    loss = -torch.minimum(unclipped, clipped)
+    if ref_logprobs is not None and kl_coef > 0:
+        log_ratio = ref_logprobs - logprobs
+        loss = loss + kl_coef * (torch.exp(log_ratio) - log_ratio - 1.0)
+    return loss, (clipped < unclipped).float()
+
+
+def token_weights(mask: torch.Tensor, aggregation: Literal["token", "sequence"], total: float) -> torch.Tensor:
+    """Weights that turn a sum of per-token losses into the batch loss.
+
+    ``token`` (DAPO): every token of the *global* batch counts the same, ``total`` is
+    the number of response tokens over all DP groups. ``sequence`` (original GRPO):
+    mean over each sequence's tokens, then over sequences; ``total`` is the number of
+    sequences over all DP groups. Using global totals makes the sum of the groups'
+    gradients equal to the gradient of one process on the concatenated batch.
+    """
+    if aggregation == "token":
+        return mask / max(total, 1.0)
+    lengths = mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return mask / lengths / max(total, 1.0)

@@ -1,0 +1,64 @@
+"""Build a tiny Llama-style model and a character tokenizer locally.
+
+Nothing can be downloaded here, so the demo makes its own Hugging Face folders:
+a character-level tokenizer (``tokenizer.json``) and a small ``LlamaForCausalLM``.
+Everything downstream loads them with the ordinary ``from_pretrained`` code, so a
+user can point the config at any Hugging Face folder instead.
+"""
+
+from __future__ import annotations
+
+import string
+
+import torch
+from tokenizers import Tokenizer, decoders, models, processors
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
+CHARACTERS = string.digits + string.ascii_lowercase + " +-*=?:.,"
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: BPE with no merges splits text into characters."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARACTERS))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.decoder = decoders.Fuse()  # characters join without spaces
+    core.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+
+
+def build_tiny_llama(
+    vocab_size: int,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_positions: int = 64,
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """A randomly initialised Llama with grouped-query attention (heads share KV)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 4,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return LlamaForCausalLM(config).float()

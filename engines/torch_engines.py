@@ -1,0 +1,273 @@
+"""torch/transformers engines: the CPU default and the numerical reference.
+
+``TorchGenerator`` serves both roles that generate text (policy rollout and the
+generative reward model); ``TorchTrainer`` trains the policy with data parallelism over
+``torch.distributed`` (gloo on CPU). Both speak Hugging Face parameter names, so the
+vLLM and Megatron-Core backends can take their place behind the same methods.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Literal
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engines import algorithms
+
+
+@dataclass
+class Generation:
+    """One sampled completion."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response: str
+    logprobs: list[float]
+    truncated: bool
+
+
+def load_model(model_dir: str, dtype: str = "float32"):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    return tokenizer, model
+
+
+def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(token t | tokens < t) for every position t >= 1; shape [batch, len-1]."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, :-1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+class TorchGenerator:
+    """Sampling with per-token log-probabilities, and weight updates by HF name."""
+
+    def __init__(self, model_dir: str, dtype: str = "float32"):
+        self.tokenizer, self.model = load_model(model_dir, dtype)
+        self.model.eval()
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[str],
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 16,
+        seed: int = 0,
+        greedy: bool = False,
+    ) -> list[Generation]:
+        tok = self.tokenizer
+        batch = tok([p for p in prompts for _ in range(n)], return_tensors="pt", padding=True)
+        torch.manual_seed(seed)
+        out = self.model.generate(
+            **batch,
+            do_sample=not greedy,
+            temperature=temperature if not greedy else None,
+            top_p=top_p if not greedy else None,
+            top_k=None,
+            max_new_tokens=max_new_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+        new_tokens = out.sequences[:, batch["input_ids"].shape[1] :]
+        logits = torch.stack(out.logits, dim=1).float() / (1.0 if greedy else temperature)
+        token_logprobs = torch.log_softmax(logits, -1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        results = []
+        for row in range(new_tokens.shape[0]):
+            ids = new_tokens[row].tolist()
+            end = ids.index(tok.eos_token_id) + 1 if tok.eos_token_id in ids else len(ids)
+            prompt_ids = batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist()
+            results.append(
+                Generation(
+                    prompt_index=row // n,
+                    prompt_ids=prompt_ids,
+                    response_ids=ids[:end],
+                    response=tok.decode(ids[:end], skip_special_tokens=True),
+                    logprobs=token_logprobs[row, :end].tolist(),
+                    truncated=tok.eos_token_id not in ids[:end],
+                )
+            )
+        return results
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy Hugging Face-named tensors into the model; returns the count updated."""
+        params = dict(self.model.named_parameters())
+        count = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor)
+                count += 1
+        return count
+
+
+@dataclass
+class TrainBatch:
+    """Sequences for one optimizer step on this DP rank (may be empty)."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    old_logprobs: list[list[float]]
+    advantages: list[float]
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def split(self, parts: int) -> list["TrainBatch"]:
+        """``parts`` minibatches of near-equal size; some may be empty (a rank with little data
+        still joins every collective)."""
+        bounds = [round(i * len(self) / parts) for i in range(parts + 1)]
+        return [
+            TrainBatch(*(field[bounds[i] : bounds[i + 1]] for field in (self.prompt_ids, self.response_ids, self.old_logprobs, self.advantages)))
+            for i in range(parts)
+        ]
+
+
+def pad_batch(batch: TrainBatch, pad_id: int):
+    """Right-padded ids, attention mask and response mask (aligned with logprobs[:, 1:])."""
+    seqs = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    resp = torch.zeros((len(seqs), width - 1))
+    old = torch.zeros((len(seqs), width - 1))
+    for i, (p, r, lp) in enumerate(zip(batch.prompt_ids, batch.response_ids, batch.old_logprobs)):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        attn[i, : len(p) + len(r)] = 1
+        resp[i, len(p) - 1 : len(p) - 1 + len(r)] = 1
+        old[i, len(p) - 1 : len(p) - 1 + len(r)] = torch.tensor(lp)
+    return ids, attn, resp, old
+
+
+class TorchTrainer:
+    """GRPO/DAPO policy training; data parallel when ``torch.distributed`` is initialised.
+
+    Gradients are summed with one all-reduce over a flat buffer, and the loss of every
+    rank is normalised by the *global* token (or sequence) count, so each replica takes
+    exactly the step one process would take on the concatenated batch.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        temperature: float = 1.0,
+        reference: bool = False,
+        dtype: str = "float32",
+    ):
+        self.tokenizer, self.model = load_model(model_dir, dtype)
+        self.model.train()
+        self.reference = load_model(model_dir, dtype)[1].eval() if reference else None
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        self.grad_clip = grad_clip
+        self.temperature = temperature
+        self.version = 0  # optimizer steps taken: the policy version rollouts are stamped with
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def _global_sum(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        if self.distributed:
+            dist.all_reduce(t)
+        return t.item()
+
+    def _all_reduce_grads(self) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.distributed:
+            dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> list[list[float]]:
+        """The trainer's log-probabilities of each response token under the current weights."""
+        if not len(batch):
+            return []
+        ids, attn, resp, _ = pad_batch(batch, self.tokenizer.pad_token_id)
+        lp = sequence_logprobs(self.model, ids, attn, self.temperature)
+        return [lp[i][resp[i].bool()].tolist() for i in range(len(batch))]
+
+    def train_step(
+        self,
+        batch: TrainBatch,
+        minibatches: int = 1,
+        aggregation: Literal["token", "sequence"] = "token",
+        clip_low: float = 0.2,
+        clip_high: float = 0.28,
+        kl_coef: float = 0.0,
+    ) -> dict:
+        """One rollout batch → ``minibatches`` optimizer steps (identical count on every rank)."""
+        totals = {"loss": 0.0, "clip_fraction": 0.0, "tokens": 0.0, "grad_norm": 0.0}
+        for part in batch.split(minibatches):
+            self.optimizer.zero_grad(set_to_none=True)
+            local_tokens = float(sum(len(r) for r in part.response_ids))
+            total = self._global_sum(local_tokens if aggregation == "token" else float(len(part)))
+            loss_value = 0.0
+            if len(part):
+                ids, attn, resp, old = pad_batch(part, self.tokenizer.pad_token_id)
+                logprobs = sequence_logprobs(self.model, ids, attn, self.temperature)
+                ref = None
+                if self.reference is not None and kl_coef > 0:
+                    with torch.no_grad():
+                        ref = sequence_logprobs(self.reference, ids, attn, self.temperature)
+                adv = torch.tensor(part.advantages, dtype=logprobs.dtype)
+                per_token, clipped = algorithms.policy_loss_terms(logprobs, old, adv, clip_low, clip_high, ref, kl_coef)
+                weights = algorithms.token_weights(resp, aggregation, total)
+                loss = (per_token * weights).sum()
+                loss.backward()
+                loss_value = loss.item()
+                totals["clip_fraction"] += (clipped * resp).sum().item()
+            self._all_reduce_grads()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            self.optimizer.step()
+            totals["loss"] += self._global_sum(loss_value)
+            totals["tokens"] += local_tokens
+            totals["grad_norm"] = float(grad_norm)
+        self.version += 1
+        totals["clip_fraction"] /= max(totals["tokens"], 1.0)
+        return totals
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Hugging Face-named tensors, for a generator's ``update_weights``."""
+        for name, p in self.model.named_parameters():
+            yield name, p.detach()
+
+    def state(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "version": self.version}
+
+    def load_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = state["version"]
+
+    def save_hf(self, local_dir: str) -> None:
+        self.model.save_pretrained(local_dir, safe_serialization=True)
+        self.tokenizer.save_pretrained(local_dir)
+
+
+def to_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def from_bytes(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=True)

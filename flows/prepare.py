@@ -1,0 +1,91 @@
+"""Prepare the demo: prompt datasets, a tokenizer and two tiny models, all built locally.
+
+Nothing can be downloaded here, so ``prepare`` makes what a user would otherwise point
+the config at: Arrow prompt datasets (train and held-out) and two Hugging Face folders —
+the policy, warm-started by SFT on a sloppy teacher's demonstrations, and a generative
+reward model, trained by SFT to write ``correct``/``wrong`` for a candidate answer given
+the reference. Each output is skipped when it is already committed, so ``prepare`` is
+cheap to run again.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pyarrow as pa
+import torch
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from engines import arithmetic
+from engines.sft import sft
+from engines.tiny import build_char_tokenizer, build_tiny_llama
+from engines.torch_engines import TorchGenerator
+from flows.config import RunConfig, load_config
+from flows.training import run_label
+from storage import datasets, objectstore
+
+
+def _write_prompts(uri: str, problems: list[tuple[str, str]], first_id: int) -> None:
+    table = pa.table({
+        "prompt_id": pa.array(range(first_id, first_id + len(problems)), pa.int64()),
+        "prompt": [p for p, _ in problems],
+        "answer": [a for _, a in problems],
+    })
+    datasets.write_table(objectstore.join(uri, "part-00000.parquet"), table, datasets.PROMPTS)
+
+
+def _problems(config: RunConfig) -> tuple[list, list]:
+    p = config.prepare
+    heldout = arithmetic.make_problems(p.heldout_prompts, p.digits, seed=config.seed + 1)
+    train = arithmetic.make_problems(p.train_prompts, p.digits, seed=config.seed + 2, exclude={q for q, _ in heldout})
+    return train, heldout
+
+
+@task(cache_policy=NO_CACHE, task_run_name="make prompt datasets")
+def make_datasets(config: RunConfig) -> dict:
+    train, heldout = _problems(config)
+    for path, problems, first in ((config.data.prompts, train, 0), (config.data.heldout, heldout, 10_000_000)):
+        uri = config.uri(path)
+        if not objectstore.exists(objectstore.join(uri, "part-00000.parquet")):
+            _write_prompts(uri, problems, first)
+    return {"train": len(train), "heldout": len(heldout)}
+
+
+@task(cache_policy=NO_CACHE, task_run_name="sft {role}")
+def sft_model(config: RunConfig, role: str) -> dict:
+    """SFT a fresh tiny Llama for ``role`` ("policy" or "judge") and commit its folder."""
+    logger = get_run_logger()
+    uri = config.uri(config.model.policy if role == "policy" else config.model.judge)
+    if objectstore.exists(objectstore.join(uri, "MANIFEST.json")):
+        logger.info("%s model already at %s", role, uri)
+        return {"uri": uri, "skipped": True}
+    p = config.prepare
+    train, heldout = _problems(config)
+    if role == "policy":
+        pairs = arithmetic.teacher_demonstrations(train, p.teacher_slip, seed=config.seed)
+        steps, check = p.sft_steps, heldout
+    else:
+        pairs = arithmetic.judge_examples(train, config.judge.template, seed=config.seed)
+        steps, check = p.judge_sft_steps, arithmetic.judge_examples(heldout, config.judge.template, seed=config.seed + 1)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_llama(len(tokenizer), hidden_size=p.hidden_size, num_layers=p.layers, seed=config.seed)
+    result = sft(model, tokenizer, pairs, steps, batch_size=p.sft_batch_size, lr=p.sft_lr, seed=config.seed, log=logger.info)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        outs = TorchGenerator(tmp).generate([q for q, _ in check], greedy=True, max_new_tokens=8)
+        accuracy = sum(o.response == check[o.prompt_index][1] for o in outs) / len(check)
+        objectstore.upload_folder(tmp, uri)
+    logger.info("%s model: held-out exact match %.1f%% after %d SFT steps (%.0fs) → %s", role, 100 * accuracy, steps, result["seconds"], uri)
+    return {"uri": uri, "heldout_exact_match": accuracy, "sft_seconds": result["seconds"]}
+
+
+@flow(name="prepare", flow_run_name=run_label("prepare"))
+def prepare(config_file: str | None = None, overrides: list[str] | None = None) -> dict:
+    config = load_config(config_file, overrides or [])
+    objectstore.check_reachable(config.uri(""))
+    counts = make_datasets(config)
+    torch.set_num_threads(1)  # the two SFT runs share the machine's cores
+    policy, judge = sft_model.submit(config, "policy"), sft_model.submit(config, "judge")
+    return {"datasets": counts, "policy": policy.result(), "judge": judge.result()}

@@ -1,0 +1,152 @@
+"""Object storage behind fsspec: ``file://`` (a local folder, the default) or ``s3://``.
+
+Every write is atomic: a single object is written under a temporary name and renamed
+(local) or PUT whole (S3, where a PUT is atomic), so a reader sees the old object or
+the new one, never half of one. Multi-file outputs (checkpoints, model folders) add a
+``MANIFEST.json`` written last; a folder without one is not committed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import fsspec
+from fsspec.core import url_to_fs
+
+
+class StorageError(RuntimeError):
+    """Storage is unreachable or an object is missing/unreadable; the message names the URI."""
+
+
+def normalize(uri: str) -> str:
+    """A plain path becomes an absolute ``file://`` URI; URIs with a scheme are kept."""
+    if "://" in uri:
+        return uri.rstrip("/")
+    return "file://" + str(Path(uri).expanduser().resolve())
+
+
+def join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/")] + [p.strip("/") for p in parts if p])
+
+
+def resolve(root: str, path: str) -> str:
+    """A path in the config is relative to the storage root unless it is absolute or a URI."""
+    if "://" in path or path.startswith(("/", "~")):
+        return normalize(path)
+    return join(normalize(root), path)
+
+
+def fs_for(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    return url_to_fs(uri)
+
+
+def is_local(uri: str) -> bool:
+    return uri.startswith("file://") or "://" not in uri
+
+
+def exists(uri: str) -> bool:
+    fs, path = fs_for(uri)
+    return fs.exists(path)
+
+
+def read_bytes(uri: str) -> bytes:
+    fs, path = fs_for(uri)
+    try:
+        with fs.open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError as e:
+        raise StorageError(f"{uri}: not found") from e
+
+
+def write_bytes(uri: str, data: bytes) -> None:
+    """Write one object atomically."""
+    fs, path = fs_for(uri)
+    if is_local(uri):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    else:
+        with fs.open(path, "wb") as f:  # S3 PUT (or multipart complete) is all-or-nothing
+            f.write(data)
+
+
+def read_json(uri: str) -> dict:
+    try:
+        return json.loads(read_bytes(uri))
+    except json.JSONDecodeError as e:
+        raise StorageError(f"{uri}: not valid JSON ({e})") from e
+
+
+def write_json(uri: str, obj: dict) -> None:
+    write_bytes(uri, json.dumps(obj, indent=2, sort_keys=True).encode())
+
+
+def list_files(uri: str, suffix: str = "") -> list[str]:
+    """Sorted URIs of the objects directly under ``uri`` (a folder) or ``[uri]`` for a file."""
+    fs, path = fs_for(uri)
+    scheme = uri.split("://", 1)[0] if "://" in uri else "file"
+    if fs.isfile(path):
+        return [uri]
+    if not fs.exists(path):
+        raise StorageError(f"{uri}: not found")
+    names = sorted(p for p in fs.ls(path, detail=False) if p.endswith(suffix) and ".tmp-" not in p)
+    return [f"{scheme}://{p}" if scheme != "file" else f"file://{p}" for p in names]
+
+
+def remove(uri: str) -> None:
+    fs, path = fs_for(uri)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def check_reachable(root: str) -> None:
+    """Fail fast, before any device time is spent, when storage cannot be written."""
+    probe = join(root, f".probe-{uuid.uuid4().hex[:8]}")
+    try:
+        write_bytes(probe, b"ok")
+        remove(probe)
+    except Exception as e:  # noqa: BLE001 - any failure here means "unreachable"
+        raise StorageError(f"storage root {root} is not reachable or not writable: {type(e).__name__}: {e}") from e
+
+
+def upload_folder(local_dir: str, uri: str) -> None:
+    """Copy a local folder to ``uri`` and commit it with a MANIFEST.json written last."""
+    files = sorted(p for p in Path(local_dir).rglob("*") if p.is_file())
+    for p in files:
+        write_bytes(join(uri, str(p.relative_to(local_dir))), p.read_bytes())
+    write_json(join(uri, "MANIFEST.json"), {"files": [str(p.relative_to(local_dir)) for p in files]})
+
+
+def local_folder(uri: str, cache_dir: str | None = None) -> str:
+    """A local path for a folder URI (a Hugging Face model folder, say): local folders are
+    used in place; remote ones are downloaded once into a cache keyed by the URI."""
+    if is_local(uri):
+        path = fs_for(uri)[1]
+        if not os.path.isdir(path):
+            raise StorageError(f"{uri}: folder not found")
+        return path
+    cache = Path(cache_dir or os.environ.get("YATTFLOW_CACHE", "~/.cache/yattflow")).expanduser()
+    target = cache / uri.replace("://", "/").strip("/")
+    if (target / "MANIFEST.json").exists():
+        return str(target)
+    fs, path = fs_for(uri)
+    if not fs.exists(path):
+        raise StorageError(f"{uri}: folder not found")
+    tmp = Path(f"{target}.tmp-{uuid.uuid4().hex[:8]}")
+    fs.get(path.rstrip("/") + "/", str(tmp), recursive=True)
+    if not (tmp / "MANIFEST.json").exists():
+        (tmp / "MANIFEST.json").write_text(json.dumps({"source": uri}))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, target)
+    return str(target)

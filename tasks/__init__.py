@@ -1,0 +1,20 @@
+"""Prefect tasks: one per stage, each a thin adapter that sends one command to its DP
+group's engine host and returns the host's metrics. No sample data passes through here."""
+
+from tasks.stages import (
+    checkpoint,
+    dynamic_filter,
+    evaluate,
+    export_policy,
+    genrm_score,
+    rollout,
+    setup_engines,
+    sync_weights,
+    train_step,
+    validate_inputs,
+)
+
+__all__ = [
+    "validate_inputs", "setup_engines", "rollout", "genrm_score", "dynamic_filter",
+    "train_step", "sync_weights", "checkpoint", "evaluate", "export_policy",
+]

@@ -1,0 +1,68 @@
+"""The stage tasks of an RL iteration. Each reads like a sentence: ask the group's engine
+host to do the stage on these URIs, and return its metrics."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from storage.datasets import stage_uri
+from tasks._host import call_host
+
+# Stage outputs live in object storage; Prefect keeps states and metrics, not results.
+stage = task(cache_policy=NO_CACHE, persist_result=False)
+
+
+@stage(name="validate-inputs", task_run_name="validate inputs")
+async def validate_inputs(run: str, config: dict) -> dict:
+    return await call_host(run, 0, "validate", config=config)
+
+
+@stage(name="setup-engines", task_run_name="setup engines dp={group}")
+async def setup_engines(run: str, group: int, config: dict, resume: str | None) -> dict:
+    return await call_host(run, group, "setup", config=config, resume=resume)
+
+
+@stage(name="rollout", task_run_name="rollout dp={group} wave={wave}")
+async def rollout(run: str, run_uri: str, step: int, group: int, wave: int, cursor: int, count: int) -> dict:
+    out = stage_uri(run_uri, step, "rollouts", group, wave)
+    return await call_host(run, group, "rollout", step=step, wave=wave, cursor=cursor, count=count, out=out) | {"uri": out}
+
+
+@stage(name="genrm-score", task_run_name="genrm_score dp={group} wave={wave}")
+async def genrm_score(run: str, run_uri: str, step: int, group: int, wave: int) -> dict:
+    rollouts = stage_uri(run_uri, step, "rollouts", group, wave)
+    out = stage_uri(run_uri, step, "scored", group, wave)
+    return await call_host(run, group, "score", rollouts=rollouts, out=out) | {"uri": out}
+
+
+@stage(name="dynamic-filter", task_run_name="dynamic_filter dp={group} wave={wave}")
+async def dynamic_filter(run: str, run_uri: str, step: int, group: int, wave: int, target_groups: int) -> dict:
+    scored = [stage_uri(run_uri, step, "scored", group, w) for w in range(wave + 1)]
+    out = stage_uri(run_uri, step, "experience", group)
+    return await call_host(run, group, "filter", scored=scored, out=out, target_groups=target_groups) | {"uri": out}
+
+
+@stage(name="train-step", task_run_name="train_step dp={group}")
+async def train_step(run: str, run_uri: str, step: int, group: int) -> dict:
+    return await call_host(run, group, "train_step", experience=stage_uri(run_uri, step, "experience", group))
+
+
+@stage(name="sync-weights", task_run_name="sync_weights dp={group}")
+async def sync_weights(run: str, group: int) -> dict:
+    return await call_host(run, group, "sync_weights")
+
+
+@stage(name="checkpoint", task_run_name="checkpoint dp={group} step={step}")
+async def checkpoint(run: str, group: int, step: int, uri: str) -> dict:
+    return await call_host(run, group, "checkpoint", uri=uri)
+
+
+@stage(name="evaluate", task_run_name="evaluate {label} dp={group}")
+async def evaluate(run: str, group: int, uri: str, limit: int, label: str) -> dict:
+    return await call_host(run, group, "evaluate", uri=uri, limit=limit)
+
+
+@stage(name="export-policy", task_run_name="export policy")
+async def export_policy(run: str, uri: str) -> dict:
+    return await call_host(run, 0, "export", uri=uri)
