@@ -398,7 +398,7 @@ class EngineHost:
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         self.sync_weights()
-        log.info("dp-%d: resumed from %s (policy version %d)", self.rank, uri, self.trainer.version)
+        log.info("dp-%d: resumed from %s (policy version %d, parameters %s)", self.rank, uri, self.trainer.version, self.params_sha())
 
     def export(self, uri: str) -> dict:
         """Write the current policy as a Hugging Face folder (MANIFEST.json last)."""

@@ -126,7 +126,7 @@ class CheckpointConfig(Section):
 class RunConfig(Section):
     name: str = Field("demo", pattern=r"^[a-z0-9][a-z0-9-]*$", description="Run id; running the same name again resumes it.")
     seed: int = Field(0, description="Seed for sampling and data order.")
-    steps: int = Field(40, gt=0, description="RL iterations (steps) in the run.")
+    steps: int = Field(30, gt=0, description="RL iterations (steps) in the run.")
     dp: int = Field(2, gt=0, description="Data-parallel groups; each has one engine host process.")
     threads_per_host: int = Field(1, gt=0, description="torch threads in each engine host.")
     host_timeout_s: float = Field(600.0, gt=0, description="A host command (or collective) taking longer fails the task.")
@@ -181,7 +181,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if "=" not in item:
             raise ConfigError(f"override '{item}': expected key=value")
         key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw else None)
+        try:
+            value = yaml.safe_load(raw) if raw else None
+        except yaml.YAMLError as e:
+            raise ConfigError(
+                f"{source}: override '{item}': field '{key.strip()}': value is not valid YAML (quote it): {e}"
+            ) from None
+        _set_dotted(tree, key.strip(), value)
         source += f" + {item}"
     try:
         return RunConfig.model_validate(tree)

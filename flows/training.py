@@ -177,7 +177,7 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
         await tasks.export_policy(config.name, final_uri)
     before = (RunState.load(run_uri) or state).heldout_before
     summary = {"run": config.name, "steps": config.steps, "heldout_before": before, "heldout_after": after,
-               "final_model": final_uri, "history": [{k: v for k, v in m.items() if k not in ("cursors", "checkpoint_files")} for m in history]}
+               "final_model": final_uri, "history": [{k: v for k, v in m.items() if k != "checkpoint_files"} for m in history]}
     await acreate_markdown_artifact(key=f"{config.name}-summary", markdown=_summary_markdown(summary))
     logger.info("held-out accuracy: before RL %s, after RL %s", _pct(before), _pct(after))
     return summary

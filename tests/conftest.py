@@ -1,0 +1,83 @@
+"""Shared fixtures: a real Prefect server for the session, and tiny prepared models."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+# Small enough to prepare in seconds, big enough that every stage does real work.
+TINY = [
+    "prepare.train_prompts=600", "prepare.heldout_prompts=40", "prepare.hidden_size=32", "prepare.layers=1",
+    "prepare.sft_steps=150", "prepare.judge_sft_steps=150", "data.heldout_limit=40",
+    "sampling.prompts_per_wave=4", "sampling.target_groups=2", "rollout.samples_per_prompt=4",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """A real ``prefect server`` (SQLite) on loopback; every flow in the tests reports to it."""
+    if os.environ.get("PREFECT_API_URL"):
+        yield os.environ["PREFECT_API_URL"]
+        return
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    env = dict(os.environ, PREFECT_HOME=str(home))
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.time() + 90
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2)
+            break
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError(f"prefect server did not start; see {home / 'server.log'}")
+            time.sleep(0.5)
+    os.environ["PREFECT_API_URL"] = url  # for subprocesses
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: url}):  # Prefect reads its settings once per context
+        yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="session")
+def prepared(prefect_server, tmp_path_factory) -> str:
+    """A storage root with the demo's datasets and two tiny SFT'd models, built by the real
+    ``prepare`` flow."""
+    from flows.prepare import prepare
+
+    root = str(tmp_path_factory.mktemp("store"))
+    prepare(overrides=TINY + [f"storage.root={root}"])
+    return root

