@@ -39,7 +39,7 @@ class PrepareConfig(Section):
     hidden_size: int = Field(64, gt=0, description="Tiny Llama hidden size.")
     layers: int = Field(2, gt=0, description="Tiny Llama layer count.")
     sft_steps: int = Field(3000, gt=0, description="SFT steps for the policy warm start.")
-    judge_sft_steps: int = Field(1000, gt=0, description="SFT steps for the generative reward model.")
+    judge_sft_steps: int = Field(2000, gt=0, description="SFT steps for the generative reward model.")
     sft_lr: float = Field(2e-3, gt=0, description="SFT learning rate.")
     sft_batch_size: int = Field(64, gt=0, description="SFT batch size.")
 

@@ -142,7 +142,7 @@ class SeaweedS3:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=8)
+                self.proc.wait(timeout=3)  # its volume server can take longer; data is scratch
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=5)

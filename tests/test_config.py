@@ -195,3 +195,12 @@ def test_assignment_is_validated():
         config.train.lr = -1.0
     with pytest.raises(ValueError):
         config.train.loss_aggregation = "mean"
+
+
+def test_shipped_deployment_validates():
+    path = helpers.ROOT / "deployments" / "demo.yaml"
+    if not path.exists():
+        pytest.skip("no deployments/demo.yaml in this checkout")
+    config = load_config(path)
+    assert config.name == "demo"
+    assert config.uri("data/train").endswith("/yattflow-data/data/train")

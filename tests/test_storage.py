@@ -232,7 +232,7 @@ def files_under(uri: str) -> list[str]:
     if not objectstore.exists(uri):
         return []
     fs, path = objectstore.fs_for(uri)
-    return fs.find(path)
+    return sorted(name for name, info in fs.find(path, detail=True).items() if info["type"] == "file")
 
 
 def check_keep_last(run_uri: str) -> None:
