@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["prepare", "train", "demo"])
     parser.add_argument("-c", "--config", help="run config YAML (default: built-in defaults)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-4 dp=2")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     _quiet_defaults()
 
     from flows.config import ConfigError, load_config
