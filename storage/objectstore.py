@@ -101,7 +101,7 @@ def list_files(uri: str, suffix: str = "") -> list[str]:
     if not fs.exists(path):
         raise StorageError(f"{uri}: not found")
     names = sorted(p for p in fs.ls(path, detail=False) if p.endswith(suffix) and ".tmp-" not in p)
-    return [f"{scheme}://{p}" if scheme != "file" else f"file://{p}" for p in names]
+    return [f"{scheme}://{p}" for p in names]
 
 
 def remove(uri: str) -> None:

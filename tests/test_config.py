@@ -161,16 +161,10 @@ def test_missing_file(tmp_path):
     assert str(missing) in str(info.value)
 
 
-def test_bad_yaml(tmp_path):
-    path = write(tmp_path, "train:\n  lr: [0.1\n")
-    with pytest.raises(ConfigError, match="not valid YAML") as info:
-        load_config(path)
-    assert str(path) in str(info.value)
-
-
-def test_top_level_must_be_mapping(tmp_path):
-    path = write(tmp_path, "- a\n- b\n")
-    with pytest.raises(ConfigError, match="mapping") as info:
+@pytest.mark.parametrize("text, message", [("train:\n  lr: [0.1\n", "not valid YAML"), ("- a\n- b\n", "mapping")])
+def test_bad_file_contents(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=message) as info:
         load_config(path)
     assert str(path) in str(info.value)
 
