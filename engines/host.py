@@ -189,7 +189,6 @@ class EngineHost:
         import torch
         import torch.distributed as dist
 
-        from engines.torch_engines import TorchGenerator, TorchTrainer
         from flows.config import RunConfig
         from storage import objectstore
 
@@ -199,18 +198,17 @@ class EngineHost:
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("gloo", rank=self.rank, world_size=self.world, timeout=timedelta(seconds=cfg.host_timeout_s))
         policy_dir = objectstore.local_folder(cfg.uri(cfg.model.policy))
-        self.trainer = TorchTrainer(
-            policy_dir, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay,
-            grad_clip=cfg.train.grad_clip, temperature=cfg.rollout.temperature,
-            reference=cfg.train.kl_coef > 0, dtype=cfg.model.dtype,
-        )
-        self.policy = TorchGenerator(policy_dir, dtype=cfg.model.dtype)
-        self.judge = TorchGenerator(objectstore.local_folder(cfg.uri(cfg.model.judge)), dtype=cfg.model.dtype) if cfg.reward.genrm_weight > 0 else None
+        self.trainer = make_trainer(cfg, policy_dir)
+        self.policy = make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads)
+        self.judge = None
+        if cfg.reward.genrm_weight > 0:
+            self.judge = make_generator(cfg.judge.backend, objectstore.local_folder(cfg.uri(cfg.model.judge)), cfg, self.threads)
+        self.backends = f"rollout={cfg.rollout.backend} judge={cfg.judge.backend} train={cfg.train.backend}"
         self.rule = _import_function(cfg.reward.rule) if cfg.reward.rule else None
         self.prompts = self._load_prompts(cfg.uri(cfg.data.prompts))
         if resume:
             self._resume(resume)
-        log.info("dp-%d: engines loaded in %.2fs (policy version %d)", self.rank, time.perf_counter() - start, self.trainer.version)
+        log.info("dp-%d: engines (%s) loaded in %.2fs, policy version %d", self.rank, self.backends, time.perf_counter() - start, self.trainer.version)
         return {"seconds": time.perf_counter() - start, "policy_version": self.trainer.version, "stream_length": len(self.prompts)}
 
     def _load_prompts(self, uri: str) -> list[dict]:
@@ -355,32 +353,30 @@ class EngineHost:
         return {"tensors": count, "seconds": time.perf_counter() - start}
 
     def checkpoint(self, uri: str) -> dict:
-        """Write this rank's share of a checkpoint; the controller commits the manifest."""
+        """Write this rank's share of a checkpoint; the controller commits the manifest.
+
+        Layout: ``trainer-{backend}/`` (the train engine's own format: one file for torch,
+        Megatron ``dist_checkpointing`` shards written by every rank), ``model/`` (the policy
+        as a Hugging Face folder, rank 0) and ``rng-{rank}.pt``.
+        """
         import torch
 
         from engines.torch_engines import to_bytes
         from storage import objectstore
 
         start = time.perf_counter()
-        files = []
-        if self.rank == 0:
-            files += self._write_model(objectstore.join(uri, "model"))
-            objectstore.write_bytes(objectstore.join(uri, "trainer.pt"), to_bytes(self.trainer.state()))
-            files.append("trainer.pt")
+        trainer_dir = f"trainer-{self.config.train.backend}"
+        with tempfile.TemporaryDirectory() as tmp:
+            files = [f"{trainer_dir}/{f}" for f in self.trainer.save_checkpoint(os.path.join(tmp, trainer_dir))]
+            if self.rank == 0:
+                self.trainer.save_hf(os.path.join(tmp, "model"))
+                files += sorted(str(p.relative_to(tmp)) for p in Path(tmp, "model").rglob("*") if p.is_file())
+            for name in files:
+                objectstore.write_bytes(objectstore.join(uri, name), Path(tmp, name).read_bytes())
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         objectstore.write_bytes(objectstore.join(uri, f"rng-{self.rank}.pt"), to_bytes(rng))
         files.append(f"rng-{self.rank}.pt")
         return {"files": files, "seconds": time.perf_counter() - start}
-
-    def _write_model(self, uri: str) -> list[str]:
-        from storage import objectstore
-
-        with tempfile.TemporaryDirectory() as tmp:
-            self.trainer.save_hf(tmp)
-            names = sorted(str(p.relative_to(tmp)) for p in Path(tmp).rglob("*") if p.is_file())
-            for name in names:
-                objectstore.write_bytes(objectstore.join(uri, name), (Path(tmp) / name).read_bytes())
-        return [f"model/{n}" for n in names]
 
     def _resume(self, uri: str) -> None:
         import torch
@@ -388,12 +384,12 @@ class EngineHost:
         from engines.torch_engines import from_bytes
         from storage import objectstore
 
-        from transformers import AutoModelForCausalLM
-
-        model_dir = objectstore.local_folder(objectstore.join(uri, "model"))
-        state_dict = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-        self.trainer.model.load_state_dict(state_dict)
-        self.trainer.load_state(from_bytes(objectstore.read_bytes(objectstore.join(uri, "trainer.pt"))))
+        local = objectstore.local_folder(uri)
+        trainer_dir = Path(local, f"trainer-{self.config.train.backend}")
+        if not trainer_dir.is_dir():
+            found = sorted(p.name for p in Path(local).glob("trainer-*"))
+            raise ValueError(f"{uri}: no {trainer_dir.name}/ to resume train.backend={self.config.train.backend} from (found {found})")
+        self.trainer.load_checkpoint(str(trainer_dir))
         rng = from_bytes(objectstore.read_bytes(objectstore.join(uri, f"rng-{self.rank}.pt")))
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
@@ -405,8 +401,9 @@ class EngineHost:
         from storage import objectstore
 
         if self.rank == 0:
-            files = self._write_model(uri)
-            objectstore.write_json(objectstore.join(uri, "MANIFEST.json"), {"files": [f[len("model/"):] for f in files], "policy_version": self.trainer.version})
+            with tempfile.TemporaryDirectory() as tmp:
+                self.trainer.save_hf(tmp)
+                objectstore.upload_folder(tmp, uri)
         return {"uri": uri}
 
     # -- evaluation ------------------------------------------------------------------------
@@ -425,6 +422,33 @@ class EngineHost:
 
     def ping(self) -> dict:
         return {"pid": os.getpid(), "rank": self.rank}
+
+
+def make_trainer(cfg, model_dir: str):
+    """The train engine the config names, on the policy's Hugging Face folder."""
+    t = cfg.train
+    kwargs = dict(
+        lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+        temperature=cfg.rollout.temperature, reference=t.kl_coef > 0, dtype=cfg.model.dtype,
+    )
+    if t.backend == "megatron":
+        from engines.megatron_engine import MegatronTrainer
+
+        return MegatronTrainer(model_dir, tensor_parallel=t.tensor_parallel, distributed_optimizer=t.distributed_optimizer, **kwargs)
+    from engines.torch_engines import TorchTrainer
+
+    return TorchTrainer(model_dir, **kwargs)
+
+
+def make_generator(backend: str, model_dir: str, cfg, threads: int):
+    """A generation engine (policy rollout or GenRM judge) of the named backend."""
+    if backend == "vllm":
+        from engines.vllm_engine import VLLMGenerator
+
+        return VLLMGenerator(model_dir, dtype=cfg.model.dtype, seed=cfg.seed)
+    from engines.torch_engines import TorchGenerator
+
+    return TorchGenerator(model_dir, dtype=cfg.model.dtype)
 
 
 def _import_function(spec: str):

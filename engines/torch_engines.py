@@ -9,6 +9,7 @@ vLLM and Megatron-Core backends can take their place behind the same methods.
 from __future__ import annotations
 
 import io
+import os
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Literal
 
@@ -251,10 +252,21 @@ class TorchTrainer:
         for name, p in self.model.named_parameters():
             yield name, p.detach()
 
-    def state(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "version": self.version}
+    def save_checkpoint(self, local_dir: str) -> list[str]:
+        """Model, optimizer and version into ``local_dir``; returns the files this rank wrote.
 
-    def load_state(self, state: dict) -> None:
+        Replicas are identical, so rank 0 writes everything and the others nothing.
+        """
+        if self.distributed and dist.get_rank() != 0:
+            return []
+        os.makedirs(local_dir, exist_ok=True)
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
+        torch.save(state, os.path.join(local_dir, "trainer.pt"))
+        return ["trainer.pt"]
+
+    def load_checkpoint(self, local_dir: str) -> None:
+        state = torch.load(os.path.join(local_dir, "trainer.pt"), weights_only=True)
+        self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = state["version"]
 

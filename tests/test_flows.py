@@ -92,7 +92,7 @@ def test_two_iterations_dp2_on_the_prefect_api(prepared):
     state = json.loads((run_dir / "state.json").read_text())
     assert state["step"] == 1 and len(state["cursors"]) == 2
     manifest = json.loads((Path(state["checkpoint"].removeprefix("file://")) / "MANIFEST.json").read_text())
-    assert {"trainer.pt", "rng-0.pt", "rng-1.pt", "model/config.json"} <= set(manifest["files"])
+    assert {"trainer-torch/trainer.pt", "rng-0.pt", "rng-1.pt", "model/config.json"} <= set(manifest["files"])
 
     # The same run again with more steps resumes: only step 2 runs, cursors continue.
     resumed = run_train(prepared, "name=flowtest", "steps=3", "dp=2", "checkpoint.every=1")

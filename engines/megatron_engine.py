@@ -1,0 +1,509 @@
+"""Megatron-Core policy trainer: ``TorchTrainer``'s interface on a Megatron ``GPTModel``.
+
+Models come in and go out as Hugging Face folders; inside, the policy is a Megatron-Core GPT
+model with the local (non-Transformer-Engine) layer specs, tensor parallel over
+``tensor_parallel`` ranks, data parallel over the rest of ``torch.distributed``'s world,
+wrapped in Megatron's ``DistributedDataParallel`` and stepped by ``get_megatron_optimizer``.
+The loss is the one ``TorchTrainer`` uses (``engines.algorithms``), normalised by *global*
+token or sequence counts, so a DP step equals one process stepping on the concatenated batch.
+
+Tensor-parallel ranks of one DP replica must be given the same batch. Methods marked
+*collective* must be called on every rank, in the same order.
+
+Megatron-Core has no Hugging Face converter for GPT models; ``hf_to_megatron`` and
+``megatron_to_hf`` below are the Llama/Qwen2 mapping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Iterator, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed, vocab_parallel_cross_entropy
+from megatron.core.transformer import TransformerConfig
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoTokenizer
+
+from engines import algorithms
+from engines.torch_engines import TrainBatch, pad_batch
+
+# Megatron splits the vocabulary evenly over TP ranks. Padding it to a fixed multiple (rather than
+# to a multiple of the TP size) keeps checkpoint shapes independent of the TP size; real
+# vocabularies (Llama 3: 128256, Qwen2: 151936) are already multiples and get no padding.
+VOCAB_MULTIPLE = 128
+SUPPORTED_MODELS = ("llama", "qwen2")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face <-> Megatron mapping
+# ---------------------------------------------------------------------------------------------
+
+
+def padded_vocab_size(hf_config) -> int:
+    return -(-hf_config.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def _attention_shape(hf_config) -> tuple[int, int, int]:
+    """(query heads, key/value groups, head dim)."""
+    heads = hf_config.num_attention_heads
+    groups = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return heads, groups, head_dim
+
+
+def _rope_theta(hf_config) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}  # transformers >= 5
+    scaling = getattr(hf_config, "rope_scaling", None) or {}  # transformers 4
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise NotImplementedError(f"rope_type {rope_type!r} is not mapped to Megatron (only 'default' is)")
+    return float(params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
+
+
+def _check_supported(hf_config) -> None:
+    if hf_config.model_type not in SUPPORTED_MODELS:
+        raise NotImplementedError(f"model_type {hf_config.model_type!r}: only {SUPPORTED_MODELS} are mapped")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"hidden_act {hf_config.hidden_act!r}: only SwiGLU (silu) is mapped")
+    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+        raise NotImplementedError("Llama attention_bias/mlp_bias are not mapped")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise NotImplementedError("sliding-window attention is not mapped")
+    _rope_theta(hf_config)
+
+
+def _qkv_bias(hf_config) -> bool:
+    return hf_config.model_type == "qwen2"
+
+
+def hf_to_megatron(hf_state: dict, hf_config, tp_rank: int = 0, tp_size: int = 1) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors → the state dict of TP rank ``tp_rank`` of a Megatron ``GPTModel``.
+
+    Megatron fuses Q, K and V into one ``linear_qkv`` whose rows are grouped per key/value
+    group (that group's query heads, then its key head, then its value head) so that a TP
+    split along rows hands each rank whole groups. ``linear_fc1`` is [gate; up] *per rank*,
+    because each rank applies SwiGLU to its own half-and-half.
+    """
+    heads, groups, head_dim = _attention_shape(hf_config)
+    vocab = padded_vocab_size(hf_config)
+
+    def split(t: torch.Tensor, dim: int) -> torch.Tensor:
+        if t.shape[dim] % tp_size:
+            raise ValueError(f"dimension {dim} of a {tuple(t.shape)} tensor does not split over {tp_size} TP ranks")
+        return t.chunk(tp_size, dim)[tp_rank]
+
+    def vocab_rows(t: torch.Tensor) -> torch.Tensor:
+        return split(torch.cat([t, t.new_zeros(vocab - t.shape[0], *t.shape[1:])]), 0)
+
+    def qkv(kind: str, prefix: str) -> torch.Tensor:
+        q, k, v = (hf_state[f"{prefix}{x}_proj.{kind}"] for x in "qkv")
+        grouped = torch.cat([q.unflatten(0, (groups, -1)), k.unflatten(0, (groups, -1)), v.unflatten(0, (groups, -1))], 1)
+        return split(grouped.flatten(0, 1), 0)
+
+    out = {"embedding.word_embeddings.weight": vocab_rows(hf_state["model.embed_tokens.weight"])}
+    for i in range(hf_config.num_hidden_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[m + "input_layernorm.weight"] = hf_state[h + "input_layernorm.weight"]
+        out[m + "self_attention.linear_qkv.weight"] = qkv("weight", h + "self_attn.")
+        if _qkv_bias(hf_config):
+            out[m + "self_attention.linear_qkv.bias"] = qkv("bias", h + "self_attn.")
+        out[m + "self_attention.linear_proj.weight"] = split(hf_state[h + "self_attn.o_proj.weight"], 1)
+        out[m + "pre_mlp_layernorm.weight"] = hf_state[h + "post_attention_layernorm.weight"]
+        gate, up = hf_state[h + "mlp.gate_proj.weight"], hf_state[h + "mlp.up_proj.weight"]
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([split(gate, 0), split(up, 0)])
+        out[m + "mlp.linear_fc2.weight"] = split(hf_state[h + "mlp.down_proj.weight"], 1)
+    out["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"]
+    if not hf_config.tie_word_embeddings:
+        out["output_layer.weight"] = vocab_rows(hf_state["lm_head.weight"])
+    return out
+
+
+def megatron_to_hf(mcore_state: dict | list[dict], hf_config) -> dict[str, torch.Tensor]:
+    """Megatron tensors → Hugging Face tensors; the inverse of :func:`hf_to_megatron`.
+
+    ``mcore_state`` is one state dict (TP size 1) or the list of every TP rank's, in rank
+    order. Only the keys present are converted, so a caller can stream a model one layer at
+    a time.
+    """
+    shards = list(mcore_state) if isinstance(mcore_state, (list, tuple)) else [mcore_state]
+    out: dict[str, torch.Tensor] = {}
+    for name in shards[0]:
+        out.update(_param_to_hf(name, [s[name] for s in shards], hf_config))
+    return out
+
+
+def _param_to_hf(name: str, shards: list[torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
+    heads, groups, head_dim = _attention_shape(hf_config)
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        hf_name = "model.embed_tokens.weight" if name.startswith("embedding") else "lm_head.weight"
+        return {hf_name: torch.cat(shards)[: hf_config.vocab_size]}
+    if name == "decoder.final_layernorm.weight":
+        return {"model.norm.weight": shards[0]}
+    match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
+    if match is None:
+        raise KeyError(f"no Hugging Face name for Megatron parameter {name!r}")
+    h, rest = f"model.layers.{match.group(1)}.", match.group(2)
+    if rest == "input_layernorm.weight":
+        return {h + "input_layernorm.weight": shards[0]}
+    if rest == "pre_mlp_layernorm.weight":
+        return {h + "post_attention_layernorm.weight": shards[0]}
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = rest.rsplit(".", 1)[1]
+        grouped = torch.cat(shards).unflatten(0, (groups, -1))
+        q, k, v = grouped.split([heads // groups * head_dim, head_dim, head_dim], dim=1)
+        return {f"{h}self_attn.{x}_proj.{kind}": t.flatten(0, 1) for x, t in zip("qkv", (q, k, v))}
+    if rest == "self_attention.linear_proj.weight":
+        return {h + "self_attn.o_proj.weight": torch.cat(shards, 1)}
+    if rest == "mlp.linear_fc1.weight":
+        halves = [s.chunk(2) for s in shards]
+        return {
+            h + "mlp.gate_proj.weight": torch.cat([g for g, _ in halves]),
+            h + "mlp.up_proj.weight": torch.cat([u for _, u in halves]),
+        }
+    if rest == "mlp.linear_fc2.weight":
+        return {h + "mlp.down_proj.weight": torch.cat(shards, 1)}
+    raise KeyError(f"no Hugging Face name for Megatron parameter {name!r}")
+
+
+def load_hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Model construction
+# ---------------------------------------------------------------------------------------------
+
+
+def _keep(tensor: torch.Tensor) -> torch.Tensor:
+    """Init method that leaves the tensor alone: every weight is overwritten from the HF folder.
+
+    (``perform_initialization=False`` would skip the random init too, but Megatron then never
+    marks weights as tensor-parallel, and gradient norms count TP shards wrongly.)"""
+    return tensor
+
+
+def transformer_config(hf_config, tensor_parallel: int, dtype: torch.dtype) -> TransformerConfig:
+    _check_supported(hf_config)
+    heads, groups, head_dim = _attention_shape(hf_config)
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=_qkv_bias(hf_config),
+        hidden_dropout=0.0,  # RL needs the trainer's log-probs to be the rollout engine's
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tensor_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        init_method=_keep,
+        output_layer_init_method=_keep,
+        embedding_init_method=_keep,
+        # The loss is already normalised by global counts: DDP must sum gradients over DP
+        # ranks, not average them (its default divides by the DP size).
+        calculate_per_token_loss=True,
+    )
+
+
+def build_gpt(hf_config, config: TransformerConfig, hf_state: dict, device: torch.device) -> GPTModel:
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=padded_vocab_size(hf_config),
+        max_sequence_length=hf_config.max_position_embeddings,
+        parallel_output=True,  # logits stay split over TP ranks; the log-softmax is vocab-parallel
+        share_embeddings_and_output_weights=hf_config.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=_rope_theta(hf_config),
+    )
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    state = hf_to_megatron(hf_state, hf_config, tp_rank, tp_size)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"HF→Megatron mapping mismatch: missing {missing}, unexpected {unexpected}")
+    return model.to(device)
+
+
+def _init_distributed(tensor_parallel: int, device: torch.device) -> None:
+    """Join Megatron's parallel state; a single process gets a world of one so that the code
+    path (DDP, optimizer, checkpoints) is the same as in a DP run."""
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=0,
+            world_size=1,
+            timeout=timedelta(minutes=10),
+        )
+    if parallel_state.model_parallel_is_initialized():
+        current = parallel_state.get_tensor_model_parallel_world_size()
+        if current != tensor_parallel:
+            raise ValueError(f"model parallel state already has TP={current}, asked for TP={tensor_parallel}")
+    else:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+        model_parallel_cuda_manual_seed(0)  # no dropout here, but attention forks this RNG tracker
+
+
+class MegatronTrainer:
+    """GRPO/DAPO policy training on Megatron-Core; a drop-in for ``TorchTrainer``.
+
+    Construction is collective when ``torch.distributed`` is initialised (process groups,
+    optimizer parameter groups).
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        temperature: float = 1.0,
+        reference: bool = False,
+        dtype: str = "float32",
+        tensor_parallel: int = 1,
+        distributed_optimizer: bool = False,
+    ):
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        _init_distributed(tensor_parallel, self.device)
+        self.hf_config = AutoConfig.from_pretrained(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer.padding_side = "left"
+        self.temperature = temperature
+        self.version = 0  # optimizer steps taken: the policy version rollouts are stamped with
+        torch_dtype = getattr(torch, dtype)
+        self.config = transformer_config(self.hf_config, tensor_parallel, torch_dtype)
+        hf_state = load_hf_state(model_dir)
+
+        model = build_gpt(self.hf_config, self.config, hf_state, self.device)
+        self.model = DistributedDataParallel(
+            config=self.config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
+            ),
+            module=model,
+        )
+        self.reference = None
+        if reference:
+            self.reference = build_gpt(self.hf_config, self.config, hf_state, self.device).eval()
+            self.reference.requires_grad_(False)
+        del hf_state
+
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=lr,
+                min_lr=lr,
+                weight_decay=weight_decay,
+                adam_beta1=betas[0],
+                adam_beta2=betas[1],
+                adam_eps=1e-8,  # torch.optim.AdamW's default, as in TorchTrainer
+                clip_grad=grad_clip,
+                bf16=self.config.bf16,
+                fp16=self.config.fp16,
+                params_dtype=torch_dtype,
+                use_distributed_optimizer=distributed_optimizer,
+            ),
+            [self.model],
+            config_overrides={},  # decay every parameter, as TorchTrainer's AdamW does
+        )
+        # Megatron's schedules call this after the backward pass; without it the DP gradients are
+        # silently never all-reduced. train_step calls it directly, this keeps schedules correct too.
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self._checkpoints = AsyncCallsQueue()
+        self._pending_checkpoint: Path | None = None
+
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        per_rank = padded_vocab_size(self.hf_config) // tensor_parallel
+        vocab_ids = torch.arange(tp_rank * per_rank, (tp_rank + 1) * per_rank, device=self.device)
+        self._vocab_padding = vocab_ids >= self.hf_config.vocab_size  # this rank's padded logits
+
+    # --- forward -------------------------------------------------------------------------
+
+    def _token_logprobs(self, model, ids: torch.Tensor) -> torch.Tensor:
+        """log p(token t | tokens < t) for t >= 1; shape [batch, len-1] (on every TP rank).
+
+        Sequences are right-padded, so causal attention alone keeps real tokens away from
+        padding, and positions 0..n-1 are the ones Hugging Face gives them."""
+        batch, length = ids.shape
+        positions = torch.arange(length, device=ids.device).expand(batch, length)
+        causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).triu(1)[None, None]
+        logits = model(input_ids=ids, position_ids=positions, attention_mask=causal)
+        logits = logits[:, :-1].float() / self.temperature
+        if self._vocab_padding.any():
+            logits = logits.masked_fill(self._vocab_padding, float("-inf"))
+        return -vocab_parallel_cross_entropy(logits, ids[:, 1:])
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> list[list[float]]:
+        """The trainer's log-probabilities of each response token (collective over TP)."""
+        if not len(batch):
+            return []
+        ids, _, resp, _ = pad_batch(batch, self.tokenizer.pad_token_id)
+        lp = self._token_logprobs(self.model, ids.to(self.device)).cpu()
+        return [lp[i][resp[i].bool()].tolist() for i in range(len(batch))]
+
+    # --- training ------------------------------------------------------------------------
+
+    def _dp_sum(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
+        return t.item()
+
+    def train_step(
+        self,
+        batch: TrainBatch,
+        minibatches: int = 1,
+        aggregation: Literal["token", "sequence"] = "token",
+        clip_low: float = 0.2,
+        clip_high: float = 0.28,
+        kl_coef: float = 0.0,
+    ) -> dict:
+        """One rollout batch → ``minibatches`` optimizer steps (collective: every rank runs the
+        same number of steps, an empty minibatch still joins the gradient all-reduce)."""
+        totals = {"loss": 0.0, "clip_fraction": 0.0, "tokens": 0.0, "grad_norm": 0.0}
+        self.model.train()
+        for part in batch.split(minibatches):
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            local_tokens = float(sum(len(r) for r in part.response_ids))
+            total = self._dp_sum(local_tokens if aggregation == "token" else float(len(part)))
+            loss_value = 0.0
+            if len(part):
+                ids, _, resp, old = (t.to(self.device) for t in pad_batch(part, self.tokenizer.pad_token_id))
+                logprobs = self._token_logprobs(self.model, ids)
+                ref = None
+                if self.reference is not None and kl_coef > 0:
+                    with torch.no_grad():
+                        ref = self._token_logprobs(self.reference, ids)
+                adv = torch.tensor(part.advantages, dtype=logprobs.dtype, device=self.device)
+                per_token, clipped = algorithms.policy_loss_terms(logprobs, old, adv, clip_low, clip_high, ref, kl_coef)
+                loss = (per_token * algorithms.token_weights(resp, aggregation, total)).sum()
+                loss.backward()
+                loss_value = loss.item()
+                totals["clip_fraction"] += (clipped * resp).sum().item()
+            finalize_model_grads([self.model])  # the DP all-reduce (a sum: see calculate_per_token_loss)
+            _, grad_norm, _ = self.optimizer.step()
+            totals["loss"] += self._dp_sum(loss_value)
+            totals["tokens"] += local_tokens
+            totals["grad_norm"] = float(grad_norm)
+        self.version += 1
+        totals["clip_fraction"] /= max(totals["tokens"], 1.0)
+        return totals
+
+    # --- weights out ---------------------------------------------------------------------
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full Hugging Face-named tensors on the CPU, one Megatron parameter at a time.
+
+        Collective over the TP group when ``tensor_parallel > 1`` (each parameter's shards are
+        all-gathered): every TP rank must consume the whole iterator."""
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        for name, param in self.model.module.named_parameters():
+            local = param.detach()
+            shards = [local]
+            if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+                shards = [torch.empty_like(local) for _ in range(tp_size)]
+                dist.all_gather(shards, local.contiguous(), group=tp_group)
+            for hf_name, tensor in _param_to_hf(name, shards, self.hf_config).items():
+                yield hf_name, tensor.to("cpu", copy=True).contiguous()
+
+    def save_hf(self, local_dir: str) -> None:
+        """config.json, model.safetensors (HF names) and the tokenizer. Collective over TP;
+        TP rank 0 of each DP replica writes."""
+        tensors = dict(self.export_weights())
+        if parallel_state.get_tensor_model_parallel_rank() != 0:
+            return
+        os.makedirs(local_dir, exist_ok=True)
+        self.hf_config.save_pretrained(local_dir)
+        save_file(tensors, os.path.join(local_dir, "model.safetensors"), metadata={"format": "pt"})
+        self.tokenizer.save_pretrained(local_dir)
+
+    # --- checkpoints ---------------------------------------------------------------------
+
+    def _sharded_state(self, is_loading: bool = False) -> dict:
+        model = self.model.module.sharded_state_dict()
+        optimizer = self.optimizer.sharded_state_dict(model, is_loading=is_loading)
+        return {"model": model, "optimizer": optimizer, "version": self.version}
+
+    def save_checkpoint(self, local_dir: str, async_save: bool = False) -> list[str] | None:
+        """Model + optimizer + version with ``dist_checkpointing`` (collective).
+
+        Every rank writes into its own ``local_dir`` (new or empty) only the shards it owns;
+        data-parallel replicas split the replicated tensors between them. The union of all
+        ranks' folders is the checkpoint, so a caller can upload each rank's files under one
+        prefix and later give every rank the whole folder. Returns the file names (relative to
+        ``local_dir``) this rank wrote; with ``async_save`` the files are written in the
+        background and :meth:`finalize_checkpoint` returns them.
+        """
+        self.finalize_checkpoint()
+        path = Path(local_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        if any(path.iterdir()):
+            raise FileExistsError(f"{path}: checkpoint folder is not empty")
+        strategy = FullyParallelSaveStrategyWrapper(
+            get_default_save_sharded_strategy(), parallel_state.get_data_parallel_group(with_context_parallel=True)
+        )
+        request = dist_checkpointing.save(self._sharded_state(), str(path), strategy, async_sharded_save=async_save)
+        if not async_save:
+            return _files_under(path)
+        self._checkpoints.schedule_async_request(request)
+        self._pending_checkpoint = path
+        return None
+
+    def finalize_checkpoint(self) -> list[str]:
+        """Wait for the async save in flight, if any (collective); returns its files on this rank."""
+        if self._pending_checkpoint is None:
+            return []
+        self._checkpoints.maybe_finalize_async_calls(blocking=True)
+        path, self._pending_checkpoint = self._pending_checkpoint, None
+        return _files_under(path)
+
+    def load_checkpoint(self, local_dir: str) -> None:
+        """Restore model, optimizer and version from a whole checkpoint folder (collective)."""
+        self.finalize_checkpoint()
+        state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(local_dir))
+        self.model.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+
+
+def _files_under(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())

@@ -1,0 +1,183 @@
+"""Megatron-Core on a machine without CUDA (tests only; the product targets CUDA).
+
+Megatron-Core 0.16 calls CUDA directly where a CPU run needs none: ``torch.cuda.current_device()``
+as the device of the rotary table and the DDP grad buffers, ``device='cuda'`` literals in the
+optimizer, gradient clipping and checkpoint code, ``torch.cuda.synchronize()``, and a CUDA RNG
+tracker forked around every attention dropout. The shim below makes each Megatron module see a
+``torch`` whose CUDA is the CPU, and replaces the two things that cannot be redirected that way:
+the RNG tracker, and the ``tensor.type() == 'torch.cuda.FloatTensor'`` checks in gradient clipping
+and the distributed optimizer.
+
+Nothing outside ``megatron.*`` is touched: transformers, vLLM and torch itself keep the real
+``torch``. On a machine with CUDA the shim does nothing.
+
+``install()`` registers an import hook and patches Megatron modules already imported; it imports
+neither torch nor Megatron itself, so ``megatron_cpu_site/sitecustomize.py`` can call it in every
+Python process (engine hosts, the Prefect server) at no cost until Megatron is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import sys
+
+_FACTORIES = (
+    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange",
+    "zeros_like", "ones_like", "empty_like", "full_like", "rand", "randn",
+)
+_state: dict = {"installed": False, "torch": None, "active": None}
+
+
+def install() -> None:
+    """Idempotent: later Megatron imports are patched as they load, earlier ones now."""
+    if _state["installed"]:
+        return
+    _state["installed"] = True
+    sys.meta_path.insert(0, _MegatronFinder())
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.") and module is not None:
+            _patch(module)
+
+
+def _active() -> bool:
+    """Decided once, when the first Megatron module loads (torch is being imported then anyway)."""
+    if _state["active"] is None:
+        import torch
+
+        _state["active"] = not torch.cuda.is_available()
+    return _state["active"]
+
+
+class _MegatronFinder(importlib.abc.MetaPathFinder):
+    """Wraps the loader of every ``megatron.*`` module so that it is patched right after it runs
+    (before any later module copies its names with ``from ... import``)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if not fullname.startswith("megatron."):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        _patch(module)
+
+    def __getattr__(self, name):  # get_source, is_package, ... for tracebacks and pkgutil
+        return getattr(self.loader, name)
+
+
+def _patch(module) -> None:
+    if not _active():
+        return
+    if "torch" in sys.modules and module.__dict__.get("torch") is sys.modules["torch"]:
+        module.torch = _torch_on_cpu()
+    name = module.__name__
+    if name == "megatron.core.tensor_parallel.random":
+        module.CudaRNGStatesTracker.add = _tracker_add
+        module.CudaRNGStatesTracker.fork = _tracker_fork
+    if name == "megatron.core.optimizer.clip_grads":
+        module.clip_grad_by_total_norm_fp32 = _cuda_type_names(module.clip_grad_by_total_norm_fp32)
+    if name == "megatron.core.optimizer.optimizer":  # took clip_grads' function by name
+        module.clip_grad_by_total_norm_fp32 = sys.modules["megatron.core.optimizer.clip_grads"].clip_grad_by_total_norm_fp32
+    if name == "megatron.core.optimizer.distrib_optimizer":
+        module.DistributedOptimizer.__init__ = _cuda_type_names(module.DistributedOptimizer.__init__)
+
+
+def _torch_on_cpu():
+    """One shared stand-in for ``torch`` in Megatron modules: CUDA devices mean the CPU."""
+    if _state["torch"] is None:
+        import functools
+        import types
+
+        import torch
+
+        def cpu(device):
+            if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
+                return "cpu"
+            if isinstance(device, torch.device) and device.type == "cuda":
+                return "cpu"
+            return device
+
+        def on_cpu(factory):
+            @functools.wraps(factory)
+            def call(*args, **kwargs):
+                if "device" in kwargs:
+                    kwargs["device"] = cpu(kwargs["device"])
+                return factory(*args, **kwargs)
+
+            return call
+
+        class CudaOnCpu(types.SimpleNamespace):
+            def __getattr__(self, name):
+                return getattr(torch.cuda, name)
+
+        cuda = CudaOnCpu(current_device=lambda: "cpu", synchronize=lambda *a, **k: None)
+
+        class TorchOnCpu(types.ModuleType):
+            def __getattr__(self, name):
+                value = getattr(torch, name)
+                return on_cpu(value) if name in _FACTORIES else value
+
+        stand_in = TorchOnCpu("torch")
+        stand_in.cuda = cuda
+        _state["torch"] = stand_in
+    return _state["torch"]
+
+
+# --- RNG tracker: the engines run without dropout, so forking the CUDA RNG has nothing to protect.
+def _tracker_add(self, name, seed):
+    if name in self.states_:
+        raise Exception(f"cuda rng state {name} already exists")
+    self.seeds_.add(seed)
+    self.states_[name] = seed
+
+
+@contextlib.contextmanager
+def _tracker_fork(self, name="model-parallel-rng"):
+    yield
+
+
+# --- Megatron tells fp32 from bf16 parameters (and asserts that grads are on the GPU) by comparing
+# ``tensor.type()`` with 'torch.cuda.FloatTensor'; inside these calls CPU tensors answer so.
+def _cuda_type_names(function):
+    import functools
+
+    import torch
+
+    if getattr(function, "_cpu_shim", False):
+        return function
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        type_name = torch.Tensor.type
+
+        def cuda_type_name(tensor, *a, **k):
+            name = type_name(tensor, *a, **k)
+            if a or k or tensor.device.type != "cpu":
+                return name
+            return name.replace("torch.", "torch.cuda.", 1)
+
+        torch.Tensor.type = cuda_type_name
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.Tensor.type = type_name
+
+    call._cpu_shim = True
+    return call

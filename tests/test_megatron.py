@@ -1,0 +1,406 @@
+"""Megatron-Core trainer: the HF mapping, parity with TorchTrainer, TP and DP over gloo, checkpoints.
+
+On this CPU-only machine Megatron runs under ``megatron_cpu``'s shim. The reference for every
+number is ``TorchTrainer`` (transformers) or a single Megatron process. Two processes are
+spawned once for the module (imports are the slow part) and run every TP=2 / DP=2 case.
+
+Tolerances: fp32 log-probs agree to ~3e-7. After an Adam step, weights agree to ~1e-6 at
+lr=1e-3: Adam divides each gradient by its own size, so tiny gradients born of cancellation,
+summed in another order (Megatron fuses Q/K/V and gate/up into single matmuls), move by up to
+lr * 1e-3. A step that misses the DP all-reduce is off by ~lr (checked below), so 1e-5 sits
+far from both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import helpers  # noqa: F401  (puts the checkout on sys.path)
+import megatron_cpu
+
+megatron_cpu.install()  # before Megatron is imported: its modules are patched as they load
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from engines.megatron_engine import MegatronTrainer, hf_to_megatron, load_hf_state, megatron_to_hf  # noqa: E402
+from engines.tiny import build_char_tokenizer  # noqa: E402
+from engines.torch_engines import TorchTrainer, TrainBatch  # noqa: E402
+from helpers import concat, free_port, random_batch, save_tiny_model, with_old_logprobs  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+TESTS = Path(__file__).resolve().parent
+LR = 1e-3
+ATOL = 1e-5
+MINIBATCHES = 2
+# non-default hyperparameters, so that "configured alike" means something
+HYPER = {"lr": LR, "betas": (0.8, 0.95), "weight_decay": 0.1, "grad_clip": 0.5}
+
+# name -> (sequences per rank for each of two steps, train_step kwargs, trainer kwargs)
+DP_CASES = {
+    "token-3-5": ((3, 5), {"aggregation": "token"}, {}),
+    "sequence-3-5": ((3, 5), {"aggregation": "sequence"}, {}),
+    "token-0-4": ((0, 4), {"aggregation": "token"}, {}),
+    "sequence-0-4": ((0, 4), {"aggregation": "sequence"}, {}),
+    "token-kl-3-5": ((3, 5), {"aggregation": "token", "kl_coef": 0.5}, {"reference": True}),
+    "token-3-5-distopt": ((3, 5), {"aggregation": "token"}, {"distributed_optimizer": True}),
+}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def lp_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(r) for r in a] == [len(r) for r in b]
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def global_order(batches: list[TrainBatch], minibatches: int) -> TrainBatch:
+    """All ranks' sequences, minibatch k of every rank before minibatch k+1 of any (see test_dp)."""
+    parts = [b.split(minibatches) for b in batches]
+    return concat(*(p[k] for k in range(minibatches) for p in parts))
+
+
+def batch_near(trainer, n: int, seed: int) -> TrainBatch:
+    """Old log-probs near the trainer's own: ratios ~1, some beyond the clip range."""
+    batch = random_batch(n, seed=seed)
+    return with_old_logprobs(batch, trainer.logprobs(batch) if n else [], noise=0.5, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """Megatron in this process: a world of one (gloo), torn down so other modules see none."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield save_tiny_model(tmp_path_factory.mktemp("megatron") / "model", hidden_size=32, num_layers=2)
+    torch.set_num_threads(threads)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- 1. mapping ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_hf_megatron_round_trip_is_exact(model_dir, tp_size):
+    hf_state, hf_config = load_hf_state(model_dir), AutoConfig.from_pretrained(model_dir)
+    shards = [hf_to_megatron(hf_state, hf_config, rank, tp_size) for rank in range(tp_size)]
+    back = megatron_to_hf(shards if tp_size > 1 else shards[0], hf_config)
+    assert back.keys() == hf_state.keys()
+    assert all(torch.equal(back[k], hf_state[k]) for k in hf_state)
+    # each rank holds whole query groups: 2 KV groups over 2 ranks -> 1 group (2 q + k + v heads)
+    assert shards[0]["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (4 * 8 * 2 // tp_size, 32)
+
+
+def test_qkv_is_interleaved_per_group_and_fc1_is_gate_up_per_rank(model_dir):
+    hf_state, hf_config = load_hf_state(model_dir), AutoConfig.from_pretrained(model_dir)
+    q, k, v = (hf_state[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv")
+    gate, up = hf_state["model.layers.0.mlp.gate_proj.weight"], hf_state["model.layers.0.mlp.up_proj.weight"]
+    for rank in range(2):  # TP=2, 2 KV groups of 2 query heads of dim 8
+        m = hf_to_megatron(hf_state, hf_config, rank, 2)
+        qkv = m["decoder.layers.0.self_attention.linear_qkv.weight"]
+        assert torch.equal(qkv, torch.cat([q[16 * rank : 16 * rank + 16], k[8 * rank : 8 * rank + 8], v[8 * rank : 8 * rank + 8]]))
+        fc1 = m["decoder.layers.0.mlp.linear_fc1.weight"]
+        assert torch.equal(fc1, torch.cat([gate.chunk(2)[rank], up.chunk(2)[rank]]))
+
+
+# --- 2./3. parity with TorchTrainer -----------------------------------------------------------
+
+
+def test_logprobs_match_torch_trainer(model_dir):
+    megatron, reference = MegatronTrainer(model_dir), TorchTrainer(model_dir)
+    batch = random_batch(6, seed=1, max_response=9)
+    assert lp_diff(megatron.logprobs(batch), reference.logprobs(batch)) <= ATOL
+    assert megatron.logprobs(TrainBatch([], [], [], [])) == []
+
+
+def test_optimizers_are_configured_alike(model_dir):
+    megatron, reference = MegatronTrainer(model_dir, **HYPER), TorchTrainer(model_dir, **HYPER)
+    (inner,) = [o.optimizer for o in megatron.optimizer.chained_optimizers]
+    assert type(inner) is type(reference.optimizer) is torch.optim.AdamW
+    for key in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
+        assert inner.defaults[key] == reference.optimizer.defaults[key], key
+    # no parameter group opts out of weight decay (Megatron's default exempts norms and biases)
+    assert all(group.get("weight_decay", inner.defaults["weight_decay"]) == 0.1 for group in inner.param_groups)
+    assert sum(p.numel() for g in inner.param_groups for p in g["params"]) > 0
+    assert megatron.optimizer.config.clip_grad == reference.grad_clip == 0.5
+
+
+@pytest.mark.parametrize(
+    "step_kwargs, trainer_kwargs",
+    [
+        ({"minibatches": 2, "aggregation": "token"}, {}),
+        ({"minibatches": 1, "aggregation": "sequence", "kl_coef": 0.5}, {"reference": True}),
+    ],
+    ids=["token-2-minibatches", "sequence-kl"],
+)
+def test_train_step_matches_torch_trainer(model_dir, step_kwargs, trainer_kwargs):
+    megatron = MegatronTrainer(model_dir, **HYPER, **trainer_kwargs)
+    reference = TorchTrainer(model_dir, **HYPER, **trainer_kwargs)
+    batch = batch_near(reference, 8, seed=3)
+    before = dict(reference.export_weights())
+    stats, ref_stats = megatron.train_step(batch, **step_kwargs), reference.train_step(batch, **step_kwargs)
+    after, ref_after = dict(megatron.export_weights()), dict(reference.export_weights())
+    assert max_diff(ref_after, before) > 100 * ATOL  # the step moved the weights
+    assert max_diff(after, ref_after) <= ATOL
+    assert stats["grad_norm"] > HYPER["grad_clip"]  # clipping was active
+    for key in ("loss", "clip_fraction", "tokens", "grad_norm"):
+        assert stats[key] == pytest.approx(ref_stats[key], abs=1e-5), key
+    assert 0 < stats["clip_fraction"] < 1
+    assert megatron.version == 1
+
+
+def test_qwen2_tied_embeddings_and_qkv_bias(tmp_path, model_dir):
+    """The other mapped family: Qwen2 (bias on Q/K/V) with input and output embeddings tied."""
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        rope_theta=50000.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    model = Qwen2ForCausalLM(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # HF initialises biases to zero: make the mapping matter
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+
+    megatron, reference = MegatronTrainer(str(tmp_path)), TorchTrainer(str(tmp_path))
+    assert dict(megatron.export_weights()).keys() == dict(reference.export_weights()).keys()
+    assert all(torch.equal(t, dict(reference.export_weights())[k]) for k, t in megatron.export_weights())
+    batch = random_batch(5, seed=2)
+    assert lp_diff(megatron.logprobs(batch), reference.logprobs(batch)) <= ATOL
+
+
+def test_save_hf_loads_in_transformers(tmp_path, model_dir):
+    megatron = MegatronTrainer(model_dir, lr=LR)
+    megatron.train_step(batch_near(megatron, 4, seed=5))
+    megatron.save_hf(str(tmp_path / "hf"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    exported = dict(megatron.export_weights())
+    assert {k: p.detach() for k, p in loaded.named_parameters()}.keys() == exported.keys()
+    assert all(torch.equal(p, exported[k]) for k, p in loaded.named_parameters())
+    batch = random_batch(4, seed=6)
+    assert lp_diff(TorchTrainer(str(tmp_path / "hf")).logprobs(batch), megatron.logprobs(batch)) <= ATOL
+
+
+# --- 5. checkpoints ---------------------------------------------------------------------------
+
+
+def test_checkpoint_resume_is_exact_sync_and_async(tmp_path, model_dir):
+    a = MegatronTrainer(model_dir, **HYPER)
+    first, second, probe = batch_near(a, 6, seed=7), batch_near(a, 6, seed=8), random_batch(4, seed=9)
+    a.train_step(first)
+    files = a.save_checkpoint(str(tmp_path / "sync"))
+    assert {"metadata.json", "common.pt", ".metadata"} <= set(files)
+    assert sorted(files) == sorted(p.name for p in (tmp_path / "sync").iterdir())
+    assert a.save_checkpoint(str(tmp_path / "async"), async_save=True) is None
+    async_files = a.finalize_checkpoint()
+    assert set(async_files) == set(files)
+    assert a.finalize_checkpoint() == []
+    with pytest.raises(FileExistsError):
+        a.save_checkpoint(str(tmp_path / "sync"))
+    a_probe = a.logprobs(probe)
+    a.train_step(second)
+    a_after = dict(a.export_weights())
+
+    for folder in ("sync", "async"):
+        b = MegatronTrainer(model_dir, **HYPER)
+        b.load_checkpoint(str(tmp_path / folder))
+        assert b.version == 1
+        assert b.logprobs(probe) == a_probe  # bit for bit
+        b.train_step(second)  # Adam moments and step count came back too
+        b_after = dict(b.export_weights())
+        assert max_diff(b_after, a_after) <= 1e-7, folder
+
+
+# --- 6. processes the product starts: the shim through sitecustomize --------------------------
+
+
+def test_engine_in_a_subprocess_via_sitecustomize(model_dir):
+    code = """
+import json, sys
+assert "torch" not in sys.modules and not any(m.startswith("megatron") for m in sys.modules), "shim was not lazy"
+assert "megatron_cpu" in sys.modules, "sitecustomize did not run"
+import torch
+torch.set_num_threads(1)
+from engines.megatron_engine import MegatronTrainer
+from engines.torch_engines import TrainBatch
+trainer = MegatronTrainer(sys.argv[1], lr=1e-3)
+batch = TrainBatch([[1, 5, 6], [1, 7]], [[8, 9, 2], [2]], [[-3.0, -3.0, -3.0], [-3.0]], [1.0, -1.0])
+print(json.dumps({"stats": trainer.train_step(batch), "version": trainer.version}))
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS / "megatron_cpu_site"), str(TESTS.parent)]))
+    done = subprocess.run(
+        [sys.executable, "-c", code, model_dir], env=env, capture_output=True, text=True, timeout=120, cwd=TESTS.parent
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["version"] == 1 and result["stats"]["tokens"] == 4.0 and result["stats"]["grad_norm"] > 0
+
+
+# --- 2./4./5. two processes over gloo: TP=2, then DP=2 ---------------------------------------
+
+
+def _worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) -> None:
+    from datetime import timedelta
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    try:
+        cases = torch.load(cases_file, weights_only=False)
+        results = {}
+
+        # TP=2: one replica over both processes
+        tp = cases["tp"]
+        trainer = MegatronTrainer(model_dir, **HYPER, tensor_parallel=2)
+        results["tp"] = {
+            "logprobs": trainer.logprobs(tp["batch"]),
+            "initial": dict(trainer.export_weights()),
+            "stats": trainer.train_step(tp["batch"], **tp["kwargs"]),
+            "after": dict(trainer.export_weights()),
+        }
+        del trainer
+        parallel_state.destroy_model_parallel()
+
+        # DP=2: each rank steps on its own shard
+        for name, case in cases["dp"].items():
+            trainer = MegatronTrainer(model_dir, **HYPER, **case["trainer"])
+            stats = [trainer.train_step(step[rank], **case["kwargs"]) for step in case["steps"]]
+            results[name] = {"stats": stats, "weights": dict(trainer.export_weights())}
+
+        # DP=2 checkpoint: each rank writes its own folder; both load the union
+        ckpt = cases["checkpoint"]
+        trainer = MegatronTrainer(model_dir, **HYPER)
+        trainer.train_step(ckpt["first"][rank])
+        own = Path(out) / f"ckpt-rank{rank}"
+        files = trainer.save_checkpoint(str(own))
+        dist.barrier()
+        merged = Path(out) / "ckpt-merged"
+        if rank == 0:
+            for r in range(2):
+                shutil.copytree(Path(out) / f"ckpt-rank{r}", merged, dirs_exist_ok=True)
+        dist.barrier()
+        resumed = MegatronTrainer(model_dir, **HYPER)
+        resumed.load_checkpoint(str(merged))
+        results["checkpoint"] = {
+            "files": files,
+            "sizes": {f: (own / f).stat().st_size for f in files},
+            "logprobs": (trainer.logprobs(ckpt["probe"]), resumed.logprobs(ckpt["probe"])),
+            "stats": (trainer.train_step(ckpt["second"][rank]), resumed.train_step(ckpt["second"][rank])),
+            "weights": (dict(trainer.export_weights()), dict(resumed.export_weights())),
+        }
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_processes(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("megatron-2p")
+    probe = TorchTrainer(model_dir)
+    steps_of = lambda sizes, seed: [batch_near(probe, n, seed + rank) for rank, n in enumerate(sizes)]  # noqa: E731
+    cases = {
+        "tp": {"batch": batch_near(probe, 8, seed=11), "kwargs": {"minibatches": MINIBATCHES}},
+        "dp": {
+            name: {
+                "steps": [steps_of(sizes, 100 * i), steps_of(sizes, 100 * i + 50)],
+                "kwargs": {"minibatches": MINIBATCHES, **step_kwargs},
+                "trainer": trainer_kwargs,
+            }
+            for i, (name, (sizes, step_kwargs, trainer_kwargs)) in enumerate(DP_CASES.items())
+        },
+        "checkpoint": {"first": steps_of((3, 4), 900), "second": steps_of((4, 3), 950), "probe": random_batch(4, seed=999)},
+    }
+    torch.save(cases, tmp / "cases.pt")
+    mp.spawn(_worker, args=(free_port(), model_dir, str(tmp / "cases.pt"), str(tmp)), nprocs=2, join=True)
+    results = [torch.load(tmp / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    return {"cases": cases, "results": results, "tmp": tmp}
+
+
+def single_process_steps(model_dir: str, case: dict, **trainer_kwargs) -> tuple[dict, list[dict]]:
+    """One process (world of one) stepping on the concatenated batches."""
+    trainer = MegatronTrainer(model_dir, **HYPER, **trainer_kwargs)
+    mb = case["kwargs"]["minibatches"]
+    stats = [trainer.train_step(global_order(step, mb), **case["kwargs"]) for step in case["steps"]]
+    return dict(trainer.export_weights()), stats
+
+
+def test_tp2_matches_tp1(model_dir, two_processes):
+    tp = two_processes["cases"]["tp"]
+    single = MegatronTrainer(model_dir, **HYPER)
+    single_lp = single.logprobs(tp["batch"])
+    initial = load_hf_state(model_dir)
+    for rank in range(2):
+        result = two_processes["results"][rank]["tp"]
+        assert lp_diff(result["logprobs"], single_lp) <= ATOL
+        # gathering the TP shards gives back the HF weights exactly
+        assert all(torch.equal(result["initial"][k], initial[k]) for k in initial)
+    single_stats = single.train_step(tp["batch"], **tp["kwargs"])
+    single_after = dict(single.export_weights())
+    assert max_diff(two_processes["results"][0]["tp"]["after"], single_after) <= ATOL
+    assert max_diff(two_processes["results"][0]["tp"]["after"], two_processes["results"][1]["tp"]["after"]) == 0.0
+    # the grad norm counts each TP shard once (norm and vocab shards included)
+    assert two_processes["results"][0]["tp"]["stats"]["grad_norm"] == pytest.approx(single_stats["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", list(DP_CASES))
+def test_dp2_replicas_identical_and_equal_single_process(model_dir, two_processes, name):
+    case = two_processes["cases"]["dp"][name]
+    rank0, rank1 = (r[name] for r in two_processes["results"])
+    assert max_diff(rank0["weights"], rank1["weights"]) == 0.0
+
+    ref_weights, ref_stats = single_process_steps(model_dir, case, **DP_CASES[name][2])
+    assert max_diff(ref_weights, load_hf_state(model_dir)) > 100 * ATOL  # the steps did something
+    assert max_diff(rank0["weights"], ref_weights) <= ATOL
+    for step in range(2):
+        assert rank0["stats"][step]["loss"] == pytest.approx(ref_stats[step]["loss"], abs=1e-5)
+        assert rank0["stats"][step]["grad_norm"] == pytest.approx(ref_stats[step]["grad_norm"], rel=1e-5)
+        tokens = [sum(len(r) for r in b.response_ids) for b in case["steps"][step]]
+        assert [rank0["stats"][step]["tokens"], rank1["stats"][step]["tokens"]] == tokens
+
+
+def test_dp2_tolerance_would_catch_a_missing_all_reduce(model_dir, two_processes):
+    """A rank stepping on its shard alone (what a missed all-reduce amounts to) lands far
+    outside the tolerance the DP run meets."""
+    case = two_processes["cases"]["dp"]["token-3-5"]
+    solo = MegatronTrainer(model_dir, **HYPER)
+    for step in case["steps"]:
+        solo.train_step(step[1], **case["kwargs"])
+    ref_weights, _ = single_process_steps(model_dir, case)
+    assert max_diff(dict(solo.export_weights()), ref_weights) > 20 * ATOL
+
+
+def test_dp2_checkpoint_union_of_rank_folders_resumes(two_processes):
+    rank0, rank1 = (r["checkpoint"] for r in two_processes["results"])
+    assert {"metadata.json", "common.pt", ".metadata"} <= set(rank0["files"])
+    # replicated tensors are split between the DP ranks: rank 1's folder holds real shards
+    assert rank1["files"] and not set(rank1["files"]) & {"metadata.json", "common.pt", ".metadata"}
+    assert sum(rank1["sizes"].values()) > 10_000
+    for result in (rank0, rank1):
+        original, resumed = result["logprobs"]
+        assert original == resumed
+        assert result["stats"][0]["loss"] == result["stats"][1]["loss"]
+        assert max_diff(*result["weights"]) <= 1e-7
+    assert max_diff(rank0["weights"][1], rank1["weights"][1]) == 0.0
