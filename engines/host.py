@@ -95,6 +95,7 @@ class LocalHosts:
     def __enter__(self) -> "LocalHosts":
         secret = secrets.token_bytes(32)
         env = dict(os.environ, YATTFLOW_HOST_SECRET=secret.hex(), OMP_NUM_THREADS=str(self.threads))
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines flood the run's output
         env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(_free_port())
         project_root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [project_root, env.get("PYTHONPATH")]))
@@ -445,7 +446,8 @@ def make_generator(backend: str, model_dir: str, cfg, threads: int):
     if backend == "vllm":
         from engines.vllm_engine import VLLMGenerator
 
-        return VLLMGenerator(model_dir, dtype=cfg.model.dtype, seed=cfg.seed)
+        # threads: in a DP host vLLM runs in its own process, which does not inherit torch's setting
+        return VLLMGenerator(model_dir, dtype=cfg.model.dtype, seed=cfg.seed, threads=threads)
     from engines.torch_engines import TorchGenerator
 
     return TorchGenerator(model_dir, dtype=cfg.model.dtype)
@@ -479,6 +481,9 @@ def serve(rank: int, world: int, threads: int) -> None:
     logging.getLogger("yattflow").setLevel(logging.INFO)
     with Listener(("127.0.0.1", 0), authkey=secret) as listener:
         print(f"READY {listener.address[0]}:{listener.address[1]}", flush=True)
+        # Nobody reads our stdout after READY: send whatever comes later (engine libraries and
+        # the processes they spawn write there) to stderr, so a full pipe can never block us.
+        os.dup2(2, 1)
         while True:
             conn = listener.accept()
             while True:

@@ -16,7 +16,6 @@ Megatron-Core has no Hugging Face converter for GPT models; ``hf_to_megatron`` a
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -34,7 +33,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyPara
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER, OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed, vocab_parallel_cross_entropy
 from megatron.core.transformer import TransformerConfig
 from safetensors.torch import load_file, save_file
@@ -98,7 +97,13 @@ def hf_to_megatron(hf_state: dict, hf_config, tp_rank: int = 0, tp_size: int = 1
     Megatron fuses Q, K and V into one ``linear_qkv`` whose rows are grouped per key/value
     group (that group's query heads, then its key head, then its value head) so that a TP
     split along rows hands each rank whole groups. ``linear_fc1`` is [gate; up] *per rank*,
-    because each rank applies SwiGLU to its own half-and-half.
+    because each rank applies SwiGLU to its own half-and-half. The vocabulary is padded (zero
+    rows, masked out of the log-softmax) to a multiple of ``VOCAB_MULTIPLE``.
+
+    Names are those of the local layer spec, whose norms are modules of their own
+    (``input_layernorm``, ``pre_mlp_layernorm``); Transformer Engine's spec fuses them into
+    ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``, which is also how the
+    local spec names them in ``dist_checkpointing`` checkpoints, so those stay interchangeable.
     """
     heads, groups, head_dim = _attention_shape(hf_config)
     vocab = padded_vocab_size(hf_config)
@@ -226,7 +231,6 @@ def transformer_config(hf_config, tensor_parallel: int, dtype: torch.dtype) -> T
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
         init_method=_keep,
         output_layer_init_method=_keep,
         embedding_init_method=_keep,
@@ -236,7 +240,9 @@ def transformer_config(hf_config, tensor_parallel: int, dtype: torch.dtype) -> T
     )
 
 
-def build_gpt(hf_config, config: TransformerConfig, hf_state: dict, device: torch.device) -> GPTModel:
+def build_gpt(hf_config, config: TransformerConfig, hf_state: dict) -> GPTModel:
+    """A GPT model on the current device (Megatron allocates there) holding this TP rank's
+    share of the Hugging Face weights."""
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
@@ -247,6 +253,9 @@ def build_gpt(hf_config, config: TransformerConfig, hf_state: dict, device: torc
         position_embedding_type="rope",
         rotary_base=_rope_theta(hf_config),
     )
+    # The local spec builds its norms with torch's default dtype; Megatron-LM casts the whole
+    # model for bf16 (Float16Module), and its optimizers expect parameters of one dtype.
+    model.to(config.params_dtype)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     state = hf_to_megatron(hf_state, hf_config, tp_rank, tp_size)
@@ -254,7 +263,7 @@ def build_gpt(hf_config, config: TransformerConfig, hf_state: dict, device: torc
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise RuntimeError(f"HF→Megatron mapping mismatch: missing {missing}, unexpected {unexpected}")
-    return model.to(device)
+    return model
 
 
 def _init_distributed(tensor_parallel: int, device: torch.device) -> None:
@@ -306,12 +315,17 @@ class MegatronTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer.padding_side = "left"
         self.temperature = temperature
+        # Megatron without Transformer Engine or Apex steps torch's AdamW, whose distributed
+        # checkpoints need two repairs (see load_checkpoint).
+        self._distributed_torch_adam = distributed_optimizer and USING_PYTORCH_OPTIMIZER
         self.version = 0  # optimizer steps taken: the policy version rollouts are stamped with
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype {dtype!r}: float32 or bfloat16 (float16 would need loss scaling)")
         torch_dtype = getattr(torch, dtype)
         self.config = transformer_config(self.hf_config, tensor_parallel, torch_dtype)
         hf_state = load_hf_state(model_dir)
 
-        model = build_gpt(self.hf_config, self.config, hf_state, self.device)
+        model = build_gpt(self.hf_config, self.config, hf_state)
         self.model = DistributedDataParallel(
             config=self.config,
             ddp_config=DistributedDataParallelConfig(
@@ -321,7 +335,7 @@ class MegatronTrainer:
         )
         self.reference = None
         if reference:
-            self.reference = build_gpt(self.hf_config, self.config, hf_state, self.device).eval()
+            self.reference = build_gpt(self.hf_config, self.config, hf_state).eval()
             self.reference.requires_grad_(False)
         del hf_state
 
@@ -335,16 +349,15 @@ class MegatronTrainer:
                 adam_beta2=betas[1],
                 adam_eps=1e-8,  # torch.optim.AdamW's default, as in TorchTrainer
                 clip_grad=grad_clip,
-                bf16=self.config.bf16,
-                fp16=self.config.fp16,
+                bf16=self.config.bf16,  # bf16 parameters, fp32 main copies in the optimizer
                 params_dtype=torch_dtype,
                 use_distributed_optimizer=distributed_optimizer,
             ),
             [self.model],
             config_overrides={},  # decay every parameter, as TorchTrainer's AdamW does
         )
-        # Megatron's schedules call this after the backward pass; without it the DP gradients are
-        # silently never all-reduced. train_step calls it directly, this keeps schedules correct too.
+        # Megatron's pipeline schedules call this after the backward pass (without it DP gradients
+        # are silently never all-reduced); train_step, which runs no schedule, calls it itself.
         self.config.finalize_model_grads_func = finalize_model_grads
         self._checkpoints = AsyncCallsQueue()
         self._pending_checkpoint: Path | None = None
@@ -352,7 +365,8 @@ class MegatronTrainer:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         per_rank = padded_vocab_size(self.hf_config) // tensor_parallel
         vocab_ids = torch.arange(tp_rank * per_rank, (tp_rank + 1) * per_rank, device=self.device)
-        self._vocab_padding = vocab_ids >= self.hf_config.vocab_size  # this rank's padded logits
+        padding = vocab_ids >= self.hf_config.vocab_size
+        self._vocab_padding = padding if padding.any() else None  # this rank's logits of padded ids
 
     # --- forward -------------------------------------------------------------------------
 
@@ -366,7 +380,7 @@ class MegatronTrainer:
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).triu(1)[None, None]
         logits = model(input_ids=ids, position_ids=positions, attention_mask=causal)
         logits = logits[:, :-1].float() / self.temperature
-        if self._vocab_padding.any():
+        if self._vocab_padding is not None:
             logits = logits.masked_fill(self._vocab_padding, float("-inf"))
         return -vocab_parallel_cross_entropy(logits, ids[:, 1:])
 
@@ -460,7 +474,11 @@ class MegatronTrainer:
 
     def _sharded_state(self, is_loading: bool = False) -> dict:
         model = self.model.module.sharded_state_dict()
-        optimizer = self.optimizer.sharded_state_dict(model, is_loading=is_loading)
+        # The distributed optimizer's default format in 0.16 ('fully_sharded_model_space') fails
+        # on save; with 'dp_reshardable' each rank writes its own optimizer shard without
+        # communication (Megatron documents it as reshardable across DP sizes, not TP sizes).
+        metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+        optimizer = self.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=metadata)
         return {"model": model, "optimizer": optimizer, "version": self.version}
 
     def save_checkpoint(self, local_dir: str, async_save: bool = False) -> list[str] | None:
@@ -499,10 +517,39 @@ class MegatronTrainer:
     def load_checkpoint(self, local_dir: str) -> None:
         """Restore model, optimizer and version from a whole checkpoint folder (collective)."""
         self.finalize_checkpoint()
+        if self._distributed_torch_adam:
+            self._materialise_adam_state()
         state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(local_dir))
         self.model.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():  # the distributed optimizer copies into views of the parameters
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self._distributed_torch_adam:
+            self._repair_adam_steps(state["optimizer"]["optimizer"]["param_groups"][0]["step"])
         self.version = int(state["version"])
+
+    def _materialise_adam_state(self) -> None:
+        """Zero Adam state (step 0) where none exists yet. Megatron 0.16's DistributedOptimizer over
+        torch's AdamW (no Transformer Engine or Apex) asserts that its parameters share one step
+        count when it describes its state for loading, so an optimizer that never stepped cannot
+        load a checkpoint; the checkpoint overwrites these zeros."""
+        for chained in self.optimizer.chained_optimizers:
+            inner = chained.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if not inner.state[p]:
+                        inner.state[p] = {
+                            "step": torch.tensor(0.0),
+                            "exp_avg": torch.zeros_like(p),
+                            "exp_avg_sq": torch.zeros_like(p),
+                        }
+
+    def _repair_adam_steps(self, step: float) -> None:
+        """Megatron 0.16's DistributedOptimizer over torch's AdamW restores every parameter's step
+        count from the pre-load state (not the checkpoint) and into one tensor shared by all
+        parameters, which torch's AdamW then increments once per parameter."""
+        for chained in self.optimizer.chained_optimizers:
+            for param_state in chained.optimizer.state.values():
+                param_state["step"] = torch.tensor(float(step))
 
 
 def _files_under(path: Path) -> list[str]:

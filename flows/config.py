@@ -38,6 +38,10 @@ class PrepareConfig(Section):
     )
     hidden_size: int = Field(64, gt=0, description="Tiny Llama hidden size.")
     layers: int = Field(2, gt=0, description="Tiny Llama layer count.")
+    heads: int = Field(
+        2, gt=0, description="Attention heads; head size = hidden_size / heads (vLLM's CPU attention needs 32 or more)."
+    )
+    kv_heads: int = Field(1, gt=0, description="Key/value heads (grouped-query attention when fewer than heads).")
     sft_steps: int = Field(3000, gt=0, description="SFT steps for the policy warm start.")
     judge_sft_steps: int = Field(2000, gt=0, description="SFT steps for the generative reward model.")
     sft_lr: float = Field(2e-3, gt=0, description="SFT learning rate.")

@@ -68,7 +68,9 @@ def sft_model(config: RunConfig, role: str) -> dict:
         pairs = arithmetic.judge_examples(train, config.judge.template, seed=config.seed)
         steps, check = p.judge_sft_steps, arithmetic.judge_examples(heldout, config.judge.template, seed=config.seed + 1)
     tokenizer = build_char_tokenizer()
-    model = build_tiny_llama(len(tokenizer), hidden_size=p.hidden_size, num_layers=p.layers, seed=config.seed)
+    model = build_tiny_llama(
+        len(tokenizer), hidden_size=p.hidden_size, num_layers=p.layers, num_heads=p.heads, num_kv_heads=p.kv_heads, seed=config.seed
+    )
     result = sft(model, tokenizer, pairs, steps, batch_size=p.sft_batch_size, lr=p.sft_lr, seed=config.seed, log=logger.info)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, safe_serialization=True)

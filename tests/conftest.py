@@ -81,3 +81,15 @@ def prepared(prefect_server, tmp_path_factory) -> str:
     root = str(tmp_path_factory.mktemp("store"))
     prepare(overrides=TINY + [f"storage.root={root}"])
     return root
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA; without it they are skipped, with the reason shown."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none here)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

