@@ -23,6 +23,7 @@ import logging
 import os
 import random
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -54,7 +55,8 @@ class HostClient:
         self._lock = threading.Lock()
 
     def call(self, command: str, **params) -> tuple[dict, list[str]]:
-        """Send one command and wait for its answer: (result, host log lines)."""
+        """Send one command and wait for its answer: (result + ``host_s``, the seconds the host
+        spent on it; host log lines)."""
         with self._lock:
             try:
                 self._conn.send_bytes(json.dumps({"command": command, "params": params}).encode())
@@ -64,8 +66,10 @@ class HostClient:
             except (EOFError, OSError) as e:
                 raise HostError(f"dp-{self.group}: engine host is gone ({type(e).__name__}) during '{command}'") from e
         if "error" in reply:
-            raise HostError(f"dp-{self.group}: '{command}' failed in the engine host:\n{reply['error']}")
-        return reply["result"], reply["logs"]
+            error = HostError(f"dp-{self.group}: '{command}' failed in the engine host:\n{reply['error']}")
+            error.logs = reply.get("logs", [])  # what the host logged before it failed
+            raise error
+        return reply["result"] | {"host_s": reply.get("host_s", 0.0)}, reply["logs"]  # shutdown answers without host_s
 
     def close(self) -> None:
         try:
@@ -103,7 +107,7 @@ class LocalHosts:
             for rank in range(self.world):
                 cmd = [sys.executable, "-m", "engines.host", "--rank", str(rank), "--world", str(self.world)]
                 cmd += ["--threads", str(self.threads)]
-                self.procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+                self.procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True))
             for rank, proc in enumerate(self.procs):
                 line = proc.stdout.readline().strip()  # "READY host:port", printed once the socket listens
                 if not line.startswith("READY "):
@@ -128,8 +132,14 @@ class LocalHosts:
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                pass
+            # Each host leads its own process group; engines may have started processes of
+            # their own (vLLM's engine core, checkpoint workers) that outlive a host: sweep them.
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
 
 
 def _free_port() -> int:
@@ -175,6 +185,7 @@ class EngineHost:
         self.rank, self.world, self.threads = rank, world, threads
         self.config = None
         self.prompts = None  # this group's stream of prompts (rows rank, rank+world, ...)
+        self.engine_loads = 0  # times this host loaded its models: once per run is the point of a host
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -196,6 +207,9 @@ class EngineHost:
         start = time.perf_counter()
         cfg = self.config = RunConfig.model_validate(config)
         torch.set_num_threads(self.threads)
+        self.prompt_files = self._prompt_files(cfg.uri(cfg.data.prompts))
+        if resume:
+            self._check_prompt_files(cfg.uri(cfg.data.prompts), resume)  # before any engine loads
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("gloo", rank=self.rank, world_size=self.world, timeout=timedelta(seconds=cfg.host_timeout_s))
         policy_dir = objectstore.local_folder(cfg.uri(cfg.model.policy))
@@ -206,6 +220,7 @@ class EngineHost:
             self.judge = make_generator(cfg.judge.backend, objectstore.local_folder(cfg.uri(cfg.model.judge)), cfg, self.threads)
         self.backends = f"rollout={cfg.rollout.backend} judge={cfg.judge.backend} train={cfg.train.backend}"
         self.rule = _import_function(cfg.reward.rule) if cfg.reward.rule else None
+        self.engine_loads += 1
         self.prompts = self._load_prompts(cfg.uri(cfg.data.prompts))
         if resume:
             self._resume(resume)
@@ -213,11 +228,49 @@ class EngineHost:
         return {"seconds": time.perf_counter() - start, "policy_version": self.trainer.version, "stream_length": len(self.prompts)}
 
     def _load_prompts(self, uri: str) -> list[dict]:
+        """This group's stream: rows ``rank, rank+world, ...`` of every part file in name order.
+
+        New part files that sort after the existing ones only extend each stream, so the
+        cursors of a resumed run keep pointing at the same prompts and go on to the new ones
+        (``_check_prompt_files`` refuses anything else)."""
         from storage import datasets
 
         table = datasets.read_table(uri, datasets.PROMPTS)
         rows = table.to_pylist()
         return rows[self.rank :: self.world]
+
+    @staticmethod
+    def _prompt_files(uri: str) -> list[list]:
+        """``[file name, rows]`` of the prompts dataset, in the order the streams read them."""
+        import pyarrow.parquet as pq
+
+        from storage import objectstore
+
+        files = []
+        for part in objectstore.list_files(uri, suffix=".parquet"):
+            fs, path = objectstore.fs_for(part)
+            with fs.open(path, "rb") as f:
+                files.append([part.rsplit("/", 1)[-1], pq.ParquetFile(f).metadata.num_rows])
+        return files
+
+    def _check_prompt_files(self, uri: str, checkpoint: str) -> None:
+        """The prompts a checkpoint was trained on must still be the first rows of the dataset:
+        the cursors it holds are positions in that order."""
+        from storage import objectstore
+
+        recorded = objectstore.join(checkpoint, "prompts.json")
+        if not objectstore.exists(recorded):
+            return  # a checkpoint written before this record existed
+        for i, (name, rows) in enumerate(objectstore.read_json(recorded)["files"]):
+            now = self.prompt_files[i] if i < len(self.prompt_files) else None
+            if now != [name, rows]:
+                found = f"'{now[0]}' ({now[1]} rows)" if now else "missing"
+                raise ValueError(
+                    f"data.prompts {uri}: part file {i + 1} (name order) was '{name}' ({rows} rows) when checkpoint "
+                    f"{checkpoint} was written and is now {found}; the data cursors would point at other prompts. "
+                    "Leave existing files as they are and add new prompts as new files that sort after them "
+                    "(e.g. part-00001.parquet)."
+                )
 
     # -- one RL step ---------------------------------------------------------------------
 
@@ -230,6 +283,8 @@ class EngineHost:
         cfg = self.config
         start = time.perf_counter()
         batch = [self.prompts[(cursor + i) % len(self.prompts)] for i in range(count)]
+        if (cursor + count - 1) // len(self.prompts) > cursor // len(self.prompts):
+            log.warning("dp-%d: all %d prompts of this group's stream trained; starting it again (another epoch)", self.rank, len(self.prompts))
         gens = self.policy.generate(
             [row["prompt"] for row in batch], n=cfg.rollout.samples_per_prompt, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -336,7 +391,8 @@ class EngineHost:
             clip_low=t.clip_low, clip_high=t.clip_high, kl_coef=t.kl_coef,
         )
         seconds = time.perf_counter() - start
-        metrics.update(seconds=seconds, sequences=len(rows), policy_version=self.trainer.version, params_sha=self.params_sha())
+        metrics.update(seconds=seconds, sequences=len(rows), policy_version=self.trainer.version, params_sha=self.params_sha(),
+                       engine_loads=self.engine_loads)
         metrics["tokens_per_s"] = metrics["tokens"] / seconds if seconds else 0.0
         return metrics
 
@@ -374,6 +430,9 @@ class EngineHost:
                 files += sorted(str(p.relative_to(tmp)) for p in Path(tmp, "model").rglob("*") if p.is_file())
             for name in files:
                 objectstore.write_bytes(objectstore.join(uri, name), Path(tmp, name).read_bytes())
+        if self.rank == 0:  # the prompt files this run's streams (and so the cursors) were read from
+            objectstore.write_json(objectstore.join(uri, "prompts.json"), {"files": self.prompt_files})
+            files.append("prompts.json")
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         objectstore.write_bytes(objectstore.join(uri, f"rng-{self.rank}.pt"), to_bytes(rng))
         files.append(f"rng-{self.rank}.pt")
@@ -465,7 +524,7 @@ def _exit_with_parent() -> None:
     def watch():
         while os.getppid() == parent:
             time.sleep(1.0)
-        os._exit(1)
+        os.killpg(0, signal.SIGKILL)  # this host and every process its engines started
 
     threading.Thread(target=watch, daemon=True).start()
 
@@ -496,6 +555,7 @@ def serve(rank: int, world: int, threads: int) -> None:
                 if command == "shutdown":
                     conn.send_bytes(json.dumps({"result": {}, "logs": []}).encode())
                     return
+                start = time.perf_counter()
                 try:
                     if command not in EngineHost.COMMANDS:
                         raise ValueError(f"unknown command {command!r}")
@@ -503,6 +563,7 @@ def serve(rank: int, world: int, threads: int) -> None:
                 except Exception:  # noqa: BLE001 - every failure goes back to the task
                     reply = {"error": traceback.format_exc()}
                 reply["logs"] = capture.lines
+                reply["host_s"] = time.perf_counter() - start  # engine-side time: the rest is orchestration
                 conn.send_bytes(json.dumps(reply).encode())
 
 

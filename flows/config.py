@@ -149,6 +149,11 @@ class RunConfig(Section):
     name: str = Field("demo", pattern=r"^[a-z0-9][a-z0-9-]*$", description="Run id; running the same name again resumes it.")
     seed: int = Field(0, description="Seed for sampling and data order.")
     steps: int = Field(30, gt=0, description="RL iterations (steps) in the run.")
+    steps_per_run: int | None = Field(
+        None, gt=0,
+        description="When set, each run trains this many more steps after the last committed one, up to `steps` "
+        "(a schedule that fires again continues the training); None: train up to `steps`.",
+    )
     dp: int = Field(2, gt=0, description="Data-parallel groups; each has one engine host process.")
     threads_per_host: int = Field(1, gt=0, description="torch threads in each engine host.")
     host_timeout_s: float = Field(600.0, gt=0, description="A host command (or collective) taking longer fails the task.")

@@ -6,14 +6,46 @@ import asyncio
 
 from prefect import get_run_logger
 
-from engines.host import client
+from engines.host import HostError, client
 
 
 async def call_host(run: str, group: int, command: str, **params) -> dict:
     """Send one command to the group's host without blocking the event loop, and replay the
-    host's log lines into this task's log (so they show in the Prefect UI)."""
-    result, logs = await asyncio.to_thread(client(run, group).call, command, **params)
+    host's log lines into this task's log (so they show in the Prefect UI).
+
+    A failed command keeps its inputs: the task's log and the exception (the failed state's
+    message in the UI) name the command, the group and its parameters — URIs, step, wave,
+    cursor; never sample data — followed by the host's own error."""
     logger = get_run_logger()
+    try:
+        result, logs = await asyncio.to_thread(client(run, group).call, command, **params)
+    except HostError as e:
+        inputs = describe_call(run, group, command, params)
+        for line in getattr(e, "logs", None) or []:
+            logger.info(line)
+        logger.error("engine host command failed: %s\n%s", inputs, e)
+        raise HostError(f"{inputs} failed:\n{e}") from e
     for line in logs:
         logger.info(line)
     return result
+
+
+def describe_call(run: str, group: int, command: str, params: dict) -> str:
+    """``'rollout' on run 'demo' dp-0 with step=3, wave=0, cursor=12, count=4, out='file://…'``."""
+    shown = ", ".join(f"{k}={_brief(k, v)}" for k, v in params.items())
+    return f"'{command}' on run '{run}' dp-{group}" + (f" with {shown}" if shown else "")
+
+
+def _brief(key: str, value, limit: int = 300) -> str:
+    """A parameter as a person reads it in a log; the run config is reduced to where its data lives."""
+    if key == "config" and isinstance(value, dict):
+        fields = {
+            "name": value.get("name"), "dp": value.get("dp"),
+            "storage.root": (value.get("storage") or {}).get("root"),
+            "data.prompts": (value.get("data") or {}).get("prompts"),
+            "model.policy": (value.get("model") or {}).get("policy"),
+            "model.judge": (value.get("model") or {}).get("judge"),
+        }
+        return "{" + ", ".join(f"{k}: {v!r}" for k, v in fields.items() if v is not None) + "}"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} chars)"

@@ -89,6 +89,9 @@ def test_two_iterations_dp2_on_the_prefect_api(prepared):
 
     # Replicas equal after every step (the flow also checks this and would fail).
     assert len(summary["history"]) == 2
+    # Warm hosts: each loaded its models once for the whole run, not once per iteration.
+    assert [m["engine_loads"] for m in summary["history"]] == [1, 1]
+    assert all(0 < m["engine_s"] < m["seconds"] for m in summary["history"])
     # Checkpoint committed: manifest lists model, trainer state and both ranks' RNG.
     state = json.loads((run_dir / "state.json").read_text())
     assert state["step"] == 1 and len(state["cursors"]) == 2
@@ -98,6 +101,7 @@ def test_two_iterations_dp2_on_the_prefect_api(prepared):
     # The same run again with more steps resumes: only step 2 runs, cursors continue.
     resumed = run_train(prepared, "name=flowtest", "steps=3", "dp=2", "checkpoint.every=1")
     assert [m["step"] for m in resumed["history"]] == [2]
+    assert resumed["history"][0]["engine_loads"] == 1  # the resumed run's new hosts: one load each
     assert resumed["history"][0]["cursors"][0] > state["cursors"][0]
     tree = asyncio.run(read_tree("flowtest"))
     assert [n for n in tree if n.startswith("iteration-") and "-dp-" not in n] == ["iteration-0002"]
