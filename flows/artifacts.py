@@ -4,12 +4,13 @@
 * ``{name}-dp-{g}-progress`` — the stages of the current step that group ``g`` has done (a
   progress artifact of each DP-group sub-flow, updated as each stage task finishes);
 * ``{name}-curves`` — reward and rollout accuracy per step as Unicode sparklines and bars
-  (markdown, a new version after every step), kept in ``runs/{name}/curves.json`` so a
-  resumed run draws the whole run;
+  (markdown of the ``train`` run, redrawn in place after every step), its points kept in
+  ``runs/{name}/curves.json`` so that a resumed run draws the whole run;
 * ``{name}-iteration`` (table) and ``{name}-summary`` (markdown) are written by the flows.
 
-Artifacts are for people: a failing artifact call is logged as a warning and never fails
-the step.
+Progress and curves are created once per flow run and then updated in place, in the
+background. Artifacts are for people: a failing artifact call is logged as a warning and
+never fails the step.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from uuid import UUID
 
 from prefect import get_run_logger
 from prefect.artifacts import acreate_markdown_artifact, acreate_progress_artifact, aupdate_progress_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactUpdate
 
 from storage import objectstore
 
@@ -36,53 +39,72 @@ async def _quietly(what: str, call):
         return None
 
 
-class Progress:
-    """One progress artifact: ``done`` out of ``total`` units, with a line saying what was done
-    last. Updates are sent in order in the background, so a stage never waits on the UI;
-    ``flush()`` waits for them."""
+class LiveArtifact:
+    """One artifact created once and then updated in place (the UI shows the newest value).
+
+    Values are sent in the background so the flow never waits on the UI, and only the newest
+    one is sent when several come while one is on its way; ``flush()`` waits until the
+    artifact shows the newest value."""
+
+    def __init__(self, key: str):
+        self.key = key
+        self.id: UUID | None = None
+        self._newest: tuple | None = None
+        self._sender: asyncio.Future | None = None
+        self._broken = False
+
+    async def _create(self, value, description: str) -> UUID:
+        raise NotImplementedError
+
+    async def _update(self, value, description: str) -> None:
+        async with get_client() as client:
+            await client.update_artifact(self.id, ArtifactUpdate(data=value, description=description))
+
+    def show(self, value, description: str) -> None:
+        self._newest = (value, description)
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.ensure_future(self._send())
+
+    async def _send(self) -> None:
+        while self._newest is not None and not self._broken:
+            value, description = self._newest
+            self._newest = None
+            if self.id is None:
+                self.id = await _quietly(self.key, self._create(value, description))
+                self._broken = self.id is None
+            else:
+                await _quietly(self.key, self._update(value, description))
+
+    async def flush(self) -> None:
+        while self._sender is not None and not self._sender.done():
+            await self._sender
+
+
+class Progress(LiveArtifact):
+    """A progress artifact: ``done`` out of ``total`` units, and a line saying what was done last."""
 
     def __init__(self, key: str, total: int, done: int = 0):
-        self.key, self.total, self.done = key, max(total, 1), done
-        self.id: UUID | None = None
-        self._last: asyncio.Future | None = None
+        super().__init__(key)
+        self.total, self.done = max(total, 1), done
 
     @property
     def percent(self) -> float:
         return min(100.0, 100.0 * self.done / self.total)
 
-    def _then(self, send) -> None:
-        previous = self._last
+    async def _create(self, value, description: str) -> UUID:
+        return await acreate_progress_artifact(value, key=self.key, description=description)
 
-        async def after_previous():
-            if previous is not None:
-                await previous
-            await send()
-
-        self._last = asyncio.ensure_future(after_previous())
+    async def _update(self, value, description: str) -> None:
+        await aupdate_progress_artifact(self.id, value, description=description)
 
     def start(self, description: str) -> "Progress":
-        percent = self.percent
-
-        async def create():
-            self.id = await _quietly(self.key, acreate_progress_artifact(percent, key=self.key, description=description))
-
-        self._then(create)
+        self.show(self.percent, description)
         return self
 
     def advance(self, description: str, units: int = 1, more_total: int = 0) -> None:
         self.done += units
         self.total += more_total
-        percent = self.percent
-
-        async def update():
-            if self.id is not None:
-                await _quietly(self.key, aupdate_progress_artifact(self.id, percent, description=description))
-
-        self._then(update)
-
-    async def flush(self) -> None:
-        if self._last is not None:
-            await self._last
+        self.show(self.percent, description)
 
 
 class StepProgress(Progress):
@@ -102,33 +124,32 @@ class StepProgress(Progress):
         self.advance(f"dp-{self.group} step {self.step}: too few groups kept, rollout wave {wave} running", units=0, more_total=3)
 
 
-# ------------------------------------------------------------------------------- curves
+class Curves(LiveArtifact):
+    """``{run}-curves``: reward and accuracy per step, redrawn after every step. The points live
+    in ``runs/{run}/curves.json`` so that a resumed run draws its earlier steps too."""
 
+    def __init__(self, run: str, run_uri: str, steps: int, first_step: int, heldout_before: float | None):
+        super().__init__(f"{run}-curves")
+        self.run, self.uri, self.steps, self.heldout_before = run, objectstore.join(run_uri, "curves.json"), steps, heldout_before
+        points = objectstore.read_json(self.uri).get("points", []) if objectstore.exists(self.uri) else []
+        self.points = [p for p in points if p["step"] < first_step]  # a resume redoes the later ones
+        self._draw()
 
-def curves_uri(run_uri: str) -> str:
-    return objectstore.join(run_uri, "curves.json")
+    async def _create(self, value, description: str) -> UUID:
+        return await acreate_markdown_artifact(value, key=self.key, description=description)
 
+    def add(self, metrics: dict) -> None:
+        point = {k: metrics[k] for k in CURVE_FIELDS if k in metrics}
+        self.points = [p for p in self.points if p["step"] != point["step"]] + [point]
+        objectstore.write_json(self.uri, {"points": self.points})
+        self._draw()
 
-def load_curve(run_uri: str, before_step: int) -> list[dict]:
-    """The points of earlier invocations of this run, for steps a resume does not redo."""
-    uri = curves_uri(run_uri)
-    if not objectstore.exists(uri):
-        return []
-    return [p for p in objectstore.read_json(uri).get("points", []) if p["step"] < before_step]
+    def finish(self, heldout_after: float | None) -> None:
+        self._draw(heldout_after)
 
-
-def add_point(run_uri: str, points: list[dict], metrics: dict) -> list[dict]:
-    points = [p for p in points if p["step"] != metrics["step"]] + [{k: metrics[k] for k in CURVE_FIELDS if k in metrics}]
-    objectstore.write_json(curves_uri(run_uri), {"points": points})
-    return points
-
-
-async def publish_curves(run: str, points: list[dict], steps: int, heldout_before: float | None,
-                         heldout_after: float | None = None) -> None:
-    await _quietly(f"{run}-curves", acreate_markdown_artifact(
-        key=f"{run}-curves", markdown=curves_markdown(run, points, steps, heldout_before, heldout_after),
-        description=f"{run}: reward and accuracy per step ({len(points)} of {steps} steps)",
-    ))
+    def _draw(self, heldout_after: float | None = None) -> None:
+        self.show(curves_markdown(self.run, self.points, self.steps, self.heldout_before, heldout_after),
+                  f"{self.run}: reward and accuracy per step ({len(self.points)} of {self.steps} steps)")
 
 
 def sparkline(values: list[float | None], width: int = 60) -> str:
@@ -179,11 +200,11 @@ def curves_markdown(run: str, points: list[dict], steps: int, heldout_before: fl
     rewards = [p["reward"] for p in points if p.get("reward") is not None]
     lo, hi = min(0.0, *rewards), max(1.0, *rewards)
     shown = points[-rows:]
-    lines += ["", f"Reward (scale {lo:g} … {hi:g}) and rollout accuracy (0 … 100%)"
-              + (f", the latest {rows} steps:" if len(points) > rows else ":"), "", "```text",
-              f"{'step':>6}  {'reward':>7}  {'':20}  {'accuracy':>8}  {'':20}"]
-    for p in shown:
-        acc = p.get("accuracy")
-        lines.append(f"{p['step']:>6}  {p['reward']:>7.3f}  {bar(p['reward'], lo, hi):<20}  {_pct(acc):>8}  {bar(acc, 0.0, 1.0):<20}")
-    lines.append("```")
+    latest = f", the latest {rows} steps" if len(points) > rows else ""
+    # one chart per metric, bars last on each line: block characters are not always one cell wide
+    for title, key, fmt, (a, b) in (("Reward (mean)", "reward", lambda v: f"{v:.3f}", (lo, hi)),
+                                    ("Rollout accuracy", "accuracy", _pct, (0.0, 1.0))):
+        lines += ["", f"{title} per step{latest}, bars from {fmt(a)} to {fmt(b)}:", "", "```text", f"{'step':>6}  {key:>8}"]
+        lines += [f"{p['step']:>6}  {fmt(p[key]) if p.get(key) is not None else 'n/a':>8}  {bar(p.get(key), a, b)}" for p in shown]
+        lines.append("```")
     return "\n".join(lines)

@@ -1,17 +1,42 @@
 """``yattflow``: the command line.
 
+In-process (Prefect's local ephemeral API, or the server ``PREFECT_API_URL`` names):
+
     yattflow prepare [-c run.yaml] [key=value ...]   build the demo's datasets and tiny models
     yattflow train   [-c run.yaml] [key=value ...]   run (or resume) RL training
     yattflow demo    [-c run.yaml] [key=value ...]   prepare, then train, then print accuracy
+
+The Prefect way (a server, a worker on a work pool, deployments from deployments/prefect.yaml):
+
+    yattflow server [--port 4200]                    local Prefect server + a process worker; Ctrl-C stops both
+    yattflow deploy [--kubernetes]                   create the work pool(s) if missing, then `prefect deploy`
+    yattflow run    [-c run.yaml] [key=value ...]    a flow run of train/yattflow; prints its URL
+    yattflow status [name]                           latest runs of train/yattflow, with the step each reached
+
+``deploy``, ``run`` and ``status`` talk to ``PREFECT_API_URL`` (environment or Prefect profile),
+or to the server ``yattflow server`` starts (http://127.0.0.1:4200/api) when none is set.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import signal
+import subprocess
 import sys
 import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: deployments run from here
+PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
+PROCESS_POOL, K8S_POOL = "yattflow-process", "yattflow-k8s"
+POOL_TEMPLATES = {PROCESS_POOL: ("process", ROOT / "deployments" / "process-gpu.json"),
+                  K8S_POOL: ("kubernetes", ROOT / "deployments" / "kubernetes-gpu.json")}
+TRAIN_DEPLOYMENT = "train/yattflow"
+DEFAULT_PORT = 4200
 
 
 def _quiet_defaults() -> None:
@@ -23,12 +48,23 @@ def _quiet_defaults() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="yattflow", description="RLHF training where every RL iteration is a Prefect flow.")
-    parser.add_argument("command", choices=["prepare", "train", "demo"])
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _quiet_defaults()
+    command = argv[0] if argv else None
+    if command in PREFECT_COMMANDS:
+        return PREFECT_COMMANDS[command](argv[1:])
+    return _in_process(argv)
+
+
+def _in_process(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="yattflow", description="RLHF training where every RL iteration is a Prefect flow.",
+        epilog="Prefect server and deployments: yattflow {server,deploy,run,status} --help",
+    )
+    parser.add_argument("command", choices=["prepare", "train", "demo", *PREFECT_COMMANDS])
     parser.add_argument("-c", "--config", help="run config YAML (default: built-in defaults)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-4 dp=2")
     args = parser.parse_intermixed_args(argv)
-    _quiet_defaults()
 
     from flows.config import ConfigError, load_config
 
@@ -50,6 +86,285 @@ def main(argv: list[str] | None = None) -> int:
               f"→ {pct(summary['heldout_after'])} (after {config.steps} RL steps); final policy: {summary['final_model']}")
     print(f"yattflow {args.command}: done in {time.perf_counter() - start:.0f}s")
     return 0
+
+
+# --------------------------------------------------------------------------- Prefect server side
+
+
+def _api_url() -> str:
+    """``PREFECT_API_URL`` from the environment or the active profile, else the local default."""
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().api.url or f"http://127.0.0.1:{DEFAULT_PORT}/api"
+
+
+def _reachable_api(command: str) -> str | None:
+    """The API URL when a server answers there; else None, after saying so."""
+    url = _api_url()
+    if _healthy(url):
+        return url
+    print(f"yattflow {command}: no Prefect server at {url} (start one with `yattflow server`, or set PREFECT_API_URL)",
+          file=sys.stderr)
+    return None
+
+
+def _use_api(url: str):
+    """Point ``prefect`` subprocesses (environment) and this process's client (settings, read once
+    at import: without this a client would start an ephemeral server) at ``url``."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    os.environ["PREFECT_API_URL"] = url
+    return temporary_settings({PREFECT_API_URL: url})
+
+
+def _healthy(api_url: str) -> bool:
+    try:
+        urllib.request.urlopen(f"{api_url}/health", timeout=2)
+        return True
+    except OSError:
+        return False
+
+
+def _stop(proc: subprocess.Popen, name: str, timeout: float = 20) -> None:
+    """SIGINT first (a Prefect worker exits promptly on it, not on SIGTERM), then kill."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"yattflow: {name} did not stop in {timeout:.0f}s; killing it", file=sys.stderr)
+        proc.kill()
+        proc.wait()
+
+
+async def _ensure_pool(name: str) -> bool:
+    """Create work pool ``name`` from its base job template in deployments/ unless it exists;
+    True when it was created."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+
+    kind, template = POOL_TEMPLATES[name]
+    async with get_client() as client:
+        try:
+            await client.read_work_pool(name)
+            return False
+        except ObjectNotFound:
+            pass
+        await client.create_work_pool(WorkPoolCreate(
+            name=name, type=kind, base_job_template=json.loads(template.read_text()),
+            description=f"yattflow ({template.relative_to(ROOT)})",
+        ))
+        return True
+
+
+def server(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="yattflow server", description=(
+        "Start a local Prefect server on 127.0.0.1 and a process worker for the yattflow-process work pool "
+        "(created if missing). Ctrl-C stops both."))
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="server port (default %(default)s)")
+    parser.add_argument("--no-worker", action="store_true", help="start the server only")
+    args = parser.parse_args(argv)
+
+    from prefect.settings import get_current_settings
+
+    ui_url = f"http://127.0.0.1:{args.port}"
+    api_url = f"{ui_url}/api"
+    if _healthy(api_url):
+        print(f"yattflow server: a Prefect server already answers at {api_url}", file=sys.stderr)
+        return 1
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    # Ctrl-C, and SIGTERM too, stop both children (even where the shell started us with SIGINT ignored)
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
+    env = dict(os.environ, PREFECT_API_URL=api_url)
+    log_path = Path(get_current_settings().home) / "yattflow-server.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    procs: list[tuple[subprocess.Popen, str]] = []
+    try:
+        with open(log_path, "ab") as log:
+            srv = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                    "--port", str(args.port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+        procs.append((srv, "server"))
+        deadline = time.time() + 120
+        while not _healthy(api_url):
+            if srv.poll() is not None or time.time() > deadline:
+                print(f"yattflow server: the Prefect server did not start; see {log_path}", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        if not args.no_worker:
+            with _use_api(api_url):
+                created = asyncio.run(_ensure_pool(PROCESS_POOL))
+            if created:
+                print(f"created work pool {PROCESS_POOL} from deployments/process-gpu.json")
+            worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", PROCESS_POOL,
+                                       "--type", "process"], env=env, cwd=ROOT)
+            procs.append((worker, "worker"))
+        print(f"\nPrefect UI: {ui_url}\n  server log: {log_path}\n  in other shells: export PREFECT_API_URL={api_url}"
+              f"\n  then: yattflow deploy && yattflow run --deployment prepare/prepare --watch && yattflow run steps=5"
+              f"\nCtrl-C stops the server and the worker.\n", flush=True)
+        while all(p.poll() is None for p, _ in procs):
+            time.sleep(0.5)
+        for p, name in procs:
+            if p.poll() is not None:
+                print(f"yattflow server: the {name} exited (code {p.returncode}); stopping", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nyattflow server: stopping", flush=True)
+        return 0
+    finally:
+        for p, name in reversed(procs):  # the worker first, while the server still answers it
+            _stop(p, name)
+
+
+def deploy(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="yattflow deploy", description=(
+        f"Create the {PROCESS_POOL} work pool from deployments/process-gpu.json if missing, then deploy "
+        "train/yattflow and prepare/prepare from deployments/prefect.yaml (`prefect deploy`)."))
+    parser.add_argument("--kubernetes", action="store_true", help=(
+        f"also create the {K8S_POOL} pool (deployments/kubernetes-gpu.json) and deploy train/yattflow-k8s "
+        "(= prefect deploy --all)"))
+    args = parser.parse_args(argv)
+    api_url = _reachable_api("deploy")
+    if api_url is None:
+        return 1
+    with _use_api(api_url):
+        for pool in (PROCESS_POOL, K8S_POOL) if args.kubernetes else (PROCESS_POOL,):
+            if asyncio.run(_ensure_pool(pool)):
+                print(f"created work pool {pool} from {POOL_TEMPLATES[pool][1].relative_to(ROOT)}")
+    names = ["--all"] if args.kubernetes else ["--name", "yattflow", "--name", "prepare"]
+    cmd = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", str(PREFECT_FILE), *names]
+    return subprocess.run(cmd, cwd=ROOT).returncode  # from the checkout: the build step records it
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="yattflow run", description=(
+        f"Start a flow run of a deployment (default {TRAIN_DEPLOYMENT}) with key=value overrides; "
+        f"= prefect deployment run {TRAIN_DEPLOYMENT} --param overrides='[...]'. Prints the run's URL."))
+    parser.add_argument("-c", "--config", help="run config YAML, relative to the checkout (default: the deployment's)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=50 train.lr=1e-4")
+    parser.add_argument("--deployment", default=TRAIN_DEPLOYMENT, help="flow/deployment name (default %(default)s)")
+    parser.add_argument("--work-queue", help="work queue of the run (e.g. the queue of one GPU node)")
+    parser.add_argument("--job-variable", action="append", default=[], metavar="KEY=JSON",
+                        help='job variable for this run, e.g. env=\'{"CUDA_VISIBLE_DEVICES": "2,3"}\' (repeatable)')
+    parser.add_argument("--watch", action="store_true", help="wait for the run to finish; exit 1 unless it completed")
+    args = parser.parse_intermixed_args(argv)
+
+    from flows.config import ConfigError, load_config
+
+    config_file = ROOT / (args.config or "deployments/demo.yaml")  # the deployment runs in the checkout
+    try:  # fail here, not in a worker, on a bad key or value
+        load_config(config_file if config_file.exists() else None, args.overrides)
+    except ConfigError as e:
+        print(f"yattflow run: {e}", file=sys.stderr)
+        return 2
+    job_variables = {}
+    for item in args.job_variable:
+        key, _, raw = item.partition("=")
+        try:
+            job_variables[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            job_variables[key] = raw
+    parameters = {"overrides": args.overrides} | ({"config_file": args.config} if args.config else {})
+    if (api_url := _reachable_api("run")) is None:
+        return 1
+    with _use_api(api_url):
+        return asyncio.run(_run(args.deployment, parameters, args.work_queue, job_variables, args.watch))
+
+
+async def _run(name: str, parameters: dict, work_queue: str | None, job_variables: dict, watch: bool) -> int:
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import arun_deployment
+    from prefect.settings import get_current_settings
+
+    flow_run = await arun_deployment(name, parameters=parameters, timeout=0, as_subflow=False,
+                                     work_queue_name=work_queue, job_variables=job_variables or None)
+    print(f"flow run {flow_run.name} ({flow_run.id}) of {name}: {get_current_settings().ui_url}/runs/flow-run/{flow_run.id}",
+          flush=True)
+    if not watch:
+        return 0
+    async with get_client() as client:
+        while True:
+            flow_run = await client.read_flow_run(flow_run.id)
+            if flow_run.state and flow_run.state.is_final():
+                break
+            await asyncio.sleep(2)
+    print(f"flow run {flow_run.name}: {flow_run.state.name}")
+    return 0 if flow_run.state.is_completed() else 1
+
+
+def status(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="yattflow status", description=(
+        f"The latest flow runs of {TRAIN_DEPLOYMENT}: state, times and the step the run's state.json committed."))
+    parser.add_argument("name", nargs="?", help="only runs with this run name (config `name`)")
+    parser.add_argument("--deployment", default=TRAIN_DEPLOYMENT, help="flow/deployment name (default %(default)s)")
+    parser.add_argument("--limit", type=int, default=10, help="rows (default %(default)s)")
+    args = parser.parse_args(argv)
+    from prefect.exceptions import ObjectNotFound
+
+    if (api_url := _reachable_api("status")) is None:
+        return 1
+    os.chdir(ROOT)  # run configs and relative storage roots are relative to the checkout, as in the worker
+    try:
+        with _use_api(api_url):
+            rows = asyncio.run(_status_rows(args.deployment, args.name, args.limit))
+    except ObjectNotFound:
+        print(f"yattflow status: no deployment {args.deployment} (deploy it: yattflow deploy)", file=sys.stderr)
+        return 1
+    if not rows:
+        print(f"no flow runs of {args.deployment}" + (f" for run '{args.name}'" if args.name else ""))
+        return 0
+    header = ("flow run", "state", "started", "seconds", "run", "steps committed")
+    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
+    for r in (header, *rows):
+        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
+    return 0
+
+
+async def _status_rows(deployment: str, name: str | None, limit: int) -> list[tuple]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    from flows.config import load_config
+    from storage.runstate import RunState
+
+    async with get_client() as client:
+        dep = await client.read_deployment_by_name(deployment)
+        runs = await client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])),
+                                           sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=max(limit * 5, 50))
+    rows, committed = [], {}
+    for r in runs:
+        params = r.parameters or {}
+        try:
+            config_file = params.get("config_file")
+            config = load_config(ROOT / config_file if config_file else None, params.get("overrides") or [])
+        except ValueError:
+            run_name, step = "?", "?"
+        else:
+            run_name = config.name
+            if config.run_uri not in committed:
+                try:
+                    state = RunState.load(config.run_uri)
+                    committed[config.run_uri] = "-" if state is None else state.step + 1  # steps done
+                except Exception:  # noqa: BLE001 - unreadable storage is shown, not fatal
+                    committed[config.run_uri] = "unreadable"
+            done = committed[config.run_uri]
+            step = f"{done}/{config.steps}" if isinstance(done, int) else done
+        if name and run_name != name:
+            continue
+        started = r.start_time.strftime("%Y-%m-%d %H:%M:%S") if r.start_time else "-"
+        seconds = f"{r.total_run_time.total_seconds():.0f}" if r.start_time else "-"
+        rows.append((r.name, r.state.name if r.state else "?", started, seconds, run_name, step))
+        if len(rows) >= limit:
+            break
+    return rows
+
+
+PREFECT_COMMANDS = {"server": server, "deploy": deploy, "run": run, "status": status}
 
 
 if __name__ == "__main__":

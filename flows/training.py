@@ -21,7 +21,7 @@ from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 import tasks
 from engines.host import LocalHosts
 from flows.config import RunConfig, load_config
-from flows.artifacts import Progress, StepProgress, add_point, load_curve, publish_curves
+from flows.artifacts import Curves, Progress, StepProgress
 from storage import objectstore
 from storage.runstate import RunState, checkpoint_uri, commit_checkpoint
 
@@ -185,17 +185,15 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
             state.save(run_uri)  # step -1, no checkpoint: a resume starts from the beginning
             logger.info("held-out accuracy before RL: %s", _pct(state.heldout_before))
         cursors = state.cursors
-        curve = load_curve(run_uri, first)  # a resumed run draws its earlier steps too
-        run_progress = Progress(f"{config.name}-progress", config.steps, done=first)
-        run_progress.start(f"{config.name}: {first} of {config.steps} steps done")
+        run_progress = Progress(f"{config.name}-progress", config.steps, done=first).start(f"{config.name}: {first} of {config.steps} steps done")
+        curves = Curves(config.name, run_uri, config.steps, first, state.heldout_before)
         for step in range(first, end):
             metrics = await iteration(config, step, cursors, end)
             cursors = metrics["cursors"]
             history.append(metrics)
             run_progress.advance(f"{config.name}: {step + 1} of {config.steps} steps done; step {step}: reward "
                                  f"{metrics['reward']:.3f}, rollout accuracy {_pct(metrics['accuracy'])}")
-            curve = add_point(run_uri, curve, metrics)
-            await publish_curves(config.name, curve, config.steps, state.heldout_before)
+            curves.add(metrics)
             logger.info(
                 "step %d/%d reward %.3f accuracy %.3f kept %d dropped %d waves %d (%.1fs, %.1fs in engines)", step + 1, config.steps,
                 metrics["reward"], metrics["accuracy"], metrics["kept_groups"], metrics["dropped_groups"], metrics["waves"],
@@ -207,9 +205,10 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
     before = (RunState.load(run_uri) or state).heldout_before
     summary = {"run": config.name, "steps": config.steps, "heldout_before": before, "heldout_after": after,
                "final_model": final_uri, "history": [{k: v for k, v in m.items() if k != "checkpoint_files"} for m in history]}
-    await acreate_markdown_artifact(key=f"{config.name}-summary", markdown=_summary_markdown(summary))
-    await publish_curves(config.name, curve, config.steps, before, after)
-    await run_progress.flush()
+    await acreate_markdown_artifact(key=f"{config.name}-summary", markdown=_summary_markdown(summary),
+                                    description=f"{config.name}: held-out accuracy {_pct(before)} → {_pct(after)}")
+    curves.finish(after)
+    await asyncio.gather(curves.flush(), run_progress.flush())
     logger.info("held-out accuracy: before RL %s, after RL %s", _pct(before), _pct(after))
     return summary
 

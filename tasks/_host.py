@@ -36,7 +36,7 @@ def describe_call(run: str, group: int, command: str, params: dict) -> str:
     return f"'{command}' on run '{run}' dp-{group}" + (f" with {shown}" if shown else "")
 
 
-def _brief(key: str, value, limit: int = 300) -> str:
+def _brief(key: str, value, limit: int = 1000) -> str:
     """A parameter as a person reads it in a log; the run config is reduced to where its data lives."""
     if key == "config" and isinstance(value, dict):
         fields = {

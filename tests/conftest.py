@@ -37,13 +37,27 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
-    """A real ``prefect server`` (SQLite) on loopback; every flow in the tests reports to it."""
+    """A real ``prefect server`` on loopback; every flow in the tests reports to it.
+
+    Its database is PostgreSQL when Debian's ``postgresql`` is installed (``make system``):
+    on SQLite, concurrent DP-group sub-flows hit "database is locked", and Prefect's client
+    backs off for seconds per retry (stalls of up to a minute were seen). Without it, SQLite.
+    """
     if os.environ.get("PREFECT_API_URL"):
         yield os.environ["PREFECT_API_URL"]
         return
+    from tests.postgres import PostgresCluster, PostgresUnavailable
+
     home = tmp_path_factory.mktemp("prefect-home")
     port = _free_port()
-    env = dict(os.environ, PREFECT_HOME=str(home))
+    # the UI asks the API at PREFECT_UI_API_URL, which otherwise names the default port 4200
+    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_UI_API_URL=f"http://127.0.0.1:{port}/api")
+    try:
+        database = PostgresCluster().start()
+        env["PREFECT_API_DATABASE_CONNECTION_URL"] = database.url
+    except PostgresUnavailable as e:
+        database = None
+        print(f"\n[prefect server] SQLite: {e}")
     log = open(home / "server.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
@@ -65,11 +79,16 @@ def prefect_server(tmp_path_factory):
 
     with temporary_settings({PREFECT_API_URL: url}):  # Prefect reads its settings once per context
         yield url
+        from prefect.logging.handlers import APILogHandler
+
+        APILogHandler.flush()  # send the last log lines while the server still listens
     proc.terminate()
     try:
         proc.wait(timeout=15)
     except subprocess.TimeoutExpired:
         proc.kill()
+    if database is not None:
+        database.stop()
 
 
 @pytest.fixture(scope="session")

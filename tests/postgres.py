@@ -173,47 +173,75 @@ def postgres_cluster(database: str = "prefect", settings: dict[str, str] | None 
 
 def server_env(home: Path, database_url: str | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}  # no client URL, no inherited DB
-    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    # Log the SQLite lock errors it answers 503 to (Prefect 3.8 hides them by default; each one
+    # sends the client into a ~2 s back-off): the server log then shows what the time went on.
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_SERVER_LOG_RETRYABLE_ERRORS="true")
     if database_url:
         env["PREFECT_API_DATABASE_CONNECTION_URL"] = database_url
     return env
 
 
-@contextlib.contextmanager
-def prefect_server(database_url: str | None = None, home: str | Path | None = None, ui: bool = False,
-                   timeout: float = 120) -> Iterator[str]:
-    """A real ``prefect server start`` on a free loopback port; yields its API URL.
+class PrefectServer:
+    """``prefect server start`` on a free loopback port, in its own process group.
 
-    ``database_url``: ``PREFECT_API_DATABASE_CONNECTION_URL`` (e.g. from :func:`postgres_cluster`);
-    None: Prefect's default SQLite database in ``home`` (a temporary folder unless given).
-    The server runs in its own process group, stopped (SIGTERM, then SIGKILL) on exit."""
-    made = home is None
-    home = Path(tempfile.mkdtemp(prefix="yattflow-prefect-")) if made else Path(home)
-    home.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    log = open(home / "server.log", "wb")
-    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port),
-           "--ui" if ui else "--no-ui"]
-    proc = subprocess.Popen(cmd, env=server_env(home, database_url), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    log.close()
-    url = f"http://127.0.0.1:{port}/api"
-    try:
+    ``database_url``: ``PREFECT_API_DATABASE_CONNECTION_URL`` (e.g. a :class:`PostgresCluster`'s
+    ``url``); None: Prefect's default SQLite database in ``home``. ``home`` is ``PREFECT_HOME``
+    (a temporary folder, removed on stop, unless given); its ``server.log`` has the output."""
+
+    def __init__(self, database_url: str | None = None, home: str | Path | None = None, ui: bool = False):
+        self.database_url, self.ui = database_url, ui
+        self._made_home = home is None
+        self.home = Path(tempfile.mkdtemp(prefix="yattflow-prefect-")) if home is None else Path(home)
+        self.port: int | None = None
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    @property
+    def log_path(self) -> Path:
+        return self.home / "server.log"
+
+    def start(self, timeout: float = 120) -> "PrefectServer":
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port),
+               "--ui" if self.ui else "--no-ui"]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, env=server_env(self.home, self.database_url), stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while True:
             try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
+                urllib.request.urlopen(f"{self.url}/health", timeout=2)
+                return self
             except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    tail = (home / "server.log").read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"prefect server did not start (exit code {proc.poll()}):\n{tail}") from None
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    tail = self.log_path.read_text(errors="replace")[-3000:]
+                    self.stop()
+                    raise RuntimeError(f"prefect server did not start (exit code {self.proc.poll()}):\n{tail}") from None
                 time.sleep(0.3)
-        yield url
-    finally:
-        _stop_group(proc)
-        if made:
-            shutil.rmtree(home, ignore_errors=True)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop_group(self.proc)
+            self.proc = None
+        if self._made_home:
+            shutil.rmtree(self.home, ignore_errors=True)
+
+    def __enter__(self) -> "PrefectServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def prefect_server(database_url: str | None = None, home: str | Path | None = None, ui: bool = False) -> Iterator[str]:
+    """A running :class:`PrefectServer`; yields its API URL (``http://127.0.0.1:PORT/api``)."""
+    with PrefectServer(database_url, home, ui) as server:
+        yield server.url
 
 
 def _stop_group(proc: subprocess.Popen, timeout: float = 15) -> None:
@@ -245,17 +273,20 @@ with open(sys.argv[3], "w") as f:
 
 
 def run_flow_subprocess(api_url: str, target: str, timeout: float = 1800, env: dict[str, str] | None = None,
-                        **kwargs) -> object:
+                        log_path: str | Path | None = None, prefix: list[str] | None = None, **kwargs) -> object:
     """Call the flow ``module:function`` with ``kwargs`` in a fresh Python process whose
-    ``PREFECT_API_URL`` is ``api_url``; returns its (JSON) result. Raises with the output's
-    tail if the flow fails."""
+    ``PREFECT_API_URL`` is ``api_url``; returns its (JSON) result. ``log_path`` keeps the
+    process's output; ``prefix`` wraps the command (e.g. a profiler). Raises with the
+    output's tail if the flow fails."""
     with tempfile.TemporaryDirectory(prefix="yattflow-flow-") as tmp:
         out = Path(tmp) / "result.json"
+        log = Path(log_path) if log_path else Path(tmp) / "output.log"
         child_env = {**os.environ, **(env or {}), "PREFECT_API_URL": api_url,
                      "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
         child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), child_env.get("PYTHONPATH")]))
-        done = subprocess.run([sys.executable, "-c", _RUNNER, target, json.dumps(kwargs), str(out)], cwd=ROOT,
-                              env=child_env, capture_output=True, text=True, timeout=timeout)
-        if done.returncode != 0:
-            raise RuntimeError(f"{target} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-6000:]}")
+        cmd = [*(prefix or []), sys.executable, "-c", _RUNNER, target, json.dumps(kwargs), str(out)]
+        with open(log, "wb") as f:
+            done = subprocess.run(cmd, cwd=ROOT, env=child_env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(f"{target} failed ({done.returncode}):\n{log.read_text(errors='replace')[-6000:]}")
         return json.loads(out.read_text())

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
-    ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterParentFlowRunId, LogFilter, LogFilterTaskRunId,
+    ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey, FlowRunFilter, FlowRunFilterParentFlowRunId, LogFilter, LogFilterTaskRunId,
 )
 from prefect.client.schemas.sorting import LogSort
 
@@ -49,9 +49,10 @@ async def _run_ids(run: str) -> dict[str, str]:
         return {"train": str(top.id), "iteration": str(it.id), "dp0": str(dp0.id)}
 
 
-async def _artifacts(key: str) -> list:
+async def _artifacts(key: str, flow_run_id: str) -> list:
     async with get_client() as client:
-        return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+        return await client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
 
 
 def _keep(path: Path) -> Path:
@@ -66,30 +67,47 @@ def _keep(path: Path) -> Path:
 
 
 class Browser:
-    """One headless Chromium page on the Prefect UI."""
+    """One headless Chromium page on the Prefect UI, used the way a person uses it: open a
+    page, click a tab or a card, read the text, take a screenshot."""
 
     def __init__(self, base_url: str, out: Path):
-        from playwright.sync_api import sync_playwright
-
         self.base, self.out = base_url, out
-        self._pw = sync_playwright().start()
-        self._browser = self._pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-        self.page = self._browser.new_page(viewport={"width": 1600, "height": 1100})
+        self._pw = self._browser = self.page = None
 
-    def open(self, path: str, *expected: str, shot: str | None = None, timeout_s: float = 60) -> str:
-        """Go to ``path``, wait until every ``expected`` text shows, screenshot, and return the page text."""
+    def open(self, path: str, tab: str | None = None) -> "Browser":
+        if self.page is None:  # started on first use: Playwright's sync API keeps an event loop running
+            from playwright.sync_api import sync_playwright
+
+            self._pw = sync_playwright().start()
+            self._browser = self._pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+            self.page = self._browser.new_page(viewport={"width": 1600, "height": 1100})
         self.page.goto(self.base + path)
-        for text in expected:
+        if tab:  # the run page opens on Logs whatever ?tab= says; click like a person
+            self.click(tab)
+        return self
+
+    def click(self, text: str) -> "Browser":
+        self.page.get_by_text(text, exact=True).first.click()
+        return self
+
+    def wait_for(self, *texts: str, timeout_s: float = 60) -> "Browser":
+        for text in texts:
             self.page.get_by_text(text, exact=False).first.wait_for(timeout=timeout_s * 1000)
-        self.page.wait_for_load_state("networkidle")
-        if shot:
-            self.page.screenshot(path=str(self.out / shot), full_page=True)
-            _keep(self.out / shot)
+        return self
+
+    def text(self) -> str:
         return self.page.inner_text("body")
 
+    def shot(self, name: str) -> Path:
+        self.page.wait_for_load_state("networkidle")
+        path = self.out / name
+        self.page.screenshot(path=str(path), full_page=True)
+        return _keep(path)
+
     def close(self) -> None:
-        self._browser.close()
-        self._pw.stop()
+        if self._pw is not None:
+            self._browser.close()
+            self._pw.stop()
 
 
 @pytest.fixture
@@ -109,63 +127,70 @@ def test_ui_shows_every_step_and_the_curves(prepared, browser):
     a DP group its stage tasks, all Completed; the curves and progress artifacts show."""
     run_train(prepared, "name=uitest", "steps=2", "dp=2")
     ids = asyncio.run(_run_ids("uitest"))
+    # Through the API first (the browser's event loop rules out asyncio.run later): one curves
+    # artifact for the run, redrawn in place after every step rather than a version per step.
+    (curves,) = asyncio.run(_artifacts("uitest-curves", ids["train"]))
+    assert "2 of 2 steps" in curves.data
+    (progress,) = asyncio.run(_artifacts("uitest-progress", ids["train"]))
+    assert progress.data == 100
 
     # The run: its iteration sub-flows, Completed.
-    text = browser.open(f"/runs/flow-run/{ids['train']}?tab=Subflow%20Runs", "iteration-0000", "iteration-0001",
-                        shot="1-train-subflows.png")
-    assert "train-uitest" in text and "iteration-0000" in text and "iteration-0001" in text
-    assert "Completed" in text
+    browser.open(f"/runs/flow-run/{ids['train']}", "Subflow Runs").wait_for("iteration-0000", "iteration-0001")
+    browser.shot("1-train-subflows.png")
+    text = browser.text()
+    assert "train-uitest" in text and "2 Flow runs" in text and text.count("Completed") >= 3, text
 
     # One iteration: its DP-group sub-flows (the controllers), Completed.
-    text = browser.open(f"/runs/flow-run/{ids['iteration']}?tab=Subflow%20Runs", "iteration-0000-dp-0",
-                        "iteration-0000-dp-1", shot="2-iteration-dp-groups.png")
-    assert "iteration-0000-dp-0" in text and "iteration-0000-dp-1" in text and "Completed" in text
+    browser.open(f"/runs/flow-run/{ids['iteration']}", "Subflow Runs").wait_for("iteration-0000-dp-0", "iteration-0000-dp-1")
+    browser.shot("2-iteration-dp-groups.png")
+    text = browser.text()
+    assert "2 Flow runs" in text and text.count("Completed") >= 3, text
 
     # One DP group: every stage task by name, each Completed.
     stages = ["rollout dp=0 wave=0", "genrm_score dp=0 wave=0", "dynamic_filter dp=0 wave=0", "train_step dp=0",
-              "sync_weights dp=0"]
-    text = browser.open(f"/runs/flow-run/{ids['dp0']}?tab=Task%20Runs", *stages, shot="3-dp-group-tasks.png")
-    for name in stages:
-        assert name in text, name
-    assert text.count("Completed") >= len(stages)
-    assert "Failed" not in text
+              "sync_weights dp=0"]  # no checkpoint at step 0 of 2
+    browser.open(f"/runs/flow-run/{ids['dp0']}", "Task Runs").wait_for(*stages)
+    browser.shot("3-dp-group-tasks.png")
+    text = browser.text()
+    n = text.count(" dp=0")
+    assert n >= len(stages) and f"{n} Task runs" in text and f"({n} Completed)" in text, text
 
-    # The DP group's live progress artifact (100% once the step is done).
-    text = browser.open(f"/runs/flow-run/{ids['dp0']}?tab=Artifacts", "uitest-dp-0-progress", shot="4-dp-group-artifacts.png")
-    assert "uitest-dp-0-progress" in text
+    # The DP group's live progress artifact: all stages done.
+    browser.open(f"/runs/flow-run/{ids['dp0']}", "Artifacts").click("uitest-dp-0-progress").wait_for("Progress: 100%")
+    browser.shot("4-dp-group-progress.png")
+    assert "dp-0 step 0: sync_weights done (5/5 stages)" in browser.text()
 
-    # The run's artifacts: curves, summary, progress, per-iteration table.
-    text = browser.open(f"/runs/flow-run/{ids['train']}?tab=Artifacts", "uitest-curves", shot="5-train-artifacts.png")
-    for key in ("uitest-curves", "uitest-summary", "uitest-progress"):
-        assert key in text, key
-
-    # The curves page: the chart of reward and accuracy per step.
-    text = browser.open("/artifacts/key/uitest-curves", "reward and accuracy, 2 of 2 steps", shot="6-curves.png")
-    assert "rollout accuracy" in text and "Held-out exact match" in text
-    assert any(c in text for c in "▁▂▃▄▅▆▇█"), "no sparkline on the curves page"
-
-    # The same through the API: one curves version per step plus the final one; progress at 100%.
-    assert len(asyncio.run(_artifacts("uitest-curves"))) == 3
-    progress = max(asyncio.run(_artifacts("uitest-progress")), key=lambda a: a.created)
-    assert progress.data == 100, progress
+    # The run's artifacts: curves, progress and summary cards ...
+    browser.open(f"/runs/flow-run/{ids['train']}", "Artifacts").wait_for("uitest-curves", "uitest-progress", "uitest-summary")
+    browser.shot("5-train-artifacts.png")
+    assert "uitest: 2 of 2 steps done" in browser.text()
+    # ... and the curves themselves: a table of sparklines, a bar per step.
+    browser.click("uitest-curves").wait_for("reward and accuracy, 2 of 2 steps", "Rollout accuracy per step")
+    browser.shot("6-curves.png")
+    text = browser.text()
+    assert "Held-out exact match" in text and "reward (mean)" in text
+    assert any(c in text for c in "▁▂▃▄▅▆▇") and "█" in text, "no chart on the curves page"
 
 
-def test_failed_task_keeps_its_inputs(prepared, tmp_path):
-    """Storage that stops taking writes mid-run: the rollout task fails, and its failed state
-    and its log name the command and its inputs (step, wave, cursor, output URI)."""
+FAILED_INPUTS = "'rollout' on run 'uifail' dp-0 with step=0, wave=0, cursor=0, count=4"
+FAILED_OUT = "/runs/uifail/steps/000000/rollouts/group=0/part-000.parquet"
+
+
+@pytest.fixture(scope="module")
+def failed_rollout(prepared) -> dict:
+    """A real run whose storage stops taking writes after setup (a file stands where the step
+    folders go): its first rollout fails. Returns the exception text, the failed task runs and
+    the failed task's logs as the API has them."""
     run_dir = Path(prepared) / "runs" / "uifail"
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "steps").write_text("a file where the run's step folders go")  # every stage write now fails
+    (run_dir / "steps").write_text("a file where the run's step folders go")
     try:
         with pytest.raises(Exception) as err:
             run_train(prepared, "name=uifail", "steps=1", "dp=1")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    out_uri = "/runs/uifail/steps/000000/rollouts/group=0/part-000.parquet"
-    for needed in ("'rollout' on run 'uifail' dp-0 with step=0, wave=0, cursor=0, count=4", out_uri):
-        assert needed in str(err.value), str(err.value)
 
-    async def failed_task():
+    async def read_back():
         async with get_client() as client:
             top = await _flow_run(client, "train-uifail")
             it = await _flow_run(client, "iteration-0000", top.id)
@@ -176,26 +201,61 @@ def test_failed_task_keeps_its_inputs(prepared, tmp_path):
             for _ in range(40):  # logs reach the API in batches
                 logs = await client.read_logs(
                     log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[failed[0].id])), sort=LogSort.TIMESTAMP_ASC)
-                if any("failed" in log.message for log in logs):
+                if any(log.level >= 40 for log in logs):
                     break
                 await asyncio.sleep(0.5)
-            return top, failed, logs
+            return {"error": str(err.value), "run_failed": top.state.is_failed(), "failed": failed, "logs": logs}
 
-    top, failed, logs = asyncio.run(failed_task())
-    assert top.state.is_failed()
-    assert [t.name for t in failed] == ["rollout dp=0 wave=0"]
-    message = failed[0].state.message
-    assert "'rollout' on run 'uifail' dp-0 with step=0, wave=0, cursor=0, count=4" in message and out_uri in message, message
-    errors = [log.message for log in logs if log.level >= 40]
-    assert any("cursor=0" in m and out_uri in m and "steps" in m for m in errors), [log.message for log in logs]
-    test_failed_task_keeps_its_inputs.task_run_id = str(failed[0].id)  # for the browser test below
+    return asyncio.run(read_back())
+
+
+def test_failed_task_keeps_its_inputs(failed_rollout):
+    """The failed rollout's exception, its state message (what the UI shows) and its log name
+    the command and its inputs — step, wave, cursor, output URI — and the host's error."""
+    assert FAILED_INPUTS in failed_rollout["error"] and FAILED_OUT in failed_rollout["error"], failed_rollout["error"]
+    assert failed_rollout["run_failed"]
+    assert [t.name for t in failed_rollout["failed"]] == ["rollout dp=0 wave=0"]
+    message = failed_rollout["failed"][0].state.message
+    assert FAILED_INPUTS in message and FAILED_OUT in message and "NotADirectoryError" in message, message
+    errors = [log.message for log in failed_rollout["logs"] if log.level >= 40]
+    assert any(FAILED_INPUTS in m and FAILED_OUT in m and "NotADirectoryError" in m for m in errors), errors
 
 
 @needs_browser
-def test_ui_shows_a_failed_tasks_inputs(browser):
-    """The failed rollout's page in the UI shows its inputs in its log."""
-    task_run_id = getattr(test_failed_task_keeps_its_inputs, "task_run_id", None)
-    if task_run_id is None:
-        pytest.skip("needs test_failed_task_keeps_its_inputs to have run first")
-    text = browser.open(f"/runs/task-run/{task_run_id}", "rollout dp=0 wave=0", "cursor=0", shot="7-failed-task.png")
-    assert "Failed" in text and "'rollout' on run 'uifail' dp-0 with step=0, wave=0, cursor=0" in text
+def test_ui_shows_a_failed_tasks_inputs(failed_rollout, browser):
+    """The failed rollout's page in the UI: Failed, and its inputs in its log."""
+    task_run_id = failed_rollout["failed"][0].id
+    browser.open(f"/runs/task-run/{task_run_id}").wait_for("rollout dp=0 wave=0", "engine host command failed")
+    browser.shot("7-failed-task.png")
+    text = browser.text()
+    assert "Failed" in text and FAILED_INPUTS in text and FAILED_OUT in text, text
+
+
+# ------------------------------------------------------------------- what the artifacts say
+
+
+def test_curves_markdown_stays_small_on_long_runs():
+    """500 steps: sparklines stay 60 characters wide, bars show the latest 40 steps, a negative
+    reward (overlong penalty) widens the scale instead of breaking the bars."""
+    from flows.artifacts import bar, curves_markdown, sparkline
+
+    points = [{"step": i, "reward": -0.5 + i / 500, "accuracy": i / 500, "kept_groups": 4, "loss": 0.1, "seconds": 2.0}
+              for i in range(500)]
+    md = curves_markdown("long", points, 1000, 0.3)
+    assert "500 of 1000 steps" in md and "**30.0%** before RL" in md
+    sparks = [line.split("`")[1] for line in md.splitlines() if line.startswith("| reward (mean)")]
+    assert len(sparks[0]) == 60 and sparks[0][0] == "▁" and sparks[0][-1] == "█"
+    assert "the latest 40 steps, bars from -0.500 to 1.000" in md
+    assert md.count("\n   499  ") == 2 and "\n   459  " not in md
+    assert bar(0.5, 0.0, 1.0, width=4) == "██" and bar(None, 0.0, 1.0) == "" and sparkline([]) == ""
+
+
+def test_describe_call_names_inputs_not_data():
+    from tasks._host import describe_call
+
+    config = {"name": "demo", "dp": 2, "storage": {"root": "s3://b/p"}, "data": {"prompts": "data/train"},
+              "model": {"policy": "models/p", "judge": "models/j"}, "train": {"lr": 1e-5}}
+    text = describe_call("demo", 1, "setup", {"config": config, "resume": None})
+    assert text == ("'setup' on run 'demo' dp-1 with config={name: 'demo', dp: 2, storage.root: 's3://b/p', "
+                    "data.prompts: 'data/train', model.policy: 'models/p', model.judge: 'models/j'}, resume=None")
+    assert "chars)" in describe_call("demo", 0, "filter", {"scored": ["s3://x/" + "y" * 100] * 20})

@@ -1,0 +1,392 @@
+"""Deployments, the Prefect way, on real components: the session's real ``prefect server``,
+work pools created from ``deployments/*.json`` with ``prefect work-pool create``, a real
+``prefect deploy`` of ``deployments/prefect.yaml``, a real ``prefect worker start`` process
+that runs the flow runs as subprocesses, and the server's own scheduler. Every assertion on
+Prefect reads states back through the client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    DeploymentFilter,
+    DeploymentFilterName,
+    FlowRunFilter,
+    FlowRunFilterParentFlowRunId,
+)
+
+from tests.conftest import TINY
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOYMENTS = ROOT / "deployments"
+POOLS = {"yattflow-process": ("process", DEPLOYMENTS / "process-gpu.json"),
+         "yattflow-k8s": ("kubernetes", DEPLOYMENTS / "kubernetes-gpu.json")}
+
+
+CLI_SECONDS: list[float] = []  # how long a plain `prefect` command takes on this machine now
+
+
+def prefect(*args: str, timeout: float = 240) -> str:
+    """Run the real ``prefect`` CLI from the checkout; its output, or a failure that shows it."""
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", *args], cwd=ROOT, env=dict(os.environ),
+                          capture_output=True, text=True, timeout=timeout)
+    if args[0] != "deploy":
+        CLI_SECONDS.append(time.time() - start)
+    assert proc.returncode == 0, f"prefect {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def yattflow(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=dict(os.environ),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def client_call(fn):
+    async def go():
+        async with get_client() as client:
+            return await fn(client)
+
+    return asyncio.run(go())
+
+
+async def children(client, flow_run_id) -> list:
+    return await client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
+
+
+def wait_final(flow_run_id, timeout: float = 360):
+    deadline = time.time() + timeout
+    while True:
+        run = client_call(lambda c: c.read_flow_run(flow_run_id))
+        if run.state and run.state.is_final():
+            return run
+        assert time.time() < deadline, f"flow run {run.name} still {run.state.name if run.state else None} after {timeout}s"
+        time.sleep(1)
+
+
+# ---------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def pools(prefect_server):
+    """Both work pools, created (or overwritten) from the templates in deployments/."""
+    for name, (kind, template) in POOLS.items():
+        prefect("work-pool", "create", name, "--type", kind, "--base-job-template", str(template), "--overwrite")
+    return POOLS
+
+
+@pytest.fixture(scope="module")
+def deployed(pools):
+    """``prefect deploy --all`` of deployments/prefect.yaml, from the repository root."""
+    out = prefect("deploy", "--prefect-file", str(DEPLOYMENTS / "prefect.yaml"), "--all", timeout=300)
+    for name in ("train/yattflow", "prepare/prepare", "train/yattflow-k8s"):
+        assert f"Deployment '{name}' successfully created" in out, out
+    return out
+
+
+@pytest.fixture(scope="module")
+def worker(pools, tmp_path_factory):
+    """A real process worker on the yattflow-process pool, polling every second."""
+    log_path = tmp_path_factory.mktemp("worker") / "worker.log"
+    env = dict(os.environ, PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="10")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "yattflow-process",
+                                 "--type", "process", "--name", "test-worker"], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while "started!" not in log_path.read_text():
+        assert proc.poll() is None and time.time() < deadline, f"worker did not start:\n{log_path.read_text()}"
+        time.sleep(0.5)
+    yield log_path
+    proc.send_signal(signal.SIGINT)  # a worker exits on SIGINT, not promptly on SIGTERM
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# ---------------------------------------------------------------------------------- work pools
+
+
+def render_job(template: dict, values: dict) -> dict:
+    """A job as a worker renders it (``BaseJobConfiguration.from_template_and_values``: pool
+    defaults, then job variables), keeping every field the template produces."""
+    from prefect.workers.base import BaseJobConfiguration
+    from pydantic import ConfigDict
+
+    class Job(BaseJobConfiguration):
+        model_config = ConfigDict(extra="allow")
+
+    return asyncio.run(Job.from_template_and_values(template, values)).model_dump()
+
+
+def test_work_pools_from_the_templates(pools):
+    """Both pools exist on the real server with the templates as written; the worker-side
+    rendering puts GPUs where each platform reads them."""
+    for name, (kind, template) in pools.items():
+        pool = client_call(lambda c, n=name: c.read_work_pool(n))
+        assert pool.type == kind
+        assert pool.base_job_template == json.loads(template.read_text())
+
+    k8s = json.loads(POOLS["yattflow-k8s"][1].read_text())
+    job = render_job(k8s, {"gpus": 4, "image": "registry.example.com/yattflow:1", "namespace": "rl"})
+    pod = job["job_manifest"]["spec"]["template"]["spec"]
+    resources = pod["containers"][0]["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == 4 and resources["requests"]["nvidia.com/gpu"] == 4
+    assert pod["containers"][0]["image"] == "registry.example.com/yattflow:1"
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert pod["volumes"][0]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+
+    process = json.loads(POOLS["yattflow-process"][1].read_text())
+    job = render_job(process, {"env": {"CUDA_VISIBLE_DEVICES": "2,3"}})
+    assert job["env"]["CUDA_VISIBLE_DEVICES"] == "2,3" and job["env"]["HF_HUB_OFFLINE"] == "1"  # merged, not replaced
+
+
+# ---------------------------------------------------------------------------------- deploy + run
+
+
+@pytest.mark.slow
+def test_deploy_and_run_on_a_process_worker(prepared, deployed, worker):
+    """`prefect deployment run 'train/yattflow' --param overrides=[...]` runs to Completed on the
+    worker; every iteration, DP-group sub-flow and stage task is on the API, Completed."""
+    dep = client_call(lambda c: c.read_deployment_by_name("train/yattflow"))
+    assert dep.global_concurrency_limit.limit == 1
+    assert dep.concurrency_options.collision_strategy.value == "ENQUEUE"
+    assert dep.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
+    [nightly] = dep.schedules
+    assert nightly.schedule.cron == "0 3 * * *" and nightly.active is False  # an example, off until turned on
+    assert "steps_per_run=20" in nightly.parameters["overrides"]
+    k8s = client_call(lambda c: c.read_deployment_by_name("train/yattflow-k8s"))
+    assert k8s.work_pool_name == "yattflow-k8s" and k8s.job_variables["gpus"] == 2
+    with pytest.raises(Exception, match="gpus"):  # the server checks run job variables against the pool's schema
+        client_call(lambda c: c.create_flow_run_from_deployment(k8s.id, job_variables={"gpus": "lots"}))
+
+    overrides = TINY + [f"storage.root={prepared}", "name=deptest", "steps=2", "dp=2"]
+    out = prefect("deployment", "run", "train/yattflow", "--param", f"overrides={json.dumps(overrides)}")
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+    # Meanwhile `yattflow run` (= prefect deployment run ...) of the prepare deployment, another
+    # deployment so it may run alongside; everything exists, so it only checks and skips.
+    prepare = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--deployment", "prepare/prepare", "--watch",
+                                *TINY, f"storage.root={prepared}"], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    run = wait_final(flow_run_id)
+    assert run.state.is_completed(), f"{run.name}: {run.state.name} {run.state.message}\n{worker.read_text()[-3000:]}"
+    assert run.name == "train-deptest" and run.deployment_id == dep.id
+
+    async def tree(client):
+        found = {}
+        for it in await children(client, flow_run_id):
+            found[it.name] = (it.state.type.value, None)
+            for group in await children(client, it.id):
+                task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [group.id]}))
+                found[group.name] = (group.state.type.value, {t.name: t.state.type.value for t in task_runs})
+        return found
+
+    found = client_call(tree)
+    assert sorted(n for n in found if "-dp-" not in n) == ["iteration-0000", "iteration-0001"]
+    for step in (0, 1):
+        assert found[f"iteration-{step:04d}"][0] == "COMPLETED"
+        for g in (0, 1):
+            state, task_runs = found[f"iteration-{step:04d}-dp-{g}"]
+            assert state == "COMPLETED"
+            assert {f"rollout dp={g} wave=0", f"genrm_score dp={g} wave=0", f"dynamic_filter dp={g} wave=0",
+                    f"train_step dp={g}", f"sync_weights dp={g}"} <= set(task_runs)
+            assert set(task_runs.values()) == {"COMPLETED"}
+    assert json.loads((Path(prepared) / "runs" / "deptest" / "state.json").read_text())["step"] == 1
+
+    # the CLI reads the same back: the run, its state and the committed step
+    status = yattflow("status", "deptest")
+    assert status.returncode == 0 and re.search(r"train-deptest\s+Completed .* deptest\s+2/2", status.stdout), status
+
+    ran, _ = prepare.communicate(timeout=120)
+    assert prepare.returncode == 0, ran
+    assert "of prepare/prepare: http://" in ran and "/runs/flow-run/" in ran and ran.strip().endswith("Completed"), ran
+    bad = yattflow("run", "train.lr=-1")  # checked here, before any flow run is created
+    assert bad.returncode == 2 and "field 'train.lr'" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------- schedule
+
+
+def _prompt_part(prepared: str, folder: Path, name: str, start: int, rows: int) -> list[int]:
+    table = pq.read_table(Path(prepared) / "data" / "train").slice(start, rows)
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, folder / f".{name}.tmp")
+    (folder / f".{name}.tmp").rename(folder / name)  # whole files only, as a data pipeline would drop them
+    return table.column("prompt_id").to_pylist()
+
+
+def _stage_ids(run_dir: Path, stage: str) -> dict[int, list[int]]:
+    """prompt_ids per step (every group, every wave) of one stage's outputs."""
+    return {int(step.name): [i for f in sorted(step.glob(f"{stage}/group=*/*.parquet"))
+                             for i in set(pq.read_table(f).column("prompt_id").to_pylist())]
+            for step in sorted((run_dir / "steps").iterdir())}
+
+
+@pytest.mark.slow
+def test_schedule_continues_the_run_and_runs_never_overlap(prepared, pools, worker, tmp_path):
+    """An RRULE schedule fires twice, 5 s apart, on a deployment of the same prefect.yaml entry with
+    ``steps_per_run=2``: the second firing waits for the first (deployment concurrency limit 1,
+    ENQUEUE), then trains steps 2-3 from the first one's checkpoint, on prompts it has not trained —
+    including a prompt file that arrived while the first run was training."""
+    prompts = tmp_path / "prompts"
+    first_ids = _prompt_part(prepared, prompts, "part-00000.parquet", 0, 24)  # 12 per DP group
+    spec = yaml.safe_load((DEPLOYMENTS / "prefect.yaml").read_text())
+    [entry] = [d for d in spec["deployments"] if d["name"] == "yattflow"]
+    # the first firing must come after the deploy below and the scheduler's next pass (5 s)
+    margin = max(20.0, 2 * max(CLI_SECONDS, default=0) + 10)
+    start = (datetime.now(timezone.utc) + timedelta(seconds=margin)).replace(microsecond=0)
+    # Without the dynamic filter every wave keeps enough groups: exactly 4 prompts per group per step.
+    overrides = TINY + [f"storage.root={prepared}", f"data.prompts={prompts}", "name=schedtest", "steps=4",
+                        "steps_per_run=2", "dp=2", "sampling.filter_equal_rewards=false"]
+    entry.update(name="yattflow-schedtest", parameters={"config_file": "deployments/demo.yaml", "overrides": overrides},
+                 schedules=[{"rrule": f"DTSTART:{start:%Y%m%dT%H%M%SZ}\nRRULE:FREQ=SECONDLY;INTERVAL=5;COUNT=2",
+                             "active": True}])
+    spec["deployments"] = [entry]
+    (tmp_path / "prefect.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    prefect("deploy", "--prefect-file", str(tmp_path / "prefect.yaml"), "--name", "yattflow-schedtest")
+    assert datetime.now(timezone.utc) < start - timedelta(seconds=6), "deploy took too long: the first firing is missed"
+
+    def scheduled():
+        return client_call(lambda c: c.read_flow_runs(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["yattflow-schedtest"]))))
+
+    deadline = time.time() + 120
+    while len(runs := scheduled()) < 2:
+        assert time.time() < deadline, f"the scheduler created {len(runs)} of 2 runs"
+        time.sleep(1)
+    early, late = sorted(runs, key=lambda r: r.expected_start_time)
+    assert early.auto_scheduled and late.auto_scheduled
+    assert late.expected_start_time - early.expected_start_time == timedelta(seconds=5)
+
+    # New prompts arrive once the run that started has its engine hosts up and the prompt stream
+    # read (setup runs before the first iteration): that run does not see them, the other must.
+    deadline = time.time() + 240
+    while not any(c.name == "iteration-0000" for r in runs for c in client_call(lambda c, i=r.id: children(c, i))):
+        assert time.time() < deadline, "no run reached its first iteration"
+        time.sleep(1)
+    new_ids = _prompt_part(prepared, prompts, "part-00001.parquet", 24, 24)
+
+    done = [wait_final(r.id, timeout=400) for r in runs]
+    assert all(r.state.is_completed() for r in done), worker.read_text()[-3000:]
+    history = {r.id: client_call(lambda c, i=r.id: c.read_flow_run_states(i)) for r in done}
+    running = {r.id: next(s.timestamp for s in history[r.id] if s.name == "Running") for r in done}
+    finished = {r.id: next(s.timestamp for s in history[r.id] if s.is_final()) for r in done}
+    first, second = sorted(done, key=lambda r: running[r.id])  # (the schedule's order, unless a worker poll raced)
+
+    # Scheduled: the first started within seconds of its RRULE time.
+    assert abs((first.start_time - first.expected_start_time).total_seconds()) < 15
+    # Never alongside: the second waited for the concurrency slot, and its Running began after
+    # the first had finished.
+    names = [s.name for s in history[second.id]]
+    assert "AwaitingConcurrencySlot" in names, names
+    assert running[first.id] < finished[first.id] <= running[second.id]
+
+    # The second continued the first: steps 2-3, from the checkpoint of step 1.
+    its = {r.id: sorted(c.name for c in client_call(lambda c, i=r.id: children(c, i))) for r in (first, second)}
+    assert its[first.id] == ["iteration-0000", "iteration-0001"]
+    assert its[second.id] == ["iteration-0002", "iteration-0003"]
+    run_dir = Path(prepared) / "runs" / "schedtest"
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["step"] == 3 and state["cursors"] == [16, 16]
+    assert json.loads((run_dir / "checkpoints" / "000003" / "prompts.json").read_text())["files"] == [
+        ["part-00000.parquet", 24], ["part-00001.parquet", 24]]
+
+    # No prompt drawn or trained twice across both runs; the second reached the new file.
+    for stage in ("rollouts", "experience"):
+        ids = [i for step in _stage_ids(run_dir, stage).values() for i in step]
+        assert len(ids) == len(set(ids)), f"{stage}: a prompt appears in two steps"
+    rolled = _stage_ids(run_dir, "rollouts")
+    assert sorted(rolled) == [0, 1, 2, 3]
+    assert set(rolled[0] + rolled[1]) <= set(first_ids)
+    assert set(rolled[2] + rolled[3]) & set(new_ids)
+
+
+# ---------------------------------------------------------------------------------- prompt files
+
+
+def test_new_prompt_files_extend_each_stream_and_reordering_is_refused(tmp_path):
+    """Part files added after the existing ones only extend every DP group's stream, so cursors keep
+    their prompts; a file that sorts before a trained one (or a changed file) stops the resume."""
+    import pyarrow as pa
+
+    from engines.host import EngineHost
+
+    def part(name: str, ids: range) -> None:
+        pq.write_table(pa.table({"prompt_id": list(ids), "prompt": [f"{i}+1=" for i in ids], "answer": ["x"] * len(ids)}),
+                       tmp_path / "prompts" / name)
+
+    (tmp_path / "prompts").mkdir()
+    part("part-00000.parquet", range(0, 10))
+    uri = f"file://{tmp_path / 'prompts'}"
+    hosts = [EngineHost(rank, 3, 1) for rank in range(3)]
+    before = [[r["prompt_id"] for r in h._load_prompts(uri)] for h in hosts]
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "prompts.json").write_text(json.dumps({"files": EngineHost._prompt_files(uri)}))
+
+    part("part-00001.parquet", range(10, 17))
+    for h, old in zip(hosts, before):
+        stream = [r["prompt_id"] for r in h._load_prompts(uri)]
+        assert stream[: len(old)] == old and len(stream) > len(old)
+        h.prompt_files = EngineHost._prompt_files(uri)
+        h._check_prompt_files(uri, f"file://{checkpoint}")  # accepted
+
+    part("extra.parquet", range(20, 23))  # sorts before part-00000: every position would shift
+    hosts[0].prompt_files = EngineHost._prompt_files(uri)
+    with pytest.raises(ValueError, match=r"part file 1 \(name order\) was 'part-00000.parquet' \(10 rows\).*'extra.parquet'"):
+        hosts[0]._check_prompt_files(uri, f"file://{checkpoint}")
+
+
+# ---------------------------------------------------------------------------------- yattflow server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_yattflow_server_starts_server_and_worker_and_ctrl_c_stops_both(tmp_path):
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(tmp_path / "home")}
+    log_path = tmp_path / "server.out"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "server", "--port", str(port)], cwd=ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 180
+        while "started!" not in log_path.read_text():  # the worker's line, printed after the UI URL
+            assert proc.poll() is None and time.time() < deadline, log_path.read_text()
+            time.sleep(0.5)
+        assert f"Prefect UI: http://127.0.0.1:{port}" in log_path.read_text()
+        pool = json.load(urllib.request.urlopen(f"{api}/work_pools/yattflow-process", timeout=10))
+        assert pool["type"] == "process" and pool["base_job_template"] == json.loads(POOLS["yattflow-process"][1].read_text())
+        kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(kids) == 2, kids  # the server and the worker; the pool was created through the server, not an ephemeral API
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        rc = proc.wait(timeout=90)
+    assert rc == 0, log_path.read_text()
+    assert not any(Path(f"/proc/{k}").exists() for k in kids)
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{api}/health", timeout=2)
