@@ -79,9 +79,9 @@ def prefect_server(tmp_path_factory):
 
     with temporary_settings({PREFECT_API_URL: url}):  # Prefect reads its settings once per context
         yield url
-        from prefect.logging.handlers import APILogHandler
+        from prefect.logging.handlers import APILogWorker
 
-        APILogHandler.flush()  # send the last log lines while the server still listens
+        APILogWorker.drain_all(timeout=5)  # send the last log lines while the server still listens
     proc.terminate()
     try:
         proc.wait(timeout=15)
