@@ -336,7 +336,7 @@ def report(results: dict, args, dps: list[int]) -> dict:
                      f"{ratio(a[key], b[key]) if key.endswith('_s') else ''} |")
     tables = {"main": {"sqlite": a, "postgresql": b}}
     if len(dps) > 1:
-        lines += ["", f"### scaling with DP groups (threads_per_host=1; means of measured steps)\n",
+        lines += ["", "### scaling with DP groups (threads_per_host=1; means of measured steps)\n",
                   "| dp | database | iteration (s) | engines (s) | overhead (s) | overhead per group (s) | "
                   "all-reduce wait (s) | overhead incl. wait (s) | 503s per run |",
                   "|---|---|---|---|---|---|---|---|---|"]

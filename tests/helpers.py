@@ -125,3 +125,53 @@ def dp_worker(rank: int, world_size: int, port: int, model_dir: str, cases_file:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- reading a run back from Prefect
+
+
+async def children(client, flow_run_id) -> list:
+    """The sub-flow runs of one flow run."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    return await client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id]))
+    )
+
+
+async def read_run_tree(run_name: str, api_url: str | None = None) -> dict:
+    """{flow-run name: (state, {task-run name: state})} under the newest ``train-<run_name>``
+    run, read through the Prefect API (``api_url``, else the current one); {} if there is none."""
+    import contextlib
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api_url}) if api_url else contextlib.nullcontext():
+        async with get_client() as client:
+            runs = [r for r in await client.read_flow_runs() if r.name == f"train-{run_name}"]
+            if not runs:
+                return {}
+            top = max(runs, key=lambda r: r.created)
+            tree = {top.name: (top.state.type.value, {})}
+            for it in await children(client, top.id):
+                tree[it.name] = (it.state.type.value, {})
+                for group in await children(client, it.id):
+                    task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [group.id]}))
+                    tree[group.name] = (group.state.type.value, {t.name: t.state.type.value for t in task_runs})
+            return tree
+
+
+def assert_steps_completed(tree: dict, steps, groups, also: tuple[str, ...] = ()) -> None:
+    """Every iteration and DP-group sub-flow of ``steps`` COMPLETED, with its stage tasks (and
+    the task names in ``also``, formatted with ``step`` and ``g``) all COMPLETED."""
+    for step in steps:
+        assert tree[f"iteration-{step:04d}"][0] == "COMPLETED"
+        for g in groups:
+            state, task_runs = tree[f"iteration-{step:04d}-dp-{g}"]
+            assert state == "COMPLETED"
+            expected = {f"rollout dp={g} wave=0", f"genrm_score dp={g} wave=0", f"dynamic_filter dp={g} wave=0",
+                        f"train_step dp={g}", f"sync_weights dp={g}", *(name.format(step=step, g=g) for name in also)}
+            assert expected <= set(task_runs), task_runs
+            assert set(task_runs.values()) == {"COMPLETED"}, task_runs

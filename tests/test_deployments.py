@@ -26,11 +26,10 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     DeploymentFilter,
     DeploymentFilterName,
-    FlowRunFilter,
-    FlowRunFilterParentFlowRunId,
 )
 
 from tests.conftest import TINY
+from tests.helpers import assert_steps_completed, children, read_run_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS = ROOT / "deployments"
@@ -63,11 +62,6 @@ def client_call(fn):
             return await fn(client)
 
     return asyncio.run(go())
-
-
-async def children(client, flow_run_id) -> list:
-    return await client.read_flow_runs(
-        flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
 
 
 def wait_final(flow_run_id, timeout: float = 360):
@@ -190,25 +184,9 @@ def test_deploy_and_run_on_a_process_worker(prepared, deployed, worker):
     assert run.state.is_completed(), f"{run.name}: {run.state.name} {run.state.message}\n{worker.read_text()[-3000:]}"
     assert run.name == "train-deptest" and run.deployment_id == dep.id
 
-    async def tree(client):
-        found = {}
-        for it in await children(client, flow_run_id):
-            found[it.name] = (it.state.type.value, None)
-            for group in await children(client, it.id):
-                task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [group.id]}))
-                found[group.name] = (group.state.type.value, {t.name: t.state.type.value for t in task_runs})
-        return found
-
-    found = client_call(tree)
-    assert sorted(n for n in found if "-dp-" not in n) == ["iteration-0000", "iteration-0001"]
-    for step in (0, 1):
-        assert found[f"iteration-{step:04d}"][0] == "COMPLETED"
-        for g in (0, 1):
-            state, task_runs = found[f"iteration-{step:04d}-dp-{g}"]
-            assert state == "COMPLETED"
-            assert {f"rollout dp={g} wave=0", f"genrm_score dp={g} wave=0", f"dynamic_filter dp={g} wave=0",
-                    f"train_step dp={g}", f"sync_weights dp={g}"} <= set(task_runs)
-            assert set(task_runs.values()) == {"COMPLETED"}
+    found = asyncio.run(read_run_tree("deptest"))
+    assert sorted(n for n in found if n.startswith("iteration-") and "-dp-" not in n) == ["iteration-0000", "iteration-0001"]
+    assert_steps_completed(found, steps=(0, 1), groups=(0, 1))
     assert json.loads((Path(prepared) / "runs" / "deptest" / "state.json").read_text())["step"] == 1
 
     # the CLI reads the same back: the run, its state and the committed step

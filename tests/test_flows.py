@@ -12,34 +12,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
 from flows.training import train
 from tests.conftest import TINY
+from tests.helpers import assert_steps_completed, read_run_tree
 
 
 def run_train(root: str, *extra: str) -> dict:
     return asyncio.run(train(overrides=TINY + [f"storage.root={root}", *extra]))
-
-
-async def children(client, flow_run_id):
-    return await client.read_flow_runs(
-        flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id]))
-    )
-
-
-async def read_tree(run_name: str) -> dict:
-    """{flow-run name: (state, [(task name, state)])} for the newest ``train-<run_name>`` run."""
-    async with get_client() as client:
-        runs = [r for r in await client.read_flow_runs() if r.name == f"train-{run_name}"]
-        top = max(runs, key=lambda r: r.created)
-        tree = {top.name: (top.state.type.value, [])}
-        for it in await children(client, top.id):
-            tree[it.name] = (it.state.type.value, [])
-            for group in await children(client, it.id):
-                task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [group.id]}))
-                tree[group.name] = (group.state.type.value, sorted((t.name, t.state.type.value) for t in task_runs))
-        return tree
 
 
 class OpenRecorder:
@@ -75,17 +55,9 @@ def test_two_iterations_dp2_on_the_prefect_api(prepared):
     data_files = [p for p in opened if "/steps/" in p or "/data/" in p or p.endswith(".parquet")]
     assert data_files == [], data_files
 
-    tree = asyncio.run(read_tree("flowtest"))
+    tree = asyncio.run(read_run_tree("flowtest"))
     assert tree["train-flowtest"][0] == "COMPLETED"
-    for step in (0, 1):
-        assert tree[f"iteration-{step:04d}"][0] == "COMPLETED"
-        for g in (0, 1):
-            state, task_runs = tree[f"iteration-{step:04d}-dp-{g}"]
-            assert state == "COMPLETED"
-            names = {name for name, _ in task_runs}
-            assert {f"rollout dp={g} wave=0", f"genrm_score dp={g} wave=0", f"dynamic_filter dp={g} wave=0",
-                    f"train_step dp={g}", f"sync_weights dp={g}", f"checkpoint dp={g} step={step}"} <= names
-            assert all(s == "COMPLETED" for _, s in task_runs)
+    assert_steps_completed(tree, steps=(0, 1), groups=(0, 1), also=("checkpoint dp={g} step={step}",))
 
     # Replicas equal after every step (the flow also checks this and would fail).
     assert len(summary["history"]) == 2
@@ -103,7 +75,7 @@ def test_two_iterations_dp2_on_the_prefect_api(prepared):
     assert [m["step"] for m in resumed["history"]] == [2]
     assert resumed["history"][0]["engine_loads"] == 1  # the resumed run's new hosts: one load each
     assert resumed["history"][0]["cursors"][0] > state["cursors"][0]
-    tree = asyncio.run(read_tree("flowtest"))
+    tree = asyncio.run(read_run_tree("flowtest"))
     assert [n for n in tree if n.startswith("iteration-") and "-dp-" not in n] == ["iteration-0002"]
 
 

@@ -13,11 +13,9 @@ import asyncio
 import time
 
 import pytest
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
-from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from tests.conftest import TINY
+from tests.helpers import assert_steps_completed, read_run_tree
 from tests import postgres as pg
 
 
@@ -33,28 +31,6 @@ def pg_server():
             yield api_url, cluster.url
     finally:
         cluster.stop()
-
-
-async def _tree(api_url: str, run_name: str) -> dict:
-    """{flow-run name: (state, {task-run name: state})} under the newest ``train-<run_name>``."""
-    with temporary_settings({PREFECT_API_URL: api_url}):
-        async with get_client() as client:
-
-            async def children(parent):
-                return await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent.id])))
-
-            runs = [r for r in await client.read_flow_runs() if r.name == f"train-{run_name}"]
-            if not runs:
-                return {}
-            top = max(runs, key=lambda r: r.created)
-            tree = {top.name: (top.state.type.value, {})}
-            for it in await children(top):
-                tree[it.name] = (it.state.type.value, {})
-                for group in await children(it):
-                    task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [group.id]}))
-                    tree[group.name] = (group.state.type.value, {t.name: t.state.type.value for t in task_runs})
-            return tree
 
 
 async def _flow_runs_in_database(database_url: str) -> dict[str, str]:
@@ -80,20 +56,13 @@ def test_training_on_a_postgresql_backed_server(prepared, prefect_server, pg_ser
     groups = [f"iteration-{s:04d}-dp-{g}" for s in (0, 1) for g in (0, 1)]
     deadline = time.monotonic() + 30  # task runs are recorded from events, a moment after the flow ends
     while True:
-        tree = asyncio.run(_tree(api_url, "pgtest"))
+        tree = asyncio.run(read_run_tree("pgtest", api_url))
         tasks_done = all(tree.get(g, (None, {}))[1] and set(tree[g][1].values()) == {"COMPLETED"} for g in groups)
         if tasks_done or time.monotonic() > deadline:
             break
         time.sleep(1)
     assert tree["train-pgtest"][0] == "COMPLETED"
-    for step in (0, 1):
-        assert tree[f"iteration-{step:04d}"][0] == "COMPLETED"
-        for g in (0, 1):
-            state, task_runs = tree[f"iteration-{step:04d}-dp-{g}"]
-            assert state == "COMPLETED"
-            assert {f"rollout dp={g} wave=0", f"genrm_score dp={g} wave=0", f"dynamic_filter dp={g} wave=0",
-                    f"train_step dp={g}", f"sync_weights dp={g}"} <= set(task_runs), task_runs
-            assert set(task_runs.values()) == {"COMPLETED"}, task_runs
+    assert_steps_completed(tree, steps=(0, 1), groups=(0, 1))
     assert "checkpoint dp=0 step=1" in tree["iteration-0001-dp-0"][1]  # the last step checkpoints
 
     # The rows are in PostgreSQL itself ...
@@ -101,4 +70,4 @@ def test_training_on_a_postgresql_backed_server(prepared, prefect_server, pg_ser
     assert {name: rows.get(name) for name in ["train-pgtest", "iteration-0000", "iteration-0001", *groups]} == \
         {name: "COMPLETED" for name in ["train-pgtest", "iteration-0000", "iteration-0001", *groups]}
     # ... and nothing of this run reached the session's SQLite server.
-    assert asyncio.run(_tree(prefect_server, "pgtest")) == {}
+    assert asyncio.run(read_run_tree("pgtest", prefect_server)) == {}
