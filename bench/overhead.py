@@ -84,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def measured(history: list[dict], warmup: int) -> list[dict]:
-    rows = [m for m in history[warmup:] if not m.get("checkpoint_s")]
+    rows = [m for m in history[warmup:] if not m.get("checkpoint_s") and not m.get("checkpoint_wait_s")]
     if not rows:
         raise ValueError(f"no step left to measure: {len(history)} steps, warm-up {warmup}, last step checkpoints")
     return rows

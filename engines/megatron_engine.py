@@ -16,6 +16,7 @@ Megatron-Core has no Hugging Face converter for GPT models; ``hf_to_megatron`` a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -40,7 +41,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer
 
 from engines import algorithms
-from engines.torch_engines import TrainBatch, pad_batch
+from engines.torch_engines import TrainBatch, micro_batches, pad_batch
 
 # Megatron splits the vocabulary evenly over TP ranks. Padding it to a fixed multiple (rather than
 # to a multiple of the TP size) keeps checkpoint shapes independent of the TP size; real
@@ -408,9 +409,14 @@ class MegatronTrainer:
         clip_low: float = 0.2,
         clip_high: float = 0.28,
         kl_coef: float = 0.0,
+        micro_batch_tokens: int | None = None,
     ) -> dict:
         """One rollout batch → ``minibatches`` optimizer steps (collective: every rank runs the
-        same number of steps, an empty minibatch still joins the gradient all-reduce)."""
+        same number of steps, an empty minibatch still joins the gradient all-reduce).
+
+        ``micro_batch_tokens``: as in ``TorchTrainer.train_step`` — length-sorted passes of at
+        most this many padded tokens, accumulating into DDP's grad buffers (under ``no_sync``
+        for all but the last pass), one all-reduce and optimizer step per minibatch."""
         totals = {"loss": 0.0, "clip_fraction": 0.0, "tokens": 0.0, "grad_norm": 0.0}
         self.model.train()
         for part in batch.split(minibatches):
@@ -418,20 +424,27 @@ class MegatronTrainer:
             self.optimizer.zero_grad()
             local_tokens = float(sum(len(r) for r in part.response_ids))
             total = self._dp_sum(local_tokens if aggregation == "token" else float(len(part)))
-            loss_value = 0.0
-            if len(part):
-                ids, _, resp, old = (t.to(self.device) for t in pad_batch(part, self.tokenizer.pad_token_id))
-                logprobs = self._token_logprobs(self.model, ids)
-                ref = None
-                if self.reference is not None and kl_coef > 0:
-                    with torch.no_grad():
-                        ref = self._token_logprobs(self.reference, ids)
-                adv = torch.tensor(part.advantages, dtype=logprobs.dtype, device=self.device)
-                per_token, clipped = algorithms.policy_loss_terms(logprobs, old, adv, clip_low, clip_high, ref, kl_coef)
-                loss = (per_token * algorithms.token_weights(resp, aggregation, total)).sum()
-                loss.backward()
-                loss_value = loss.item()
-                totals["clip_fraction"] += (clipped * resp).sum().item()
+            # summed on the device: no host sync per pass
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+            clipped_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+            passes = micro_batches(part, micro_batch_tokens)
+            for k, micro in enumerate(passes):
+                with self.model.no_sync() if k < len(passes) - 1 else contextlib.nullcontext():
+                    ids, _, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
+                    logprobs = self._token_logprobs(self.model, ids)
+                    ref = None
+                    if self.reference is not None and kl_coef > 0:
+                        with torch.no_grad():
+                            ref = self._token_logprobs(self.reference, ids)
+                    adv = torch.tensor(micro.advantages, dtype=logprobs.dtype, device=self.device)
+                    per_token, clipped = algorithms.policy_loss_terms(logprobs, old, adv, clip_low, clip_high, ref, kl_coef)
+                    # global ``total`` (not this pass's own count): the passes' losses sum to the minibatch's
+                    loss = (per_token * algorithms.token_weights(resp, aggregation, total)).sum()
+                    loss.backward()  # accumulates into the DDP grad buffer (main_grad)
+                loss_sum += loss.detach()
+                clipped_sum += (clipped * resp).sum()
+            loss_value = loss_sum.item()
+            totals["clip_fraction"] += clipped_sum.item()
             finalize_model_grads([self.model])  # the DP all-reduce (a sum: see calculate_per_token_loss)
             _, grad_norm, _ = self.optimizer.step()
             totals["loss"] += self._dp_sum(loss_value)
@@ -459,10 +472,13 @@ class MegatronTrainer:
             for hf_name, tensor in _param_to_hf(name, shards, self.hf_config).items():
                 yield hf_name, tensor.to("cpu", copy=True).contiguous()
 
-    def save_hf(self, local_dir: str) -> None:
+    def save_hf(self, local_dir: str, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """config.json, model.safetensors (HF names) and the tokenizer. Collective over TP;
-        TP rank 0 of each DP replica writes."""
-        tensors = dict(self.export_weights())
+        TP rank 0 of each DP replica writes. ``tensors``: Hugging Face-named weights taken
+        earlier (``dict(export_weights())``, host-memory copies) to write instead of the live
+        ones; then nothing is collective and any thread may call it."""
+        if tensors is None:
+            tensors = dict(self.export_weights())
         if parallel_state.get_tensor_model_parallel_rank() != 0:
             return
         os.makedirs(local_dir, exist_ok=True)

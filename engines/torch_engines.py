@@ -8,6 +8,7 @@ vLLM and Megatron-Core backends can take their place behind the same methods.
 
 from __future__ import annotations
 
+import copy as copy_module
 import io
 import os
 from dataclasses import dataclass
@@ -149,6 +150,45 @@ def pad_batch(batch: TrainBatch, pad_id: int):
     return ids, attn, resp, old
 
 
+def micro_batches(batch: TrainBatch, max_tokens: int | None) -> list[TrainBatch]:
+    """``batch`` cut into forward passes of at most ``max_tokens`` *padded* tokens each (rows x
+    longest row, what :func:`pad_batch` computes), so that short rows are padded to short rows
+    rather than to the minibatch's longest. ``None``: one pass, rows in their order; empty: none.
+
+    Rows are sorted longest first and cut into consecutive passes: the fewest passes the budget
+    allows (as many forwards as filling each pass greedily) and, among those, the cuts that pad
+    least, so a pass does not mix long and short rows when another cut avoids it. A row longer
+    than ``max_tokens`` is a pass of its own. Passes come longest first (running out of memory
+    shows on the first). Cost: rows x rows-per-pass steps.
+
+    Which rows share a pass changes only float summation order: every pass's loss is
+    normalised by the whole (DP-global) minibatch's counts and gradients accumulate."""
+    if not len(batch):
+        return []
+    if max_tokens is None:
+        return [batch]
+    length = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    order = sorted(range(len(batch)), key=lambda i: -length[i])  # stable: ties keep their order
+    width = [length[i] for i in order]  # a pass of sorted rows i..j is padded to width[i]
+    # best[j]: (passes, padded tokens) of the best cut of the first j sorted rows; first[j]: where its last pass starts
+    best: list[tuple[int, int]] = [(0, 0)]
+    first: list[int] = [0]
+    lo = 0  # the first row that can open a pass ending at row j (never decreases with j)
+    for j in range(len(order)):
+        while lo < j and (j - lo + 1) * width[lo] > max_tokens:
+            lo += 1
+        options = ((best[i][0] + 1, best[i][1] + (j - i + 1) * width[i], i) for i in range(lo, j + 1))
+        passes, padded, i = min(options)
+        best.append((passes, padded))
+        first.append(i)
+    cuts, j = [], len(order)
+    while j:
+        cuts.append((first[j], j))
+        j = first[j]
+    fields = (batch.prompt_ids, batch.response_ids, batch.old_logprobs, batch.advantages)
+    return [TrainBatch(*([field[k] for k in order[a:b]] for field in fields)) for a, b in reversed(cuts)]
+
+
 class TorchTrainer:
     """GRPO/DAPO policy training; data parallel when ``torch.distributed`` is initialised.
 
@@ -215,27 +255,35 @@ class TorchTrainer:
         clip_low: float = 0.2,
         clip_high: float = 0.28,
         kl_coef: float = 0.0,
+        micro_batch_tokens: int | None = None,
     ) -> dict:
-        """One rollout batch → ``minibatches`` optimizer steps (identical count on every rank)."""
+        """One rollout batch → ``minibatches`` optimizer steps (identical count on every rank).
+
+        ``micro_batch_tokens``: each minibatch's forward/backward runs in length-sorted passes of
+        at most this many padded tokens (see :func:`micro_batches`), gradients accumulating
+        before the one all-reduce and optimizer step; the loss weights use the whole minibatch's
+        DP-global counts, so the update is the one-pass update (up to float summation order)
+        while the compute follows tokens rather than rows x longest row. None: one pass."""
         totals = {"loss": 0.0, "clip_fraction": 0.0, "tokens": 0.0, "grad_norm": 0.0}
         for part in batch.split(minibatches):
             self.optimizer.zero_grad(set_to_none=True)
             local_tokens = float(sum(len(r) for r in part.response_ids))
             total = self._global_sum(local_tokens if aggregation == "token" else float(len(part)))
             loss_value = 0.0
-            if len(part):
-                ids, attn, resp, old = pad_batch(part, self.tokenizer.pad_token_id)
+            for micro in micro_batches(part, micro_batch_tokens):
+                ids, attn, resp, old = pad_batch(micro, self.tokenizer.pad_token_id)
                 logprobs = sequence_logprobs(self.model, ids, attn, self.temperature)
                 ref = None
                 if self.reference is not None and kl_coef > 0:
                     with torch.no_grad():
                         ref = sequence_logprobs(self.reference, ids, attn, self.temperature)
-                adv = torch.tensor(part.advantages, dtype=logprobs.dtype)
+                adv = torch.tensor(micro.advantages, dtype=logprobs.dtype)
                 per_token, clipped = algorithms.policy_loss_terms(logprobs, old, adv, clip_low, clip_high, ref, kl_coef)
+                # global ``total`` (not this pass's own count): the passes' losses sum to the minibatch's
                 weights = algorithms.token_weights(resp, aggregation, total)
                 loss = (per_token * weights).sum()
-                loss.backward()
-                loss_value = loss.item()
+                loss.backward()  # accumulates into .grad
+                loss_value += loss.item()
                 totals["clip_fraction"] += (clipped * resp).sum().item()
             self._all_reduce_grads()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
@@ -252,15 +300,29 @@ class TorchTrainer:
         for name, p in self.model.named_parameters():
             yield name, p.detach()
 
-    def save_checkpoint(self, local_dir: str) -> list[str]:
+    def checkpoint_state(self, into: dict | None = None) -> dict | None:
+        """A copy of model, optimizer and version in host memory, to write later (on any thread)
+        while training goes on: the next ``train_step`` changes parameters and Adam moments in
+        place, never the copy. ``into``: an earlier copy that nobody reads any more, whose tensors
+        are overwritten instead of allocating new ones (copying into memory that is already mapped
+        is several times faster). None on ranks that write nothing (see :meth:`save_checkpoint`).
+        """
+        if self.distributed and dist.get_rank() != 0:
+            return None
+        live = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
+        return copy_state(live, into)
+
+    def save_checkpoint(self, local_dir: str, state: dict | None = None) -> list[str]:
         """Model, optimizer and version into ``local_dir``; returns the files this rank wrote.
 
+        ``state``: a copy from :meth:`checkpoint_state` to write instead of the live state.
         Replicas are identical, so rank 0 writes everything and the others nothing.
         """
         if self.distributed and dist.get_rank() != 0:
             return []
         os.makedirs(local_dir, exist_ok=True)
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
+        if state is None:
+            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
         torch.save(state, os.path.join(local_dir, "trainer.pt"))
         return ["trainer.pt"]
 
@@ -270,9 +332,58 @@ class TorchTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = state["version"]
 
-    def save_hf(self, local_dir: str) -> None:
-        self.model.save_pretrained(local_dir, safe_serialization=True)
+    def save_hf(self, local_dir: str, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """The policy as a Hugging Face folder; ``tensors``: Hugging Face-named weights to write
+        instead of the live ones (the ``model`` part of a :meth:`checkpoint_state` copy)."""
+        # save_pretrained drops keys from the dict it is given (tied weights): give it its own
+        self.model.save_pretrained(local_dir, safe_serialization=True, state_dict=dict(tensors) if tensors is not None else None)
         self.tokenizer.save_pretrained(local_dir)
+
+
+def copy_state(obj, into=None):
+    """A deep copy of a nested state (dicts, lists, tuples, tensors, plain values) with every
+    tensor copied to host memory. Tensors that share memory in ``obj`` (tied weights) share it
+    in the copy. Where ``into`` (an earlier copy of the same structure) has a tensor of the same
+    shape and dtype at the same place, the data is copied into it rather than into a new one."""
+    reusable: dict[tuple, torch.Tensor] = {}
+
+    def collect(node, path):
+        if isinstance(node, torch.Tensor):
+            reusable[path] = node
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                collect(v, path + (k,))
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                collect(v, path + (i,))
+
+    if into is not None:
+        collect(into, ())
+    shared: dict[tuple, torch.Tensor] = {}
+
+    def walk(node, path):
+        if isinstance(node, torch.Tensor):
+            node = node.detach()
+            key = (node.untyped_storage().data_ptr(), node.storage_offset(), tuple(node.shape), node.stride(), node.dtype, node.device)
+            if node.numel() and key in shared:
+                return shared[key]
+            old = reusable.get(path)
+            if old is not None and old.shape == node.shape and old.dtype == node.dtype and old.stride() == node.stride():
+                copy = old.copy_(node)
+            else:
+                copy = node.to("cpu", copy=True)
+            shared[key] = copy
+            return copy
+        if isinstance(node, dict):
+            out = type(node)((k, walk(v, path + (k,))) for k, v in node.items())
+            if hasattr(node, "_metadata"):  # a module's state_dict keeps its modules' versions here
+                out._metadata = copy_module.deepcopy(node._metadata)
+            return out
+        if isinstance(node, (list, tuple)):
+            return type(node)(walk(v, path + (i,)) for i, v in enumerate(node))
+        return copy_module.deepcopy(node)
+
+    return walk(obj, ())
 
 
 def to_bytes(obj) -> bytes:

@@ -223,9 +223,10 @@ def server(argv: list[str]) -> int:
 def deploy(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="yattflow deploy", description=(
         f"Create the {PROCESS_POOL} work pool from deployments/process-gpu.json if missing, then deploy "
-        "train/yattflow and prepare/prepare from deployments/prefect.yaml (`prefect deploy`)."))
+        "train/yattflow, engine-host/yattflow-host and prepare/prepare from deployments/prefect.yaml (`prefect deploy`)."))
     parser.add_argument("--kubernetes", action="store_true", help=(
-        f"also create the {K8S_POOL} pool (deployments/kubernetes-gpu.json) and deploy train/yattflow-k8s "
+        f"also create the {K8S_POOL} pool (deployments/kubernetes-gpu.json) and deploy train/yattflow-k8s and "
+        "engine-host/yattflow-host-k8s "
         "(= prefect deploy --all)"))
     args = parser.parse_args(argv)
     api_url = _reachable_api("deploy")
@@ -235,7 +236,7 @@ def deploy(argv: list[str]) -> int:
         for pool in (PROCESS_POOL, K8S_POOL) if args.kubernetes else (PROCESS_POOL,):
             if asyncio.run(_ensure_pool(pool)):
                 print(f"created work pool {pool} from {POOL_TEMPLATES[pool][1].relative_to(ROOT)}")
-    names = ["--all"] if args.kubernetes else ["--name", "yattflow", "--name", "prepare"]
+    names = ["--all"] if args.kubernetes else ["--name", "yattflow", "--name", "yattflow-host", "--name", "prepare"]
     cmd = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", str(PREFECT_FILE), *names]
     return subprocess.run(cmd, cwd=ROOT).returncode  # from the checkout: the build step records it
 
@@ -257,7 +258,7 @@ def run(argv: list[str]) -> int:
 
     config_file = ROOT / (args.config or "deployments/demo.yaml")  # the deployment runs in the checkout
     try:  # fail here, not in a worker, on a bad key or value
-        load_config(config_file if config_file.exists() else None, args.overrides)
+        config = load_config(config_file if config_file.exists() else None, args.overrides)
     except ConfigError as e:
         print(f"yattflow run: {e}", file=sys.stderr)
         return 2
@@ -272,15 +273,18 @@ def run(argv: list[str]) -> int:
     if (api_url := _reachable_api("run")) is None:
         return 1
     with _use_api(api_url):
-        return asyncio.run(_run(args.deployment, parameters, args.work_queue, job_variables, args.watch))
+        # the name the flow gives itself once it starts (train-demo), already in the Scheduled state
+        run_name = f"{args.deployment.split('/')[0]}-{config.name}"
+        return asyncio.run(_run(args.deployment, parameters, run_name, args.work_queue, job_variables, args.watch))
 
 
-async def _run(name: str, parameters: dict, work_queue: str | None, job_variables: dict, watch: bool) -> int:
+async def _run(name: str, parameters: dict, run_name: str, work_queue: str | None, job_variables: dict,
+               watch: bool) -> int:
     from prefect.client.orchestration import get_client
     from prefect.deployments import arun_deployment
     from prefect.settings import get_current_settings
 
-    flow_run = await arun_deployment(name, parameters=parameters, timeout=0, as_subflow=False,
+    flow_run = await arun_deployment(name, parameters=parameters, timeout=0, as_subflow=False, flow_run_name=run_name,
                                      work_queue_name=work_queue, job_variables=job_variables or None)
     print(f"flow run {flow_run.name} ({flow_run.id}) of {name}: {get_current_settings().ui_url}/runs/flow-run/{flow_run.id}",
           flush=True)

@@ -100,12 +100,47 @@ class RewardConfig(Section):
 
 
 class SamplingConfig(Section):
-    """DAPO dynamic sampling, per DP group."""
+    """DAPO dynamic sampling, per DP group (wave sizes and carry-over: ``engines/sampling.py``)."""
 
-    prompts_per_wave: int = Field(16, gt=0, description="Prompts each DP group draws per rollout wave.")
+    prompts_per_wave: int = Field(
+        16, gt=0,
+        description="Prompts each DP group draws per rollout wave with fixed waves; with adaptive waves, the size of a "
+        "group's first wave of the run (before any keep ratio is observed).",
+    )
     target_groups: int = Field(8, gt=0, description="Kept prompt groups (rewards not all equal) a DP group trains on.")
     max_waves: int = Field(3, gt=0, description="Rollout waves per step at most (1 = no refill).")
     filter_equal_rewards: bool = Field(True, description="Drop prompt groups whose rewards are all equal.")
+    adaptive: bool = Field(
+        True,
+        description="Size every rollout wave from the group's observed keep ratio (kept groups / prompts drawn): "
+        "ceil(missing groups / keep ratio * oversample) prompts, clipped to [1, max_prompts_per_wave], where groups "
+        "carried over from the previous step count as kept. False: every wave draws prompts_per_wave.",
+    )
+    oversample: float = Field(
+        1.2, ge=1.0,
+        description="Adaptive waves draw this many times the prompts the keep-ratio estimate says are needed, so that "
+        "one wave usually suffices; the few surplus groups are carried over (max_carry_age), not lost.",
+    )
+    max_prompts_per_wave: int | None = Field(
+        None, gt=0, description="Cap on an adaptive wave's prompts (a low keep ratio asks for many). None: 4 x prompts_per_wave."
+    )
+    keep_ratio_decay: float = Field(
+        0.8, ge=0, lt=1,
+        description="The keep-ratio estimate is a recency-weighted pooled ratio (kept groups / prompts drawn) over the "
+        "group's waves, across steps; each wave multiplies the earlier counts by this (0: the last wave only).",
+    )
+    max_carry_age: int = Field(
+        1, ge=0,
+        description="Kept groups beyond target_groups are carried over and trained first in a later step, at most this "
+        "many steps after the step that generated them (older ones are dropped). They were sampled by an older policy: "
+        "their recorded log-probs (and policy_version) are that policy's, which the clipped PPO ratio corrects for. "
+        "0: surplus groups are dropped.",
+    )
+
+    @property
+    def wave_cap(self) -> int:
+        """The most prompts an adaptive wave draws."""
+        return self.max_prompts_per_wave if self.max_prompts_per_wave is not None else 4 * self.prompts_per_wave
 
 
 class TrainConfig(Section):
@@ -119,6 +154,16 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     minibatches: int = Field(2, gt=0, description="Optimizer steps per rollout batch.")
+    micro_batch_tokens: int | None = Field(
+        4096,
+        gt=0,
+        description="Padded tokens (sequences x longest sequence) per forward/backward pass. Each minibatch's sequences "
+        "are sorted by length and cut into the fewest passes of at most this size (padding least among those), gradients "
+        "accumulating before the minibatch's one optimizer step: the update is the same (up to float summation order), "
+        "a DP group's compute follows its tokens rather than rows x its longest row, and activation memory is bounded. "
+        "Set it about where one pass saturates the device (a minibatch that fits in one pass is not split). "
+        "None: one pass per minibatch, padded to its longest sequence.",
+    )
     loss_aggregation: Literal["token", "sequence"] = Field(
         "token", description="token: DAPO token-level mean; sequence: GRPO per-sequence mean."
     )
@@ -126,6 +171,12 @@ class TrainConfig(Section):
     clip_low: float = Field(0.2, ge=0, description="Ratio clip below 1 (epsilon_low).")
     clip_high: float = Field(0.28, ge=0, description="Ratio clip above 1 (epsilon_high; DAPO clip-higher).")
     kl_coef: float = Field(0.0, ge=0, description="KL(policy || reference) coefficient; > 0 loads a reference model.")
+    balance_tokens: bool = Field(
+        True,
+        description="Whether to spread each minibatch's sequences over the DP groups by token count "
+        "(prompt + response, Karmarkar–Karp) before the train step, so that no group waits on a heavier one. "
+        "The update is the same either way (up to float summation order); only which group computes which sequence changes.",
+    )
 
     @field_validator("tensor_parallel", "distributed_optimizer")
     @classmethod
@@ -143,6 +194,50 @@ class TrainConfig(Section):
 class CheckpointConfig(Section):
     every: int = Field(10, gt=0, description="Checkpoint every N steps (and after the last step).")
     keep_last: int = Field(2, gt=0, description="Committed checkpoints kept; older ones are deleted.")
+    keep_every: int | None = Field(
+        None, gt=0,
+        description="Also keep, for good, the checkpoint after every N-th step (steps counted from 1, like `every`; "
+        "a multiple of `every`); None: keep only the last `keep_last`.",
+    )
+    asynchronous: bool = Field(
+        True,
+        description="Write checkpoints in the background: the engine hosts copy the training state into host memory "
+        "and training goes on while the copy is written; the checkpoint is committed (MANIFEST.json, then state.json) "
+        "once every host has finished writing, during the next step. False: training waits for the whole write.",
+    )
+
+    @model_validator(mode="after")
+    def _keep_every_hits_checkpoints(self):
+        if self.keep_every is not None and self.keep_every % self.every:
+            raise ValueError(f"keep_every={self.keep_every} is not a multiple of every={self.every}: it would keep no checkpoint")
+        return self
+
+
+class HostsConfig(Section):
+    """Where the engine hosts (one process per DP group, engines resident for the whole run) run."""
+
+    launch: Literal["local", "deployment"] = Field(
+        "local",
+        description="local: the training run starts them as its own subprocesses (one machine); deployment: each is a "
+        "flow run of `hosts.deployment`, placed on a GPU work pool by its work queue.",
+    )
+    deployment: str = Field("engine-host/yattflow-host", description="The engine-host deployment ('flow/deployment').")
+    work_queue: str = Field(
+        "dp-{group}", description="Work queue of DP group {group}'s host: one queue per group (or per node) on the GPU pool."
+    )
+    devices: list[str] | None = Field(
+        None,
+        description="CUDA_VISIBLE_DEVICES of each DP group's host, one entry per group (e.g. ['0', '1']); None: the "
+        "worker's own. Sent as the host flow run's `env` job variable.",
+    )
+    bind: str = Field(
+        "0.0.0.0",
+        description="Address a deployed host listens on (0.0.0.0: every interface; the controller and the other hosts "
+        "reach it at its hostname's address, or $YATTFLOW_HOST_ADDRESS). Local hosts use loopback.",
+    )
+    start_timeout_s: float = Field(
+        900.0, gt=0, description="A deployed host not registered by then (no worker on its queue, no free GPU) fails the run."
+    )
 
 
 class RunConfig(Section):
@@ -167,6 +262,13 @@ class RunConfig(Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    hosts: HostsConfig = Field(default_factory=HostsConfig)
+
+    @model_validator(mode="after")
+    def _devices_per_group(self):
+        if self.hosts.devices is not None and len(self.hosts.devices) != self.dp:
+            raise ValueError(f"hosts.devices has {len(self.hosts.devices)} entries for dp={self.dp} groups (one per group)")
+        return self
 
     def uri(self, path: str) -> str:
         """Resolve a config path against the storage root."""

@@ -20,6 +20,8 @@ PROMPTS = pa.schema(
         pa.field("prompt_id", pa.int64(), nullable=False),
         pa.field("prompt", pa.string(), nullable=False),
         pa.field("answer", pa.string()),  # reference answer for rule rewards; may be null
+        # optional image bytes (vision-language prompts); files without the column load with nulls
+        pa.field("image", pa.binary()),
     ]
 )
 
@@ -31,6 +33,7 @@ ROLLOUTS = pa.schema(
         pa.field("wave", pa.int32(), nullable=False),
         pa.field("prompt", pa.string(), nullable=False),
         pa.field("answer", pa.string()),
+        pa.field("image", pa.binary()),  # the prompt's image, carried through every stage (null: text only)
         pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("response", pa.string(), nullable=False),
         pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
@@ -44,6 +47,11 @@ SCORED = ROLLOUTS.append(pa.field("judge_text", pa.string())).append(pa.field("g
 ).append(pa.field("reward", pa.float32(), nullable=False))
 
 EXPERIENCE = SCORED.append(pa.field("advantage", pa.float32(), nullable=False))
+
+# Kept prompt groups beyond a step's target, carried over to the next step's batch (dynamic
+# sampling): the scored samples and the step that generated them (``policy_version`` is the
+# policy of that step, whose log-probs they hold).
+CARRY = SCORED.append(pa.field("step", pa.int64(), nullable=False))
 
 
 class SchemaError(ValueError):

@@ -3,6 +3,7 @@ group's engine host and returns the host's metrics. No sample data passes throug
 
 from tasks.stages import (
     checkpoint,
+    checkpoint_wait,
     dynamic_filter,
     evaluate,
     export_policy,
@@ -16,5 +17,5 @@ from tasks.stages import (
 
 __all__ = [
     "validate_inputs", "setup_engines", "rollout", "genrm_score", "dynamic_filter",
-    "train_step", "sync_weights", "checkpoint", "evaluate", "export_policy",
+    "train_step", "sync_weights", "checkpoint", "checkpoint_wait", "evaluate", "export_policy",
 ]

@@ -19,8 +19,8 @@ async def validate_inputs(run: str, config: dict) -> dict:
 
 
 @stage(name="setup-engines", task_run_name="setup engines dp={group}")
-async def setup_engines(run: str, group: int, config: dict, resume: str | None) -> dict:
-    return await call_host(run, group, "setup", config=config, resume=resume)
+async def setup_engines(run: str, group: int, config: dict, resume: str | None, master: str | None = None) -> dict:
+    return await call_host(run, group, "setup", config=config, resume=resume, master=master)
 
 
 @stage(name="rollout", task_run_name="rollout dp={group} wave={wave}")
@@ -37,10 +37,14 @@ async def genrm_score(run: str, run_uri: str, step: int, group: int, wave: int) 
 
 
 @stage(name="dynamic-filter", task_run_name="dynamic_filter dp={group} wave={wave}")
-async def dynamic_filter(run: str, run_uri: str, step: int, group: int, wave: int, target_groups: int) -> dict:
+async def dynamic_filter(run: str, run_uri: str, step: int, group: int, wave: int, target_groups: int,
+                         carry: str | None = None) -> dict:
+    """Keep groups from ``carry`` (the groups the previous step carried over) and waves 0..wave;
+    the kept groups beyond the target go to this step's carry-over."""
     scored = [stage_uri(run_uri, step, "scored", group, w) for w in range(wave + 1)]
     out = stage_uri(run_uri, step, "experience", group)
-    return await call_host(run, group, "filter", scored=scored, out=out, target_groups=target_groups) | {"uri": out}
+    return await call_host(run, group, "filter", scored=scored, out=out, target_groups=target_groups, step=step,
+                           carry_in=carry, carry_out=stage_uri(run_uri, step, "carry", group)) | {"uri": out}
 
 
 @stage(name="train-step", task_run_name="train_step dp={group}")
@@ -56,6 +60,12 @@ async def sync_weights(run: str, group: int) -> dict:
 @stage(name="checkpoint", task_run_name="checkpoint dp={group} step={step}")
 async def checkpoint(run: str, group: int, step: int, uri: str) -> dict:
     return await call_host(run, group, "checkpoint", uri=uri)
+
+
+@stage(name="checkpoint-wait", task_run_name="checkpoint_wait dp={group} step={step}")
+async def checkpoint_wait(run: str, group: int, step: int) -> dict:
+    """Wait for the group's background write of step ``step``'s checkpoint; its files."""
+    return await call_host(run, group, "checkpoint_wait")
 
 
 @stage(name="evaluate", task_run_name="evaluate {label} dp={group}")

@@ -198,3 +198,11 @@ def test_shipped_deployment_validates():
     config = load_config(path)
     assert config.name == "demo"
     assert config.uri("data/train").endswith("/yattflow-data/data/train")
+
+
+def test_hosts_devices_one_entry_per_dp_group():
+    assert load_config(None, ["dp=2", 'hosts.devices=["0", "1"]']).hosts.devices == ["0", "1"]
+    with pytest.raises(ConfigError, match=r"hosts.devices has 1 entries for dp=2 groups"):
+        load_config(None, ["dp=2", 'hosts.devices=["0"]'])
+    with pytest.raises(ConfigError, match=r"field 'hosts.launch'"):
+        load_config(None, ["hosts.launch=slurm"])

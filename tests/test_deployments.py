@@ -89,31 +89,52 @@ def pools(prefect_server):
 def deployed(pools):
     """``prefect deploy --all`` of deployments/prefect.yaml, from the repository root."""
     out = prefect("deploy", "--prefect-file", str(DEPLOYMENTS / "prefect.yaml"), "--all", timeout=300)
-    for name in ("train/yattflow", "prepare/prepare", "train/yattflow-k8s"):
+    for name in ("train/yattflow", "engine-host/yattflow-host", "prepare/prepare", "train/yattflow-k8s",
+                 "engine-host/yattflow-host-k8s"):
         assert f"Deployment '{name}' successfully created" in out, out
     return out
 
 
-@pytest.fixture(scope="module")
-def worker(pools, tmp_path_factory):
-    """A real process worker on the yattflow-process pool, polling every second."""
-    log_path = tmp_path_factory.mktemp("worker") / "worker.log"
-    env = dict(os.environ, PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="10")
+def start_worker(log_path: Path, name: str, queues: list[str], env: dict | None = None) -> subprocess.Popen:
+    """A real process worker on the yattflow-process pool serving ``queues``, polling every second."""
+    env = dict(os.environ, PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="10", **(env or {}))
+    cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", "yattflow-process", "--type", "process",
+           "--name", name, *(arg for q in queues for arg in ("--work-queue", q))]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "yattflow-process",
-                                 "--type", "process", "--name", "test-worker"], cwd=ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 120
     while "started!" not in log_path.read_text():
-        assert proc.poll() is None and time.time() < deadline, f"worker did not start:\n{log_path.read_text()}"
+        assert proc.poll() is None and time.time() < deadline, f"worker {name} did not start:\n{log_path.read_text()}"
         time.sleep(0.5)
-    yield log_path
+    return proc
+
+
+def stop_worker(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGINT)  # a worker exits on SIGINT, not promptly on SIGTERM
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture(scope="module")
+def worker(pools, tmp_path_factory):
+    """The worker of the training runs: the pool's default queue (engine hosts have their own)."""
+    log_path = tmp_path_factory.mktemp("worker") / "worker.log"
+    proc = start_worker(log_path, "test-worker", ["default"])
+    yield log_path
+    stop_worker(proc)
+
+
+@pytest.fixture(scope="module")
+def gpu_workers(pools, tmp_path_factory):
+    """One worker per "GPU node", each serving one DP group's queue (dp-0, dp-1): {group: its log}."""
+    logs = {g: tmp_path_factory.mktemp("gpu-worker") / f"gpu-worker-{g}.log" for g in (0, 1)}
+    procs = [start_worker(logs[g], f"gpu-node-{g}", [f"dp-{g}"]) for g in logs]
+    yield logs
+    for proc in procs:
+        stop_worker(proc)
 
 
 # ---------------------------------------------------------------------------------- work pools
@@ -195,9 +216,112 @@ def test_deploy_and_run_on_a_process_worker(prepared, deployed, worker):
 
     ran, _ = prepare.communicate(timeout=120)
     assert prepare.returncode == 0, ran
+    assert "flow run prepare-demo (" in ran, ran  # named as the flow names itself, from the start
     assert "of prepare/prepare: http://" in ran and "/runs/flow-run/" in ran and ran.strip().endswith("Completed"), ran
     bad = yattflow("run", "train.lr=-1")  # checked here, before any flow run is created
     assert bad.returncode == 2 and "field 'train.lr'" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------- engine hosts on a pool
+
+
+@pytest.mark.slow
+def test_engine_hosts_run_as_flow_runs_on_their_work_queues(prepared, deployed, worker, gpu_workers):
+    """With ``hosts.launch=deployment`` each DP group's engine host is a flow run of
+    engine-host/yattflow-host on its own work queue, taken by that queue's worker, pinned by its
+    ``CUDA_VISIBLE_DEVICES``; the training run connects to them through the registry on object
+    storage, with a secret that is in no flow run's parameters; engines load once per host; the
+    hosts end Completed when the run does, and the run leaves no secret and no registry behind."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+
+    overrides = TINY + [f"storage.root={prepared}", "name=hosttest", "steps=2", "dp=2", "hosts.launch=deployment",
+                        'hosts.devices=["0", "1"]', "hosts.start_timeout_s=300"]
+    out = prefect("deployment", "run", "train/yattflow", "--param", f"overrides={json.dumps(overrides)}")
+    run = wait_final(re.search(r"UUID: ([0-9a-f-]{36})", out).group(1), timeout=600)
+    assert run.state.is_completed(), f"{run.name}: {run.state.name} {run.state.message}\n{worker.read_text()[-3000:]}"
+
+    found = asyncio.run(read_run_tree("hosttest"))
+    assert_steps_completed(found, steps=(0, 1), groups=(0, 1))
+    kids = {r.name: r for r in client_call(lambda c: children(c, run.id))}
+    host_dep = client_call(lambda c: c.read_deployment_by_name("engine-host/yattflow-host"))
+    for g in (0, 1):
+        host = kids[f"hosttest-dp-{g}-host"]  # a sub-flow of the training run in the UI
+        assert host.state.is_completed(), (host.state.name, host.state.message)
+        assert host.deployment_id == host_dep.id and host.work_queue_name == f"dp-{g}"
+        assert host.job_variables == {"env": {"CUDA_VISIBLE_DEVICES": str(g)}}
+        # taken by the worker of its queue, and only that one
+        assert str(host.id) in gpu_workers[g].read_text() and str(host.id) not in gpu_workers[1 - g].read_text()
+        assert str(host.id) not in worker.read_text()
+        logs = client_call(lambda c, i=host.id: c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[i]))))
+        assert any(f"dp-{g} listening at" in entry.message and f"CUDA_VISIBLE_DEVICES={g}" in entry.message
+                   for entry in logs), [entry.message for entry in logs]
+        assert set(host.parameters) == {"run", "rank", "world", "registry", "secret_block", "controller", "threads", "bind"}
+        assert host.parameters["controller"] == str(run.id)
+
+    # The secret never was a parameter, and its block is gone with the run.
+    secret_block = kids["hosttest-dp-0-host"].parameters["secret_block"]
+    every_run = client_call(lambda c: c.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[
+        run.id, *(r.id for r in kids.values())]))))
+    assert len(every_run) == 1 + len(kids) == 5  # the run, its two iterations, its two hosts
+    assert not any(re.search(r"[0-9a-f]{64}", json.dumps(r.parameters)) for r in every_run)  # a 32-byte hex secret
+    from prefect.blocks.system import Secret
+
+    with pytest.raises(ValueError, match="Unable to find block document"):
+        Secret.load(secret_block)
+    assert not (Path(prepared) / "runs" / "hosttest" / "hosts").exists() or not any(
+        (Path(prepared) / "runs" / "hosttest" / "hosts").iterdir())
+
+    table = client_call(lambda c: c.read_artifacts())
+    loads = [row["engine_loads"] for a in table if a.key == "hosttest-iteration" for row in json.loads(a.data)]
+    assert loads and set(loads) == {1}  # engines loaded once per host for the whole run
+
+
+def test_a_host_no_worker_takes_fails_the_run_naming_its_queue(prepared, deployed):
+    """No worker serves the hosts' queues: the run fails after hosts.start_timeout_s with the queue
+    named, cancels the host flow runs it started and deletes the run's secret."""
+    from prefect.blocks.system import Secret
+
+    from flows.training import train
+
+    overrides = TINY + [f"storage.root={prepared}", "name=nohosts", "dp=2", "hosts.launch=deployment",
+                        "hosts.work_queue=nobody-{group}", "hosts.start_timeout_s=3"]
+    with pytest.raises(Exception, match=r"dp-0: engine-host flow run 'nohosts-dp-0-host' not up within "
+                                        r"hosts.start_timeout_s=3s \(state Scheduled\).*work queue 'nobody-0'"):
+        asyncio.run(train(overrides=overrides))
+    hosts = [r for r in client_call(lambda c: c.read_flow_runs()) if r.name.startswith("nohosts-dp-")]
+    assert len(hosts) == 2 and all(wait_final(r.id, timeout=60).state.is_cancelled() for r in hosts)
+    with pytest.raises(ValueError, match="Unable to find block document"):
+        Secret.load(hosts[0].parameters["secret_block"])
+
+
+@pytest.mark.slow
+def test_deployed_hosts_end_when_their_training_run_is_cancelled(prepared, deployed, worker, gpu_workers):
+    """Cancel a training run while its deployed hosts serve it: the hosts notice (the controller's
+    connection drops, or its state turns final), end their flow runs as Failed with the reason,
+    and leave no engine process holding a device."""
+    overrides = TINY + [f"storage.root={prepared}", "name=canceltest", "steps=50", "dp=2", "hosts.launch=deployment"]
+    out = prefect("deployment", "run", "train/yattflow", "--param", f"overrides={json.dumps(overrides)}")
+    run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+    deadline = time.time() + 300
+    while not any(c.name == "iteration-0001" for c in client_call(lambda c: children(c, run_id))):
+        assert time.time() < deadline, "the run did not reach its second iteration"
+        time.sleep(1)
+    [registry] = (Path(prepared) / "runs" / "canceltest" / "hosts").iterdir()
+    pids = [json.loads(f.read_text())["pid"] for f in sorted(registry.glob("dp-*.json"))]
+    assert len(pids) == 2 and all(Path(f"/proc/{pid}").exists() for pid in pids)
+
+    prefect("flow-run", "cancel", run_id)
+    assert wait_final(run_id, timeout=120).state.is_cancelled()
+    hosts = [r for r in client_call(lambda c: children(c, run_id)) if r.name.endswith("-host")]
+    assert sorted(r.name for r in hosts) == ["canceltest-dp-0-host", "canceltest-dp-1-host"]
+    for host in hosts:
+        final = wait_final(host.id, timeout=120)
+        assert final.state.is_failed(), (final.state.name, final.state.message)
+        assert "without shutting its hosts down" in final.state.message or "exited with code 3" in final.state.message
+    deadline = time.time() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in pids):
+        assert time.time() < deadline, f"engine host processes {pids} outlived their run"
+        time.sleep(0.5)
 
 
 # ---------------------------------------------------------------------------------- schedule
@@ -231,9 +355,10 @@ def test_schedule_continues_the_run_and_runs_never_overlap(prepared, pools, work
     # the first firing must come after the deploy below and the scheduler's next pass (5 s)
     margin = max(20.0, 2 * max(CLI_SECONDS, default=0) + 10)
     start = (datetime.now(timezone.utc) + timedelta(seconds=margin)).replace(microsecond=0)
-    # Without the dynamic filter every wave keeps enough groups: exactly 4 prompts per group per step.
+    # Without the dynamic filter every wave keeps enough groups: with fixed waves, exactly 4 prompts per
+    # group per step (adaptive waves would draw fewer, having learnt that every group is kept).
     overrides = TINY + [f"storage.root={prepared}", f"data.prompts={prompts}", "name=schedtest", "steps=4",
-                        "steps_per_run=2", "dp=2", "sampling.filter_equal_rewards=false"]
+                        "steps_per_run=2", "dp=2", "sampling.filter_equal_rewards=false", "sampling.adaptive=false"]
     entry.update(name="yattflow-schedtest", parameters={"config_file": "deployments/demo.yaml", "overrides": overrides},
                  schedules=[{"rrule": f"DTSTART:{start:%Y%m%dT%H%M%SZ}\nRRULE:FREQ=SECONDLY;INTERVAL=5;COUNT=2",
                              "active": True}])

@@ -57,6 +57,9 @@ DP_CASES = {
     "sequence-0-4": ((0, 4), {"aggregation": "sequence"}, {}),
     "token-kl-3-5": ((3, 5), {"aggregation": "token", "kl_coef": 0.5}, {"reference": True}),
     "token-3-5-distopt": ((3, 5), {"aggregation": "token"}, {"distributed_optimizer": True}),
+    # each rank's minibatch in several forward/backward passes (under DDP's no_sync but the last)
+    "token-kl-3-5-micro": ((3, 5), {"aggregation": "token", "kl_coef": 0.5, "micro_batch_tokens": 16}, {"reference": True}),
+    "sequence-3-5-micro-distopt": ((3, 5), {"aggregation": "sequence", "micro_batch_tokens": 16}, {"distributed_optimizer": True}),
 }
 
 
@@ -165,6 +168,31 @@ def test_train_step_matches_torch_trainer(model_dir, step_kwargs, trainer_kwargs
         assert stats[key] == pytest.approx(ref_stats[key], abs=1e-5), key
     assert 0 < stats["clip_fraction"] < 1
     assert megatron.version == 1
+
+
+@pytest.mark.parametrize(
+    "step_kwargs, trainer_kwargs",
+    [({"aggregation": "token"}, {}), ({"aggregation": "sequence", "kl_coef": 0.5}, {"reference": True})],
+    ids=["token", "sequence-kl"],
+)
+def test_micro_batches_equal_one_pass(model_dir, step_kwargs, trainer_kwargs):
+    """Length-sorted passes of <= 16 padded tokens, gradients accumulated in DDP's buffers: the
+    one-pass step (and its loss and pre-clip grad norm, which Adam's step alone would not show)."""
+    from engines.torch_engines import micro_batches
+
+    batch = batch_near(TorchTrainer(model_dir), 10, seed=7)
+    kwargs = {"minibatches": 2, **step_kwargs}
+    assert all(len(micro_batches(part, 16)) >= 3 for part in batch.split(2))
+    runs = []
+    for budget in (None, 16):
+        trainer = MegatronTrainer(model_dir, **HYPER, **trainer_kwargs)
+        runs.append((trainer.train_step(batch, micro_batch_tokens=budget, **kwargs), dict(trainer.export_weights())))
+    (one, one_weights), (micro, micro_weights) = runs
+    assert max_diff(one_weights, load_hf_state(model_dir)) > 100 * ATOL  # the step moved the weights
+    assert max_diff(micro_weights, one_weights) <= ATOL
+    assert micro["loss"] == pytest.approx(one["loss"], abs=1e-6)
+    assert micro["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert micro["clip_fraction"] == pytest.approx(one["clip_fraction"], abs=1e-9) and micro["tokens"] == one["tokens"]
 
 
 def test_qwen2_tied_embeddings_and_qkv_bias(tmp_path, model_dir):
@@ -396,6 +424,19 @@ def test_dp2_replicas_identical_and_equal_single_process(model_dir, two_processe
         assert rank0["stats"][step]["grad_norm"] == pytest.approx(ref_stats[step]["grad_norm"], rel=1e-5)
         tokens = [sum(len(r) for r in b.response_ids) for b in case["steps"][step]]
         assert [rank0["stats"][step]["tokens"], rank1["stats"][step]["tokens"]] == tokens
+
+
+@pytest.mark.parametrize("name", [n for n in DP_CASES if "micro" in n])
+def test_dp2_micro_batches_equal_one_process_one_pass(model_dir, two_processes, name):
+    """Two ranks stepping in several passes each equal one process stepping in one pass."""
+    case = two_processes["cases"]["dp"][name]
+    one_pass = dict(case, kwargs={k: v for k, v in case["kwargs"].items() if k != "micro_batch_tokens"})
+    ref_weights, ref_stats = single_process_steps(model_dir, one_pass, **DP_CASES[name][2])
+    rank0 = two_processes["results"][0][name]
+    assert max_diff(rank0["weights"], ref_weights) <= ATOL
+    for step in range(2):
+        assert rank0["stats"][step]["loss"] == pytest.approx(ref_stats[step]["loss"], abs=1e-5)
+        assert rank0["stats"][step]["grad_norm"] == pytest.approx(ref_stats[step]["grad_norm"], rel=1e-5)
 
 
 def test_dp2_tolerance_would_catch_a_missing_all_reduce(model_dir, two_processes):

@@ -214,6 +214,36 @@ def test_stage_uri():
     assert datasets.stage_uri("file:///r", 0, "scored", 0).endswith("steps/000000/scored/group=0/part-000.parquet")
 
 
+def test_image_column_survives_every_stage_schema(tmp_path):
+    """Vision-language prompts: image bytes ride along prompts → rollouts → scored → experience
+    (and the carry-over), the way the engine host passes rows on (to_pylist, add fields, write);
+    prompt files without the column still load, with null images."""
+    images = [bytes([i]) * (1000 + i) + os.urandom(64) for i in range(4)]
+    uri = lambda name: uri_of(tmp_path / f"{name}.parquet")  # noqa: E731
+    datasets.write_table(uri("prompts"), prompts_table(range(4)).append_column("image", pa.array(images, pa.binary())), PROMPTS)
+    prompts = datasets.read_table(uri("prompts"), PROMPTS).to_pylist()
+    assert [p["image"] for p in prompts] == images
+
+    rollouts = rollouts_table(4).to_pylist()
+    for r, p in zip(rollouts, prompts):
+        r["image"] = p.get("image")  # as EngineHost.rollout does
+    datasets.write_table(uri("rollouts"), pa.Table.from_pylist(rollouts, schema=ROLLOUTS), ROLLOUTS)
+    rows = datasets.read_table(uri("rollouts"), ROLLOUTS).to_pylist()
+    for r in rows:
+        r.update(judge_text="correct", genrm_reward=1.0, rule_reward=None, reward=1.0)
+    datasets.write_table(uri("scored"), pa.Table.from_pylist(rows, schema=datasets.SCORED), datasets.SCORED)
+    rows = [r | {"step": 0, "advantage": 0.5} for r in datasets.read_table(uri("scored"), datasets.SCORED).to_pylist()]
+    datasets.write_table(uri("experience"), pa.Table.from_pylist(rows, schema=datasets.EXPERIENCE), datasets.EXPERIENCE)
+    datasets.write_table(uri("carry"), pa.Table.from_pylist(rows, schema=datasets.CARRY), datasets.CARRY)
+    for name, schema in (("experience", datasets.EXPERIENCE), ("carry", datasets.CARRY)):
+        back = datasets.read_table(uri(name), schema)
+        assert back.schema.field("image").type == pa.binary()
+        assert back.column("image").to_pylist() == images
+        assert back.column("prompt_id").to_pylist() == [0, 1, 2, 3]
+
+    pq.write_table(prompts_table([7]), tmp_path / "text-only.parquet")  # a file written before the column existed
+    assert datasets.read_table(uri("text-only"), PROMPTS).column("image").to_pylist() == [None]
+
 # ---------------------------------------------------------------- run state, checkpoints
 
 

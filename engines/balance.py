@@ -1,0 +1,170 @@
+"""DP load balancing: spread one step's sequences over the DP ranks by token count.
+
+Before the train step every engine host knows only its own experience file. The hosts
+all-gather the token count of every row (never the rows), and each of them computes the
+same plan with :func:`plan`: every *global minibatch* — minibatch ``k`` of every rank,
+as ``TrainBatch.split`` cuts it — is partitioned into ``world`` parts of near-equal token
+totals (Karmarkar–Karp), one part per rank. A rank then reads its rows from the other
+ranks' experience files (object storage) and trains on them.
+
+Balancing each global minibatch, not the whole step, keeps the update identical: an
+optimizer step sees the same set of sequences, normalised by the same global token (or
+sequence) count, only summed in another order. It is also what the ranks wait on: every
+minibatch ends in a gradient all-reduce.
+
+Everything here is pure Python and deterministic (ties broken by index), so every rank
+computes the same plan from the same gathered counts.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+
+
+def karmarkar_karp(weights: list[int], parts: int) -> list[list[int]]:
+    """Karmarkar–Karp (largest differencing method), k-way: indices of ``weights`` in
+    ``parts`` lists, each sorted, the lists ordered by total, heaviest first.
+
+    Every item starts as a partial partition (itself in one subset, ``parts - 1`` empty
+    ones). The two partial partitions with the largest spread (max − min subset total) are
+    merged, heaviest subset of one with lightest of the other, until one remains. Some
+    parts are empty when there are fewer items than parts.
+    """
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    if any(w < 0 for w in weights):
+        raise ValueError("weights must be >= 0")
+    if not weights:
+        return [[] for _ in range(parts)]
+
+    def key(subset: tuple[int, list[int]]) -> tuple[int, int, float]:  # total, items, lowest index: a total order
+        return subset[0], len(subset[1]), (subset[1][0] if subset[1] else float("inf"))
+
+    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
+    order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
+    for seq, i in enumerate(order):
+        state = [(weights[i], [i])] + [(0, []) for _ in range(parts - 1)]
+        heap.append((-weights[i], seq, state))  # (−spread, insertion order, subsets heaviest first)
+    heapq.heapify(heap)
+    seq = len(heap)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        lightest_first = sorted(b, key=key)
+        merged = [(sa + sb, sorted(ia + ib)) for (sa, ia), (sb, ib) in zip(a, lightest_first)]
+        merged.sort(key=lambda s: (-s[0], -len(s[1]), key(s)[2]))
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), seq, merged))
+        seq += 1
+    return [indices for _, indices in heap[0][2]]
+
+
+def greedy(weights: list[int], parts: int) -> list[list[int]]:
+    """Longest-processing-time first: heaviest item to the currently lightest part."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    sums, out = [0] * parts, [[] for _ in range(parts)]
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        p = min(range(parts), key=lambda p: (sums[p], p))
+        sums[p] += weights[i]
+        out[p].append(i)
+    return [sorted(o) for o in out]
+
+
+def partition(weights: list[int], parts: int) -> list[list[int]]:
+    """Karmarkar–Karp, or greedy where greedy's heaviest part is strictly lighter (KK is
+    better on most inputs but not on all; taking the better of the two costs nothing)."""
+    kk = karmarkar_karp(weights, parts)
+    lpt = greedy(weights, parts)
+    return lpt if max_total(weights, lpt) < max_total(weights, kk) else kk
+
+
+def max_total(weights: list[int], parts: list[list[int]]) -> int:
+    return max((sum(weights[i] for i in p) for p in parts), default=0)
+
+
+def imbalance(totals: list[float]) -> float:
+    """max / mean of per-rank totals: 1.0 is perfect balance (and the answer for all zeros)."""
+    if not totals:
+        return 1.0
+    mean = sum(totals) / len(totals)
+    return max(totals) / mean if mean > 0 else 1.0
+
+
+def split_bounds(n: int, parts: int) -> list[int]:
+    """Minibatch boundaries of ``n`` rows, exactly as ``TrainBatch.split`` cuts them."""
+    return [round(i * n / parts) for i in range(parts + 1)]
+
+
+def assign(parts: list[list[tuple[int, int]]], weights: dict[tuple[int, int], int], world: int) -> list[int]:
+    """Which rank takes each part (a permutation): greedily the (part, rank) pairs whose rows
+    already live on that rank, by token weight, so that the fewest tokens are read remotely.
+    Rows are ``(source rank, row)``; ties go to the lower part, then the lower rank."""
+    overlap = [[0] * world for _ in parts]
+    for p, rows in enumerate(parts):
+        for src, i in rows:
+            overlap[p][src] += weights[(src, i)] + 1  # +1: an empty-token row still counts as staying
+    pairs = sorted(((overlap[p][r], p, r) for p in range(len(parts)) for r in range(world)), key=lambda x: (-x[0], x[1], x[2]))
+    owner, taken = [-1] * len(parts), set()
+    for _, p, r in pairs:
+        if owner[p] < 0 and r not in taken:
+            owner[p] = r
+            taken.add(r)
+    return owner
+
+
+def plan(tokens: list[list[int]], minibatches: int) -> list[list[list[tuple[int, int]]]]:
+    """``tokens[r][i]``: tokens of row ``i`` of rank ``r``'s experience. Returns, for every rank,
+    its rows per minibatch as ``(source rank, row)`` pairs (sorted), so that minibatch ``k``
+    over all ranks holds the same rows as without balancing, spread by token count. A minibatch
+    whose heaviest rank would not get lighter is left where it is."""
+    world = len(tokens)
+    out: list[list[list[tuple[int, int]]]] = [[[] for _ in range(minibatches)] for _ in range(world)]
+    bounds = [split_bounds(len(t), minibatches) for t in tokens]
+    weights = {(r, i): w for r, t in enumerate(tokens) for i, w in enumerate(t)}
+    for k in range(minibatches):
+        home = [[(r, i) for i in range(bounds[r][k], bounds[r][k + 1])] for r in range(world)]
+        rows = [row for rows in home for row in rows]
+        parts = [[rows[j] for j in p] for p in partition([weights[row] for row in rows], world)]
+        heaviest = max(sum(weights[row] for row in p) for p in parts)
+        if max(sum(weights[row] for row in h) for h in home) <= heaviest:
+            out_k = home  # already as good: move nothing
+        else:
+            out_k = [[] for _ in range(world)]
+            for p, r in enumerate(assign(parts, weights, world)):
+                out_k[r] = sorted(parts[p])
+        for r in range(world):
+            out[r][k] = out_k[r]
+    return out
+
+
+def plan_totals(tokens: list[list[int]], layout: list[list[list[tuple[int, int]]]]) -> list[int]:
+    """Tokens per rank under a plan."""
+    return [sum(tokens[src][i] for mb in rank for src, i in mb) for rank in layout]
+
+
+def presplit(minibatches: list):
+    """One ``TrainBatch`` holding ``minibatches`` (``TrainBatch`` each), whose ``split`` gives
+    exactly them back: balanced minibatches need not have the sizes ``split`` would cut.
+    Both trainers only ever call ``batch.split(minibatches)``."""
+    return _presplit_class().of(minibatches)
+
+
+@functools.cache
+def _presplit_class():
+    from engines.torch_engines import TrainBatch
+
+    class PresplitBatch(TrainBatch):
+        @classmethod
+        def of(cls, parts: list[TrainBatch]) -> "PresplitBatch":
+            fields = ("prompt_ids", "response_ids", "old_logprobs", "advantages")
+            batch = cls(*([x for p in parts for x in getattr(p, f)] for f in fields))
+            batch.parts = list(parts)
+            return batch
+
+        def split(self, parts: int) -> list[TrainBatch]:
+            if parts != len(self.parts):
+                raise ValueError(f"balanced batch was planned for {len(self.parts)} minibatches, asked to split into {parts}")
+            return list(self.parts)
+
+    return PresplitBatch

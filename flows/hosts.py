@@ -1,0 +1,162 @@
+"""Engine hosts as flow runs on a GPU work pool.
+
+With ``hosts.launch: deployment`` the training run does not start its engine hosts itself.
+For each DP group it runs the ``engine-host`` deployment on that group's work queue, so a
+worker on the right node (a process worker per GPU node, or a Kubernetes pool with
+``nvidia.com/gpu`` requests) starts the host there, pinned to the group's GPUs:
+
+    train-demo ─┬─ demo-dp-0-host   (queue dp-0, CUDA_VISIBLE_DEVICES=0)  ← host flow runs,
+                ├─ demo-dp-1-host   (queue dp-1, CUDA_VISIBLE_DEVICES=1)    alive for the run
+                ├─ iteration-0000 ─┬─ iteration-0000-dp-0 ...            ← controllers; their
+                │                  └─ iteration-0000-dp-1 ...              tasks call the hosts
+
+Each host flow run registers where it listens in ``{run}/hosts/{session}/dp-{group}.json``
+on the run's object storage; the training run connects to it there. The channel's secret
+travels in a Prefect ``Secret`` block made for this run and deleted after it — never in
+flow-run parameters, which anyone with the UI can read. A host flow run ends with the
+training run: on ``shutdown`` (Completed), or when the training run reaches a final state or
+its connection drops (Failed, with the reason).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+import time
+import uuid
+
+from prefect import flow, get_run_logger
+from prefect.blocks.system import Secret
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+from prefect.runtime import flow_run
+from prefect.states import Cancelling
+
+from engines.host import HostError, HostProcess, connect, disconnect
+from flows.config import RunConfig
+from storage import objectstore
+
+
+@flow(name="engine-host", flow_run_name="{run}-dp-{rank}-host")
+def engine_host(run: str, rank: int, world: int, registry: str, secret_block: str, controller: str,
+                threads: int = 1, bind: str = "0.0.0.0") -> dict:
+    """Serve one DP group's engines to the training run ``controller`` until it says shutdown."""
+    logger = get_run_logger()
+    secret = bytes.fromhex(Secret.load(secret_block).get())
+    host = HostProcess(rank, world, threads, secret, bind).wait_ready()
+    devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = {"address": host.address[0], "port": host.address[1], "dist_port": host.dist_port,
+             "hostname": socket.gethostname(), "pid": host.proc.pid, "cuda_visible_devices": devices,
+             "flow_run_id": str(flow_run.get_id())}
+    objectstore.write_json(objectstore.join(registry, f"dp-{rank}.json"), where)
+    logger.info("engine host of run '%s' dp-%d listening at %s:%d on %s, CUDA_VISIBLE_DEVICES=%s",
+                run, rank, *host.address, where["hostname"], devices)
+    reason = None
+    try:
+        with get_client(sync_client=True) as client:
+            while host.proc.poll() is None:
+                time.sleep(2)
+                state = client.read_flow_run(controller).state
+                if state is not None and state.is_final():
+                    reason = f"the training run ended ({state.name}) without shutting its hosts down"
+                    break
+    finally:
+        code = host.stop(grace_s=0 if reason else 10)
+    if reason or code != 0:
+        raise HostError(f"engine host dp-{rank}: {reason or f'exited with code {code} (its log is in the worker output)'}")
+    logger.info("engine host dp-%d shut down", rank)
+    return {"rank": rank, "hostname": where["hostname"], "cuda_visible_devices": devices}
+
+
+class DeployedHosts:
+    """The controller's side: start one ``engine-host`` flow run per DP group, connect to each."""
+
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.session = uuid.uuid4().hex[:12]
+        self.block = f"yattflow-host-{self.session}"
+        self.registry = objectstore.join(config.run_uri, "hosts", self.session)
+        self.runs: list = []  # the host flow runs, by group
+        self.master: str | None = None  # rank 0's torch.distributed rendezvous, "host:port"
+
+    async def __aenter__(self) -> "DeployedHosts":
+        cfg, h = self.config, self.config.hosts
+        secret = secrets.token_bytes(32)
+        await Secret(value=secret.hex()).asave(self.block)
+        try:
+            controller = str(flow_run.get_id())
+            self.runs = await asyncio.gather(*(
+                run_deployment(
+                    h.deployment, timeout=0, flow_run_name=f"{cfg.name}-dp-{g}-host",
+                    work_queue_name=h.work_queue.format(group=g),
+                    job_variables={"env": {"CUDA_VISIBLE_DEVICES": h.devices[g]}} if h.devices else None,
+                    parameters={"run": cfg.name, "rank": g, "world": cfg.dp, "registry": self.registry,
+                                "secret_block": self.block, "controller": controller,
+                                "threads": cfg.threads_per_host, "bind": h.bind},
+                ) for g in range(cfg.dp)))
+            where = await self._registered()
+            for g, w in enumerate(where):
+                connect(cfg.name, g, (w["address"], w["port"]), secret, cfg.host_timeout_s)
+            self.master = f"{where[0]['address']}:{where[0]['dist_port']}"
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def _registered(self) -> list[dict]:
+        """Wait for every host's registration; fail early if a host flow run ends first."""
+        logger = get_run_logger()
+        h = self.config.hosts
+        files = [objectstore.join(self.registry, f"dp-{g}.json") for g in range(self.config.dp)]
+        deadline = time.monotonic() + h.start_timeout_s
+        next_note = time.monotonic() + 30
+        async with get_client() as client:
+            while True:
+                waiting = [g for g, f in enumerate(files) if not objectstore.exists(f)]
+                if not waiting:
+                    return [objectstore.read_json(f) for f in files]
+                for g in waiting:
+                    state = (await client.read_flow_run(self.runs[g].id)).state
+                    if state is not None and state.is_final():
+                        raise HostError(f"dp-{g}: engine-host flow run '{self.runs[g].name}' ended {state.name} before "
+                                        f"it registered: {state.message}")
+                if time.monotonic() > deadline:
+                    g = waiting[0]
+                    state = (await client.read_flow_run(self.runs[g].id)).state
+                    raise HostError(
+                        f"dp-{g}: engine-host flow run '{self.runs[g].name}' not up within hosts.start_timeout_s="
+                        f"{h.start_timeout_s:.0f}s (state {state.name if state else None}); is a worker polling work queue "
+                        f"'{h.work_queue.format(group=g)}' of the pool that deployment '{h.deployment}' runs on?")
+                if time.monotonic() > next_note:
+                    next_note += 30
+                    logger.info("waiting for engine hosts %s to start", ", ".join(f"dp-{g}" for g in waiting))
+                await asyncio.sleep(1)
+
+    async def __aexit__(self, *exc) -> None:
+        disconnect(self.config.name, self.config.dp)  # each host answers 'shutdown' and exits
+        async with get_client() as client:
+            deadline = time.monotonic() + 60
+            pending = list(self.runs)
+            while pending and time.monotonic() < deadline:
+                states = [(await client.read_flow_run(r.id)).state for r in pending]
+                pending = [r for r, s in zip(pending, states) if s is None or not s.is_final()]
+                if pending:
+                    await asyncio.sleep(1)
+            for r in pending:  # never started, or stuck: cancel it (the worker kills its process)
+                await client.set_flow_run_state(r.id, Cancelling(message="the training run has ended"), force=True)
+        try:
+            await Secret.adelete(self.block)
+        except Exception:  # noqa: BLE001 - a leftover secret of an ended run is harmless; never mask the run's error
+            get_run_logger().warning("could not delete secret block %s", self.block)
+        objectstore.remove(self.registry)
+
+
+def engine_hosts(config: RunConfig):
+    """The engine hosts of this run, as an ``async with`` context: local subprocesses or deployed flow runs."""
+    from engines.host import LocalHosts
+
+    if config.hosts.launch == "deployment":
+        return DeployedHosts(config)
+    return LocalHosts(config.name, config.dp, config.threads_per_host, config.host_timeout_s)
