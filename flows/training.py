@@ -3,6 +3,7 @@ sub-flow per DP group inside it.
 
     train ─┬─ iteration-0000 ─┬─ iteration-0000-dp-0: rollout → genrm_score → dynamic_filter (→ more waves)
            │                  │                        → train_step → sync_weights (→ checkpoint)
+           │                  │    (placement.mode=partial: rollout_and_score → dynamic_filter per wave)
            │                  └─ iteration-0000-dp-1: (the same, concurrently; train_step is one collective)
            ├─ iteration-0001 ...
 
@@ -35,6 +36,7 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int, end: i
     ``sampling``: the group's dynamic-sampling state after the previous step, ``GroupSampling``)."""
     run, run_uri, s = config.name, config.run_uri, config.sampling
     stages: dict[str, float] = {"rollout": 0.0, "genrm_score": 0.0, "dynamic_filter": 0.0}
+    switches: dict[str, float] = {"rollout": 0.0, "genrm_score": 0.0}  # placement: device hand-over seconds per stage
     waves = []
     progress = StepProgress(run, step, group, is_checkpoint_step(config, step, end))  # live in the UI; never waited on
     state = GroupSampling.from_dict(sampling)
@@ -45,20 +47,30 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int, end: i
             progress.another_wave(wave)
         t0 = time.perf_counter()
         count = plan_wave(s, state, have)  # fixed, or from the keep-ratio estimate (engines/sampling.py)
-        rolled = await tasks.rollout(run, run_uri, step, group, wave, cursor, count)
-        progress.finished("rollout", wave)
+        if config.placement.mode == "partial":  # rollout and judge resident at once, samples streaming to the judge
+            both = await tasks.rollout_and_score(run, run_uri, step, group, wave, cursor, count)
+            rolled, scored = both["rollout"] | {"host_s": both["host_s"]}, both["score"] | {"host_s": 0.0}
+            progress.finished("rollout", wave)
+            progress.finished("genrm_score", wave)
+            t2 = time.perf_counter()
+            stages["rollout_and_score"] = stages.get("rollout_and_score", 0.0) + t2 - t0
+        else:  # full colocation: one engine after the other, each on all the group's devices
+            rolled = await tasks.rollout(run, run_uri, step, group, wave, cursor, count)
+            progress.finished("rollout", wave)
+            t1 = time.perf_counter()
+            scored = await tasks.genrm_score(run, run_uri, step, group, wave)
+            progress.finished("genrm_score", wave)
+            t2 = time.perf_counter()
+            stages["rollout"] += t1 - t0
+            stages["genrm_score"] += t2 - t1
         cursor = rolled["cursor"]
-        t1 = time.perf_counter()
-        scored = await tasks.genrm_score(run, run_uri, step, group, wave)
-        progress.finished("genrm_score", wave)
-        t2 = time.perf_counter()
+        switches["rollout"] += rolled.get("switch_s", 0.0)
+        switches["genrm_score"] += scored.get("switch_s", 0.0)
         kept = await tasks.dynamic_filter(run, run_uri, step, group, wave, s.target_groups, carry_in)
         progress.finished("dynamic_filter", wave)
         t3 = time.perf_counter()
         state.observe(count, kept["new_kept"], s.keep_ratio_decay)
         have = kept["kept"]
-        stages["rollout"] += t1 - t0
-        stages["genrm_score"] += t2 - t1
         stages["dynamic_filter"] += t3 - t2
         waves.append({"rollout": rolled, "score": scored, "filter": kept})
         sizes.append(count)
@@ -76,6 +88,7 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int, end: i
     progress.finished("sync_weights")
     stages["train_step"] = t1 - t0
     stages["sync_weights"] = time.perf_counter() - t1
+    switches["train_step"], switches["sync_weights"] = trained.get("switch_s", 0.0), synced.get("switch_s", 0.0)
     waited = saved = None
     if written is not None:
         # The asynchronous write of step `written`'s checkpoint has run beside this whole step
@@ -104,7 +117,7 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int, end: i
         "judge_agreement": waves[-1]["score"]["judge_agreement"],
         "train": trained, "sync_s": synced["seconds"], "checkpoint_files": (saved["files"] if saved else None) or [],
         "checkpoint_stall_s": saved["stall_s"] if saved else 0.0, "checkpoint_waited": waited,
-        "stages": stages,
+        "stages": stages, "switches": switches,
         # seconds the host spent on this group's commands; the rest of the step is orchestration
         "engine_s": sum(r["host_s"] for r in (*(r for w in waves for r in w.values()), trained, synced, waited, saved) if r),
     }
@@ -163,11 +176,17 @@ async def iteration(config: RunConfig, step: int, cursors: list[int], end: int |
         "overhead_s": seconds - max(g["engine_s"] for g in groups),
         "engine_loads": max(g["train"]["engine_loads"] for g in groups),  # per host, this run: stays 1
         **{f"{k}_s": max(g["stages"].get(k, 0.0) for g in groups)
-           for k in ("rollout", "genrm_score", "dynamic_filter", "train_step", "sync_weights", "checkpoint_wait", "checkpoint")},
+           for k in ("rollout", "genrm_score", "rollout_and_score", "dynamic_filter", "train_step", "sync_weights",
+                     "checkpoint_wait", "checkpoint")},
+        # placement: seconds engines took to hand the devices over before each stage (sleep/wake; 0 where nothing moves)
+        **{f"switch_{k}_s": max(g["switches"].get(k, 0.0) for g in groups)
+           for k in ("rollout", "genrm_score", "train_step", "sync_weights")},
+        "placement": config.placement.mode,
         "checkpoint_stall_s": max(g["checkpoint_stall_s"] for g in groups),  # on the hosts: what training waited for
         "cursors": [g["cursor"] for g in groups],
         "sampling": [g["sampling"] for g in groups],
         "policy_version": groups[0]["train"]["policy_version"],
+        "params_sha": groups[0]["train"]["params_sha"],  # the trained weights' fingerprint (equal on every replica)
         "checkpoint_files": [f for g in groups for f in g["checkpoint_files"]],
     }
     if written is not None:

@@ -9,6 +9,7 @@ from tasks.stages import (
     export_policy,
     genrm_score,
     rollout,
+    rollout_and_score,
     setup_engines,
     sync_weights,
     train_step,
@@ -16,6 +17,6 @@ from tasks.stages import (
 )
 
 __all__ = [
-    "validate_inputs", "setup_engines", "rollout", "genrm_score", "dynamic_filter",
+    "validate_inputs", "setup_engines", "rollout", "genrm_score", "rollout_and_score", "dynamic_filter",
     "train_step", "sync_weights", "checkpoint", "checkpoint_wait", "evaluate", "export_policy",
 ]

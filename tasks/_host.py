@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
 
 from prefect import get_run_logger
 
 from engines.host import HostError, client
+
+# The threads that wait for host answers. Not asyncio's default executor: it has cpu_count + 4
+# threads (6 on 2 cores), and a collective command (setup's rendezvous, train_step's all-reduce)
+# returns only once *every* group's command reached its host, so with more DP groups than threads
+# the calls that got a thread wait forever for those that did not (found at dp=16 with timing-stub
+# engines, bench/scale.py). One thread per call in flight; threads are made only when needed.
+_CALLS = ThreadPoolExecutor(max_workers=4096, thread_name_prefix="yattflow-host-call")
 
 
 async def call_host(run: str, group: int, command: str, **params) -> dict:
@@ -18,7 +27,8 @@ async def call_host(run: str, group: int, command: str, **params) -> dict:
     cursor; never sample data — followed by the host's own error."""
     logger = get_run_logger()
     try:
-        result, logs = await asyncio.to_thread(client(run, group).call, command, **params)
+        call = functools.partial(client(run, group).call, command, **params)
+        result, logs = await asyncio.get_running_loop().run_in_executor(_CALLS, call)
     except HostError as e:
         inputs = describe_call(run, group, command, params)
         for line in getattr(e, "logs", None) or []:

@@ -36,6 +36,18 @@ async def genrm_score(run: str, run_uri: str, step: int, group: int, wave: int) 
     return await call_host(run, group, "score", rollouts=rollouts, out=out) | {"uri": out}
 
 
+@stage(name="rollout-and-score", task_run_name="rollout_and_score dp={group} wave={wave}")
+async def rollout_and_score(run: str, run_uri: str, step: int, group: int, wave: int, cursor: int, count: int) -> dict:
+    """Partial colocation: the wave's rollout and its GenRM scoring at once, each finished chunk of
+    samples streaming to the judge; the same outputs as ``rollout`` then ``genrm_score``."""
+    rollouts = stage_uri(run_uri, step, "rollouts", group, wave)
+    scored = stage_uri(run_uri, step, "scored", group, wave)
+    result = await call_host(run, group, "rollout_and_score", step=step, wave=wave, cursor=cursor, count=count,
+                             rollouts_out=rollouts, scored_out=scored)
+    result["rollout"]["uri"], result["score"]["uri"] = rollouts, scored
+    return result
+
+
 @stage(name="dynamic-filter", task_run_name="dynamic_filter dp={group} wave={wave}")
 async def dynamic_filter(run: str, run_uri: str, step: int, group: int, wave: int, target_groups: int,
                          carry: str | None = None) -> dict:
