@@ -41,16 +41,11 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-for _key, _value in {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"}.items():
-    os.environ.setdefault(_key, _value)  # keep the tables readable; one thread per rank
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per engine process
 
 MODES = ("balanced", "unbalanced")
 VARIANTS = ("padded", "micro")

@@ -33,17 +33,9 @@ import os
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-for _key, _value in {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
-                     "TOKENIZERS_PARALLELISM": "false"}.items():
-    os.environ.setdefault(_key, _value)  # keep the table readable
 
 
 def build_model(path: str, hidden: int, layers: int) -> int:

@@ -70,12 +70,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-for _key, _value in {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
-                     "TOKENIZERS_PARALLELISM": "false", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                     "OMP_NUM_THREADS": "1"}.items():
-    os.environ.setdefault(_key, _value)
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per engine process
 
 from bench.overhead import TINY  # noqa: E402  (the tiny store bench/overhead.py prepares, and its run shape)
 

@@ -37,7 +37,6 @@ import asyncio
 import collections
 import itertools
 import json
-import os
 import re
 import shutil
 import signal
@@ -49,11 +48,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-for _key, _value in {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
-                     "TOKENIZERS_PARALLELISM": "false", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}.items():
-    os.environ.setdefault(_key, _value)
 
 from tests.postgres import PostgresCluster, PrefectServer, run_flow_subprocess  # noqa: E402
 

@@ -40,17 +40,8 @@ import os
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-for _key, _value in {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
-                     "TOKENIZERS_PARALLELISM": "false", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}.items():
-    os.environ.setdefault(_key, _value)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

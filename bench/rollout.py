@@ -18,20 +18,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import random
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-for _key, _value in {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
-                     "VLLM_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}.items():
-    os.environ.setdefault(_key, _value)  # keep the tables readable
 
 
 def build_model(path: str, hidden: int, layers: int, seed: int = 0) -> int:

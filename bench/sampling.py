@@ -38,18 +38,10 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-for _key, _value in {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
-                     "TOKENIZERS_PARALLELISM": "false", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                     "OMP_NUM_THREADS": "1"}.items():
-    os.environ.setdefault(_key, _value)
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per engine process
 
 # tests/conftest.py TINY, the part that shapes the prepared data and models
 PREPARE = [

@@ -40,15 +40,11 @@ import re
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from bench.overhead import (BACKENDS, TINY, PostgresCluster, PrefectServer, figures,  # noqa: E402
                             run_flow_subprocess, summarize_profile, train_once)

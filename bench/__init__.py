@@ -1,0 +1,12 @@
+"""Benchmarks: ``python -m bench`` runs them all and prints one table; ``python -m bench.<name>`` runs one.
+
+Every benchmark runs offline and keeps its output readable: the defaults below apply to all of
+them and to the processes they start (the environment overrides each)."""
+
+import os
+
+for _key, _value in {
+    "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+}.items():
+    os.environ.setdefault(_key, _value)
