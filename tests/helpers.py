@@ -145,12 +145,13 @@ async def read_run_tree(run_name: str, api_url: str | None = None) -> dict:
     import contextlib
 
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: api_url}) if api_url else contextlib.nullcontext():
         async with get_client() as client:
-            runs = [r for r in await client.read_flow_runs() if r.name == f"train-{run_name}"]
+            # filtered by the server: an unfiltered read returns one page, which a busy session server outgrows
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"train-{run_name}"])))
             if not runs:
                 return {}
             top = max(runs, key=lambda r: r.created)

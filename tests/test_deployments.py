@@ -26,6 +26,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     DeploymentFilter,
     DeploymentFilterName,
+    FlowRunFilter,
+    FlowRunFilterName,
 )
 
 from tests.conftest import TINY
@@ -232,7 +234,7 @@ def test_engine_hosts_run_as_flow_runs_on_their_work_queues(prepared, deployed, 
     ``CUDA_VISIBLE_DEVICES``; the training run connects to them through the registry on object
     storage, with a secret that is in no flow run's parameters; engines load once per host; the
     hosts end Completed when the run does, and the run leaves no secret and no registry behind."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.filters import FlowRunFilterId, LogFilter, LogFilterFlowRunId
 
     overrides = TINY + [f"storage.root={prepared}", "name=hosttest", "steps=2", "dp=2", "hosts.launch=deployment",
                         'hosts.devices=["0", "1"]', "hosts.start_timeout_s=300"]
@@ -271,8 +273,10 @@ def test_engine_hosts_run_as_flow_runs_on_their_work_queues(prepared, deployed, 
     assert not (Path(prepared) / "runs" / "hosttest" / "hosts").exists() or not any(
         (Path(prepared) / "runs" / "hosttest" / "hosts").iterdir())
 
-    table = client_call(lambda c: c.read_artifacts())
-    loads = [row["engine_loads"] for a in table if a.key == "hosttest-iteration" for row in json.loads(a.data)]
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    table = client_call(lambda c: c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["hosttest-iteration"]))))
+    loads = [row["engine_loads"] for a in table for row in json.loads(a.data)]
     assert loads and set(loads) == {1}  # engines loaded once per host for the whole run
 
 
@@ -288,7 +292,7 @@ def test_a_host_no_worker_takes_fails_the_run_naming_its_queue(prepared, deploye
     with pytest.raises(Exception, match=r"dp-0: engine-host flow run 'nohosts-dp-0-host' not up within "
                                         r"hosts.start_timeout_s=3s \(state Scheduled\).*work queue 'nobody-0'"):
         asyncio.run(train(overrides=overrides))
-    hosts = [r for r in client_call(lambda c: c.read_flow_runs()) if r.name.startswith("nohosts-dp-")]
+    hosts = client_call(lambda c: c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="nohosts-dp-"))))
     assert len(hosts) == 2 and all(wait_final(r.id, timeout=60).state.is_cancelled() for r in hosts)
     with pytest.raises(ValueError, match="Unable to find block document"):
         Secret.load(hosts[0].parameters["secret_block"])

@@ -12,10 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
 from flows.training import train
 from tests.conftest import TINY
-from tests.helpers import assert_steps_completed, read_run_tree
+from tests.helpers import assert_steps_completed, children, read_run_tree
 
 
 def run_train(root: str, *extra: str) -> dict:
@@ -84,11 +85,20 @@ def test_flow_parameters_are_metadata_only(prepared):
     run_train(prepared, "name=paramtest", "steps=1", "dp=2")
 
     async def params():
+        """(name, parameters) of the run and every flow run under it."""
         async with get_client() as client:
-            return [(r.name, json.dumps(r.parameters, default=str)) for r in await client.read_flow_runs() if "paramtest" in r.name or r.name.startswith("iteration-")]
+            found = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["train-paramtest"])))
+            todo, seen = list(found), []
+            while todo:
+                run = todo.pop()
+                seen.append((run.name, json.dumps(run.parameters, default=str)))
+                todo += await children(client, run.id)
+            return seen
 
     prompts = pq.read_table(Path(prepared) / "data" / "train").column("prompt").to_pylist()[:50]
-    for name, blob in asyncio.run(params()):
+    runs = asyncio.run(params())
+    assert {"train-paramtest", "iteration-0000", "iteration-0000-dp-0", "iteration-0000-dp-1"} <= {n for n, _ in runs}
+    for name, blob in runs:
         assert len(blob) < 8192, name
         assert not any(p in blob for p in prompts), name
 
