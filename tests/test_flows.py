@@ -64,7 +64,7 @@ def test_two_iterations_dp2_on_the_prefect_api(prepared):
     assert len(summary["history"]) == 2
     # Warm hosts: each loaded its models once for the whole run, not once per iteration.
     assert [m["engine_loads"] for m in summary["history"]] == [1, 1]
-    assert all(0 < m["engine_s"] < m["seconds"] for m in summary["history"])
+    assert all(0 < m["engine_s"] < m["seconds"] < m["step_s"] for m in summary["history"])  # step_s: the iteration flow's own cost too
     # Checkpoint committed: manifest lists model, trainer state and both ranks' RNG.
     state = json.loads((run_dir / "state.json").read_text())
     assert state["step"] == 1 and len(state["cursors"]) == 2
