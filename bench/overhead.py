@@ -173,6 +173,16 @@ def _package(module: str) -> str:
 # --------------------------------------------------------------------------- runs
 
 
+async def _all_pages(read, page: int = 200, **filters) -> list:
+    """Every record a filtered read matches: the server answers at most 200 per call (64 groups x 4 steps is more)."""
+    found = []
+    while True:
+        batch = await read(**filters, limit=page, offset=len(found))
+        found += batch
+        if len(batch) < page:
+            return found
+
+
 async def _server_timings(api_url: str, run_name: str, steps: int, dp: int, timeout: float = 30) -> dict[int, dict]:
     """Per step, from the server's records: the spread of the DP-group sub-flows' start times, and
     of their ``train_step`` tasks' start times — the first group to reach the all-reduce waits that
@@ -188,13 +198,13 @@ async def _server_timings(api_url: str, run_name: str, steps: int, dp: int, time
             top = max(tops, key=lambda r: r.created)
             its = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
                 parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[top.id])))
-            groups = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[r.id for r in its])), limit=steps * dp + 10)
+            groups = await _all_pages(client.read_flow_runs, flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[r.id for r in its])))
             deadline = time.monotonic() + timeout
             while True:  # task runs are recorded from events, a moment after the run ends
-                trains = await client.read_task_runs(
-                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[g.id for g in groups])),
-                    task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="train_step")), limit=steps * dp + 10)
+                trains = await _all_pages(
+                    client.read_task_runs, flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[g.id for g in groups])),
+                    task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="train_step")))
                 if len([t for t in trains if t.start_time]) >= steps * dp or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(1)
@@ -211,11 +221,12 @@ async def _server_timings(api_url: str, run_name: str, steps: int, dp: int, time
 
 def train_once(server: PrefectServer, root: str, work: Path, backend: str, dp: int, steps: int, tag: str,
                profile: bool = False, extra: list[str] | tuple[str, ...] = (), prefix: str = "overhead",
-               timeout: float = 1800) -> tuple[list[dict], float, dict]:
+               timeout: float = 1800, config_file: str | None = None) -> tuple[list[dict], float, dict]:
     """One training run of ``dp`` groups on ``server``; ``extra``: more config overrides (bench/scale.py:
-    the timing-stub backends); ``timeout``: seconds before the run is killed (``subprocess.TimeoutExpired``)."""
+    the timing-stub backends); ``timeout``: seconds before the run is killed (``subprocess.TimeoutExpired``);
+    ``config_file``: a run config (e.g. deployments/demo.yaml) instead of the tiny settings."""
     name = f"{prefix}-{backend}-dp{dp}-{tag}"
-    overrides = TINY + [f"storage.root={root}", f"name={name}", f"dp={dp}", f"steps={steps}", "threads_per_host=1",
+    overrides = ([] if config_file else TINY) + [f"storage.root={root}", f"name={name}", f"dp={dp}", f"steps={steps}", "threads_per_host=1",
                         "data.heldout=null", "checkpoint.every=1000", *extra]
     log = work / f"{name}.log"
     spy, server_spy, info = None, None, {}
@@ -228,7 +239,7 @@ def train_once(server: PrefectServer, root: str, work: Path, backend: str, dp: i
     start = time.perf_counter()
     try:
         summary = run_flow_subprocess(server.url, "flows.training:train", log_path=log, prefix=spy, overrides=overrides,
-                                      timeout=timeout)
+                                      timeout=timeout, config_file=config_file)
     finally:
         if server_spy is not None:
             server_spy.send_signal(signal.SIGINT)  # py-spy writes its output and exits
