@@ -10,7 +10,7 @@ imports it, calls ``main(argv)``, writes the figures it returns as JSON), prints
 as it goes, and this process then turns the figures into rows of one table — benchmark, figure,
 yattflow, baseline, ratio (yattflow / baseline) — each pair measured in the same run of that
 module. A module whose figures carry ``rows`` ({figure, yattflow, baseline, ratio}: controller,
-sampling, scale, placement) is taken as it is; for the others, ``EXTRACT`` below names the figures (their ``main``
+sampling, scale, placement, floor) is taken as it is; for the others, ``EXTRACT`` below names the figures (their ``main``
 return values are not changed for this). A module added to ``bench/`` later runs too; its rows
 appear once it returns ``rows``.
 
@@ -18,7 +18,8 @@ What is "baseline" differs per module (see each module's docstring): raw ``LLM.g
 (rollout), the SQLite Prefect server against PostgreSQL (overhead), unbalanced DP groups
 (balance), a synchronous checkpoint (checkpoint), fixed waves (sampling), full colocation (placement), a single controller
 that gathers and scatters every stage's data (controller), the SQLite server against PostgreSQL at 1-64 DP
-groups with timing-stub engines (scale). ``megatron_gpu`` needs CUDA and is
+groups with timing-stub engines, and Prefect's floor beside each (scale), Prefect's default server against
+one with a batched task-run recorder (floor). ``megatron_gpu`` needs CUDA and is
 skipped without it; ``rollout`` needs vLLM.
 """
 
@@ -40,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-ORDER = ["rollout", "balance", "checkpoint", "sampling", "placement", "controller", "overhead", "scale", "megatron_gpu"]
+ORDER = ["rollout", "balance", "checkpoint", "sampling", "placement", "controller", "overhead", "floor", "scale", "megatron_gpu"]
 QUICK = {
     "rollout": "--repeats 3 --sizes 64,256 --sync-repeats 3",
     "balance": "--repeats 4 --warmup 1",
@@ -49,6 +50,7 @@ QUICK = {
     "placement": "--repeats 1 --full-threads 1",
     "controller": "--steps 2",
     "overhead": "--scaling '' --steps 4",
+    "floor": "--dps 4 --repeats 1",
     "scale": "--dps 1,4,16 --steps 3 --real-steps 3",
     "megatron_gpu": "--layers 4 --steps 3",
 }

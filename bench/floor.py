@@ -1,6 +1,6 @@
 """Prefect's floor: what the shape of a yattflow run costs with nothing in it.
 
-    .venv/bin/python -m bench.floor --dp 16          # against a throwaway PostgreSQL-backed server
+    .venv/bin/python -m bench.floor                  # dp 4 and 16, default server vs tuned, ~5 min
 
 The ``floor`` flow has the training flow's structure and nothing else: per step an
 ``iteration`` sub-flow, in it one sub-flow per DP group started concurrently (each given the
@@ -9,6 +9,9 @@ number of stage tasks, which return at once — no engine hosts, no storage, no 
 logging of ours. Its time per iteration is the least any design with a Prefect sub-flow per DP
 group per step and a task per stage pays on this machine and server; bench/scale.py runs it
 beside every timing-stub run, on the same server, and reports yattflow's overhead against it.
+
+Run on its own, it compares Prefect's default server with one whose task-run recorder writes
+in batches (``TUNED_SERVER``), each on its own throwaway PostgreSQL cluster, runs alternating.
 """
 
 from __future__ import annotations
@@ -59,19 +62,46 @@ async def floor(overrides: list[str], steps: int = 4, tasks: int = STAGE_TASKS) 
     return {"dp": config.dp, "tasks": tasks, "seconds": seconds}
 
 
+# The server's task-run recorder writes each task-run event to the database as it arrives
+# (batch size 1); batched, the same states land within half a second, in far fewer transactions.
+TUNED_SERVER = {"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
+                "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "0.5"}
+
+
 def main(argv=None) -> dict:
+    """The floor per DP group on a default server and on one with TUNED_SERVER (each on its own
+    PostgreSQL cluster), runs alternating between them."""
+    import contextlib
+
     from tests.postgres import PostgresCluster, PrefectServer, run_flow_subprocess
 
     p = argparse.ArgumentParser(prog="python -m bench.floor", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dp", type=int, default=4)
-    p.add_argument("--steps", type=int, default=5, help="iterations; the first is not measured")
+    p.add_argument("--dps", default="4,16", help="DP group counts, comma-separated")
+    p.add_argument("--steps", type=int, default=5, help="iterations per run; the first is not measured")
+    p.add_argument("--repeats", type=int, default=2, help="runs per server and DP size, alternating")
     args = p.parse_args(argv)
-    with PostgresCluster() as cluster, PrefectServer(cluster.url) as server:
-        out = run_flow_subprocess(server.url, "bench.floor:floor", overrides=[f"dp={args.dp}"], steps=args.steps)
-    mean = statistics.fmean(out["seconds"][1:])
-    print(f"dp={args.dp}: {mean:.3f} s per iteration, {mean / args.dp * 1000:.0f} ms per DP group "
-          f"(one sub-flow + {out['tasks']} tasks)")
-    return out | {"iteration_s": mean, "per_group_s": mean / args.dp}
+    dps = [int(x) for x in args.dps.split(",")]
+    seconds: dict[tuple[str, int], list[float]] = {}
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for name, env in (("default", {}), ("tuned", TUNED_SERVER)):
+            cluster = stack.enter_context(PostgresCluster())
+            servers[name] = stack.enter_context(PrefectServer(cluster.url, env=env))
+        for dp in dps:
+            for repeat in range(args.repeats):
+                for name in (("default", "tuned") if repeat % 2 == 0 else ("tuned", "default")):
+                    out = run_flow_subprocess(servers[name].url, "bench.floor:floor", overrides=[f"dp={dp}"], steps=args.steps)
+                    seconds.setdefault((name, dp), []).extend(out["seconds"][1:])
+    print(f"\n### Prefect's floor: one sub-flow + {STAGE_TASKS} empty tasks per DP group per iteration (PostgreSQL)\n")
+    print("| dp | default server, ms per group | tuned task-run recorder, ms per group | ratio |\n|---|---|---|---|")
+    rows = []
+    for dp in dps:
+        default, tuned = (statistics.fmean(seconds[(name, dp)]) / dp for name in ("default", "tuned"))
+        print(f"| {dp} | {default * 1000:.0f} | {tuned * 1000:.0f} | {tuned / default:.2f} |")
+        rows.append({"figure": f"Prefect floor per DP group at dp={dp} (s): task-run recorder batched vs Prefect's default",
+                     "yattflow": tuned, "baseline": default, "ratio": tuned / default})
+    print("\ntuned: " + ", ".join(f"{k}={v}" for k, v in TUNED_SERVER.items()))
+    return {"rows": rows, "seconds": {f"{name}-{dp}": v for (name, dp), v in seconds.items()}}
 
 
 if __name__ == "__main__":

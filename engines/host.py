@@ -344,7 +344,7 @@ class EngineHost:
         switch = self._take("policy")
         batch = self._wave_prompts(cursor, count)
         rows = [r for k, chunk in enumerate(self._chunks(batch)) for r in self._generate_chunk(step, wave, k, chunk)]
-        self._write_rollouts(out, rows)
+        self._write_table(out, rows, "ROLLOUTS")
         return self._rollout_metrics(wave, cursor, count, rows, time.perf_counter() - start) | {"switch_s": switch}
 
     def score(self, rollouts: str, out: str) -> dict:
@@ -357,9 +357,9 @@ class EngineHost:
         start = time.perf_counter()
         switch = self._take("judge")  # full colocation: the rollout engine sleeps, the judge takes the devices
         rows = datasets.read_table(rollouts, datasets.ROLLOUTS).to_pylist()
-        size = self.config.placement.stream_chunk * self.config.rollout.samples_per_prompt
-        scored = [r for i in range(0, len(rows), size) for r in self._score_chunk(rows[i : i + size])]
-        self._write_scored(out, scored)
+        samples = self._chunks(rows, self.config.placement.stream_chunk * self.config.rollout.samples_per_prompt)
+        scored = [r for chunk in samples for r in self._score_chunk(chunk)]
+        self._write_table(out, scored, "SCORED")
         return self._score_metrics(scored, time.perf_counter() - start) | {"switch_s": switch}
 
     def rollout_and_score(self, step: int, wave: int, cursor: int, count: int, rollouts_out: str, scored_out: str) -> dict:
@@ -420,12 +420,12 @@ class EngineHost:
             torch.set_num_threads(self.threads)
         generate_s = time.perf_counter() - start
         if complete:
-            self._write_rollouts(rollouts_out, rows)  # while the judge scores the tail
+            self._write_table(rollouts_out, rows, "ROLLOUTS")  # while the judge scores the tail
         thread.join()
         if judge["error"] is not None:
             raise RuntimeError(f"dp-{self.rank}: the GenRM judge failed in wave {wave}") from judge["error"]
         flat = [r for chunk in scored for r in chunk]
-        self._write_scored(scored_out, flat)
+        self._write_table(scored_out, flat, "SCORED")
         seconds = time.perf_counter() - start
         rolled = self._rollout_metrics(wave, cursor, count, rows, generate_s)
         score = self._score_metrics(flat, judge["busy_s"])
@@ -444,8 +444,9 @@ class EngineHost:
             log.warning("dp-%d: all %d prompts of this group's stream trained; starting it again (another epoch)", self.rank, len(self.prompts))
         return batch
 
-    def _chunks(self, batch: list) -> list[list]:
-        size = self.config.placement.stream_chunk
+    def _chunks(self, batch: list, size: int | None = None) -> list[list]:
+        """``batch`` in pieces of ``size`` (default ``placement.stream_chunk``: prompts per chunk)."""
+        size = size or self.config.placement.stream_chunk
         return [batch[i : i + size] for i in range(0, len(batch), size)]
 
     def _generate_chunk(self, step: int, wave: int, k: int, chunk: list[dict]) -> list[dict]:
@@ -490,19 +491,15 @@ class EngineHost:
             out.append(r | {"judge_text": verdict, "genrm_reward": genrm, "rule_reward": rule, "reward": reward})
         return out
 
-    def _write_rollouts(self, out: str, rows: list[dict]) -> None:
+    @staticmethod
+    def _write_table(out: str, rows: list[dict], schema_name: str) -> None:
+        """``rows`` as the dataset ``out`` with the schema ``storage.datasets.<schema_name>``."""
         import pyarrow as pa
 
         from storage import datasets
 
-        datasets.write_table(out, pa.Table.from_pylist(rows, schema=datasets.ROLLOUTS), datasets.ROLLOUTS)
-
-    def _write_scored(self, out: str, rows: list[dict]) -> None:
-        import pyarrow as pa
-
-        from storage import datasets
-
-        datasets.write_table(out, pa.Table.from_pylist(rows, schema=datasets.SCORED), datasets.SCORED)
+        schema = getattr(datasets, schema_name)
+        datasets.write_table(out, pa.Table.from_pylist(rows, schema=schema), schema)
 
     def _rollout_metrics(self, wave: int, cursor: int, count: int, rows: list[dict], seconds: float) -> dict:
         tokens = sum(len(r["response_ids"]) for r in rows)

@@ -186,10 +186,12 @@ class PrefectServer:
 
     ``database_url``: ``PREFECT_API_DATABASE_CONNECTION_URL`` (e.g. a :class:`PostgresCluster`'s
     ``url``); None: Prefect's default SQLite database in ``home``. ``home`` is ``PREFECT_HOME``
-    (a temporary folder, removed on stop, unless given); its ``server.log`` has the output."""
+    (a temporary folder, removed on stop, unless given); its ``server.log`` has the output.
+    ``env``: more server settings (``PREFECT_SERVER_...``)."""
 
-    def __init__(self, database_url: str | None = None, home: str | Path | None = None, ui: bool = False):
-        self.database_url, self.ui = database_url, ui
+    def __init__(self, database_url: str | None = None, home: str | Path | None = None, ui: bool = False,
+                 env: dict[str, str] | None = None):
+        self.database_url, self.ui, self.env = database_url, ui, env or {}
         self._made_home = home is None
         self.home = Path(tempfile.mkdtemp(prefix="yattflow-prefect-")) if home is None else Path(home)
         self.port: int | None = None
@@ -209,7 +211,7 @@ class PrefectServer:
         cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port),
                "--ui" if self.ui else "--no-ui"]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, env=server_env(self.home, self.database_url), stdout=log,
+            self.proc = subprocess.Popen(cmd, env=server_env(self.home, self.database_url) | self.env, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while True:
