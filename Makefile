@@ -43,7 +43,7 @@ demo: install
 	$(VENV)/bin/yattflow demo -c deployments/demo.yaml
 
 test: engines system
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs --durations=20
 
 clean:
 	rm -rf yattflow-data

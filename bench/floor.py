@@ -11,7 +11,8 @@ group per step and a task per stage pays on this machine and server; bench/scale
 beside every timing-stub run, on the same server, and reports yattflow's overhead against it.
 
 Run on its own, it compares Prefect's default server with one whose task-run recorder writes
-in batches (``TUNED_SERVER``), each on its own throwaway PostgreSQL cluster, runs alternating.
+in batches (``flows.cli.SERVER_SETTINGS``, what ``yattflow server`` starts Prefect with), each on
+its own throwaway PostgreSQL cluster, runs alternating.
 """
 
 from __future__ import annotations
@@ -62,17 +63,12 @@ async def floor(overrides: list[str], steps: int = 4, tasks: int = STAGE_TASKS) 
     return {"dp": config.dp, "tasks": tasks, "seconds": seconds}
 
 
-# The server's task-run recorder writes each task-run event to the database as it arrives
-# (batch size 1); batched, the same states land within half a second, in far fewer transactions.
-TUNED_SERVER = {"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
-                "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "0.5"}
-
-
 def main(argv=None) -> dict:
-    """The floor per DP group on a default server and on one with TUNED_SERVER (each on its own
+    """The floor per DP group on a default server and on one with SERVER_SETTINGS (each on its own
     PostgreSQL cluster), runs alternating between them."""
     import contextlib
 
+    from flows.cli import SERVER_SETTINGS
     from tests.postgres import PostgresCluster, PrefectServer, run_flow_subprocess
 
     p = argparse.ArgumentParser(prog="python -m bench.floor", description=__doc__.split("\n\n")[0])
@@ -84,7 +80,7 @@ def main(argv=None) -> dict:
     seconds: dict[tuple[str, int], list[float]] = {}
     with contextlib.ExitStack() as stack:
         servers = {}
-        for name, env in (("default", {}), ("tuned", TUNED_SERVER)):
+        for name, env in (("default", {}), ("tuned", SERVER_SETTINGS)):
             cluster = stack.enter_context(PostgresCluster())
             servers[name] = stack.enter_context(PrefectServer(cluster.url, env=env))
         for dp in dps:
@@ -100,7 +96,7 @@ def main(argv=None) -> dict:
         print(f"| {dp} | {default * 1000:.0f} | {tuned * 1000:.0f} | {tuned / default:.2f} |")
         rows.append({"figure": f"Prefect floor per DP group at dp={dp} (s): task-run recorder batched vs Prefect's default",
                      "yattflow": tuned, "baseline": default, "ratio": tuned / default})
-    print("\ntuned: " + ", ".join(f"{k}={v}" for k, v in TUNED_SERVER.items()))
+    print("\ntuned (what `yattflow server` sets): " + ", ".join(f"{k}={v}" for k, v in SERVER_SETTINGS.items()))
     return {"rows": rows, "seconds": {f"{name}-{dp}": v for (name, dp), v in seconds.items()}}
 
 

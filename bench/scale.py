@@ -214,8 +214,8 @@ def main(argv=None) -> dict:
                                 overrides=TINY + [f"storage.root={root}"])
         print(f"servers up, store prepared ({time.perf_counter() - t0:.0f}s)", flush=True)
         for i, dp in enumerate(dps):
-            measured = [r["host_uss_mb"] for r in out["runs"] if r.get("host_uss_mb")]
-            host_mb = max(measured) if measured else args.host_mb
+            measured = [r["host_uss_mb"] for r in sorted(out["runs"], key=lambda r: r["dp"]) if r.get("host_uss_mb")]
+            host_mb = measured[-1] if measured else args.host_mb  # at the largest size run so far
             need = dp * host_mb * 1.2 + 2048
             if available_mb() < need and not args.ignore_memory:
                 out["skipped"][dp] = (f"needs ~{need / 1024:.1f} GB for {dp} engine hosts ({host_mb:.0f} MB private "

@@ -30,6 +30,7 @@ from prefect.client.schemas.filters import (
     FlowRunFilterName,
 )
 
+from flows.cli import SERVER_SETTINGS
 from tests.conftest import TINY
 from tests.helpers import assert_steps_completed, children, read_run_tree
 
@@ -509,6 +510,9 @@ def test_yattflow_server_starts_server_and_worker_and_ctrl_c_stops_both(tmp_path
         assert pool["type"] == "process" and pool["base_job_template"] == json.loads(POOLS["yattflow-process"][1].read_text())
         kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert len(kids) == 2, kids  # the server and the worker; the pool was created through the server, not an ephemeral API
+        server_pid = next(k for k in kids if b"server\x00start" in Path(f"/proc/{k}/cmdline").read_bytes())
+        server_env = dict(kv.split("=", 1) for kv in Path(f"/proc/{server_pid}/environ").read_text().split("\0") if "=" in kv)
+        assert {k: server_env.get(k) for k in SERVER_SETTINGS} == SERVER_SETTINGS  # the batched task-run recorder
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         rc = proc.wait(timeout=90)
