@@ -238,6 +238,7 @@ class EngineHost:
         self.config = None
         self.prompts = None  # this group's stream of prompts (rows rank, rank+world, ...)
         self.engine_loads = 0  # times this host loaded its models: once per run is the point of a host
+        self._awake: set[str] = set()  # the engines holding the group's devices (placement: see _take)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -279,7 +280,7 @@ class EngineHost:
                 self.judge = make_generator(cfg.judge.backend, judge_dir, cfg, self.threads)
         self.backends = f"rollout={cfg.rollout.backend} judge={cfg.judge.backend} train={cfg.train.backend}"
         self.rule = _import_function(cfg.reward.rule) if cfg.reward.rule else None
-        self._awake = {"policy", "judge", "trainer"}  # engines holding the device (placement: see _take)
+        self._awake = {"policy", "judge", "trainer"}  # all loaded, all on the devices
         self.engine_loads += 1
         self.prompts = self._load_prompts(cfg.uri(cfg.data.prompts))
         if resume:
@@ -535,7 +536,7 @@ class EngineHost:
         the devices alone. The torch engines (CPU only) have no ``sleep``; vLLM and Megatron on a
         CPU have nothing to give back: there, switches take no time."""
         start = time.perf_counter()
-        awake = getattr(self, "_awake", set())
+        awake = self._awake
         for name in sorted(awake - set(engines)):
             engine = getattr(self, name, None)
             if engine is not None and hasattr(engine, "sleep"):
@@ -546,7 +547,6 @@ class EngineHost:
             if name not in awake and engine is not None and hasattr(engine, "wake"):
                 engine.wake()
             awake.add(name)
-        self._awake = awake
         return time.perf_counter() - start
 
     def filter(self, scored: list[str], out: str, target_groups: int, step: int, carry_in: str | None = None,

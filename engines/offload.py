@@ -83,6 +83,7 @@ class Offload:
                     storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
             copy.untyped_storage().copy_(storage, non_blocking=True)
             self._offloaded.append((storage, copy))
+        self._copies = {key: self._copies[key] for key in seen}  # storages gone since the last offload free theirs
         if any(s.device.type == "cuda" for s, _ in self._offloaded):
             torch.cuda.synchronize()  # the copies must land before the device memory goes
         for storage, _ in self._offloaded:

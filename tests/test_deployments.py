@@ -112,13 +112,18 @@ def start_worker(log_path: Path, name: str, queues: list[str], env: dict | None 
     return proc
 
 
-def stop_worker(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)  # a worker exits on SIGINT, not promptly on SIGTERM
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def stop_workers(*procs: subprocess.Popen, grace_s: float = 10) -> None:
+    """SIGINT to every worker at once (they exit on SIGINT, not promptly on SIGTERM), then kill
+    the ones still there after ``grace_s``: the tests are done with them."""
+    for proc in procs:
+        proc.send_signal(signal.SIGINT)
+    deadline = time.time() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.time(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +132,7 @@ def worker(pools, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("worker") / "worker.log"
     proc = start_worker(log_path, "test-worker", ["default"])
     yield log_path
-    stop_worker(proc)
+    stop_workers(proc)
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +141,7 @@ def gpu_workers(pools, tmp_path_factory):
     logs = {g: tmp_path_factory.mktemp("gpu-worker") / f"gpu-worker-{g}.log" for g in (0, 1)}
     procs = [start_worker(logs[g], f"gpu-node-{g}", [f"dp-{g}"]) for g in logs]
     yield logs
-    for proc in procs:
-        stop_worker(proc)
+    stop_workers(*procs)
 
 
 # ---------------------------------------------------------------------------------- work pools
