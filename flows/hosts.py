@@ -32,7 +32,7 @@ from prefect.blocks.system import Secret
 from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.runtime import flow_run
-from prefect.states import Cancelling
+from prefect.states import Cancelled, Cancelling
 
 from engines.host import HostError, HostProcess, connect, disconnect
 from flows.config import RunConfig
@@ -139,12 +139,16 @@ class DeployedHosts:
         async with get_client() as client:
             deadline = time.monotonic() + 60
             pending = list(self.runs)
-            while pending and time.monotonic() < deadline:
+            while pending:
                 states = [(await client.read_flow_run(r.id)).state for r in pending]
-                pending = [r for r, s in zip(pending, states) if s is None or not s.is_final()]
-                if pending:
-                    await asyncio.sleep(1)
-            for r in pending:  # never started, or stuck: cancel it (the worker kills its process)
+                for r, s in zip(pending, states):
+                    if s is None or s.is_scheduled():  # no worker took it: no process to wait for or to stop
+                        await client.set_flow_run_state(r.id, Cancelled(message="the training run has ended"), force=True)
+                pending = [r for r, s in zip(pending, states) if s is not None and not s.is_scheduled() and not s.is_final()]
+                if not pending or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(1)  # started hosts end on their own after the shutdown
+            for r in pending:  # stuck: cancel it (the worker kills its process)
                 await client.set_flow_run_state(r.id, Cancelling(message="the training run has ended"), force=True)
         try:
             await Secret.adelete(self.block)

@@ -298,7 +298,8 @@ def test_a_host_no_worker_takes_fails_the_run_naming_its_queue(prepared, deploye
                                         r"hosts.start_timeout_s=3s \(state Scheduled\).*work queue 'nobody-0'"):
         asyncio.run(train(overrides=overrides))
     hosts = client_call(lambda c: c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="nohosts-dp-"))))
-    assert len(hosts) == 2 and all(wait_final(r.id, timeout=60).state.is_cancelled() for r in hosts)
+    # cancelled by the run on its way out: never picked up, there was no process to wait for
+    assert len(hosts) == 2 and all(r.state.is_cancelled() for r in hosts), [r.state for r in hosts]
     with pytest.raises(ValueError, match="Unable to find block document"):
         Secret.load(hosts[0].parameters["secret_block"])
 
