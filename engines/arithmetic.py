@@ -48,6 +48,12 @@ def teacher_demonstrations(problems: list[tuple[str, str]], slip: float, seed: i
     return [(p, forgot_to_carry(p) if rng.random() < slip else a) for p, a in problems]
 
 
+def teacher_majority(problems: list[tuple[str, str]], slip: float) -> list[tuple[str, str]]:
+    """(prompt, the teacher's most likely answer): what a policy that has learned the teacher
+    answers under greedy decoding. The slip where the teacher slips more often than not."""
+    return [(p, forgot_to_carry(p) if slip > 0.5 else a) for p, a in problems]
+
+
 def near_miss(rng: random.Random, answer: str) -> str:
     """A plausible wrong answer of the same width: one digit changed."""
     digits = list(answer)

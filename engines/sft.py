@@ -1,8 +1,15 @@
-"""Supervised fine-tuning: the warm start for the policy and the generative reward model."""
+"""Supervised fine-tuning: the warm start for the policy and the generative reward model.
+
+Training runs until the model has learned what it is shown, not for a fixed number of
+steps. A tiny transformer learning a positional task (which digits to add) sits on a loss
+plateau for a while before it finds the pattern, and how long depends on the seed and on
+the CPU's floating-point kernels: a fixed step count lands on either side of that
+transition by luck. So every ``check_every`` steps the model answers held-out prompts
+greedily, and training stops once ``target`` of the answers are the expected ones.
+"""
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from typing import Callable
@@ -14,26 +21,30 @@ def sft(
     model,
     tokenizer,
     pairs: list[tuple[str, str]],
-    steps: int,
+    check: list[tuple[str, str]],
+    target: float = 0.95,
+    max_steps: int = 6000,
+    check_every: int = 100,
     batch_size: int = 64,
-    lr: float = 3e-3,
+    lr: float = 2e-3,
     seed: int = 0,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Train ``model`` on (prompt, completion) pairs; the loss covers completion tokens
-    (and the end-of-sequence token) only. Linear warm-up, then cosine decay to zero."""
+    """Train ``model`` on (prompt, completion) pairs until its greedy completions of the
+    ``check`` prompts equal their expected completions for a ``target`` fraction of them,
+    or ``max_steps`` pass. The loss covers completion tokens (and end-of-sequence) only.
+    The learning rate warms up linearly over the first 100 steps, then stays constant:
+    a decay tied to a step budget would cool the model before it had converged."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-    warmup = max(steps // 20, 1)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * s / steps)))
-    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / 100, 1.0))
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     encoded = [(tokenizer(p)["input_ids"], tokenizer(c, add_special_tokens=False)["input_ids"] + [eos]) for p, c in pairs]
-    start, loss_ema = time.perf_counter(), None
-    for step in range(steps):
+    answer_tokens = max(len(c) for _, c in encoded)
+    start, loss_ema, matched, step, converged = time.perf_counter(), None, 0.0, 0, False
+    while step < max_steps and not converged:
+        model.train()
         chunk = rng.sample(encoded, min(batch_size, len(encoded)))
         width = max(len(p) + len(c) for p, c in chunk)
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)
@@ -49,8 +60,29 @@ def sft(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        step += 1
         loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
-        if (step + 1) % max(steps // 5, 1) == 0:
-            log(f"sft step {step + 1}/{steps} loss {loss_ema:.4f} ({time.perf_counter() - start:.0f}s)")
+        if step % check_every == 0 or step == max_steps:
+            matched = exact_match(model, tokenizer, check, answer_tokens)
+            converged = matched >= target
+            log(f"sft step {step} loss {loss_ema:.4f} held-out exact match {100 * matched:.1f}% ({time.perf_counter() - start:.0f}s)")
     model.eval()
-    return {"loss": loss_ema, "seconds": time.perf_counter() - start}
+    return {"steps": step, "converged": converged, "exact_match": matched, "loss": loss_ema, "seconds": time.perf_counter() - start}
+
+
+@torch.no_grad()
+def exact_match(model, tokenizer, expected: list[tuple[str, str]], max_new_tokens: int, batch_size: int = 256) -> float:
+    """The fraction of prompts whose greedy completion is exactly the expected one."""
+    model.eval()
+    hits = 0
+    for i in range(0, len(expected), batch_size):
+        rows = expected[i : i + batch_size]
+        # input ids and mask only: some tokenizers add token_type_ids, which generate() refuses
+        batch = tokenizer([p for p, _ in rows], return_tensors="pt", padding=True, return_token_type_ids=False)
+        out = model.generate(
+            **batch, do_sample=False, max_new_tokens=max_new_tokens, top_k=None, top_p=None, temperature=None,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        )
+        answers = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+        hits += sum(a.strip() == c for a, (_, c) in zip(answers, rows))
+    return hits / len(expected)

@@ -44,8 +44,10 @@ def build_tiny_llama(
     num_kv_heads: int = 2,
     max_positions: int = 64,
     seed: int = 0,
+    init_std: float = 0.02,
 ) -> LlamaForCausalLM:
-    """A randomly initialised Llama with grouped-query attention (heads share KV)."""
+    """A randomly initialised Llama with grouped-query attention (heads share KV); its weights
+    are drawn with standard deviation ``init_std`` (Llama's own default is 0.02)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -60,5 +62,6 @@ def build_tiny_llama(
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
+        initializer_range=init_std,
     )
     return LlamaForCausalLM(config).float()

@@ -70,7 +70,8 @@ class TorchGenerator:
         greedy: bool = False,
     ) -> list[Generation]:
         tok = self.tokenizer
-        batch = tok([p for p in prompts for _ in range(n)], return_tensors="pt", padding=True)
+        # input ids and mask only: a tokenizer that adds token_type_ids makes generate() refuse them
+        batch = tok([p for p in prompts for _ in range(n)], return_tensors="pt", padding=True, return_token_type_ids=False)
         if not greedy:  # greedy draws nothing: leave the process-wide RNG alone (a judge on another
             torch.manual_seed(seed)  # thread must not reseed the rollout's sampling: placement.mode=partial)
         out = self.model.generate(

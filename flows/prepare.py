@@ -51,9 +51,17 @@ def make_datasets(config: RunConfig) -> dict:
     return {"train": len(train), "heldout": len(heldout)}
 
 
+class SFTNotConverged(RuntimeError):
+    """The warm start did not learn its demonstrations within ``prepare.sft_max_steps``."""
+
+
 @task(cache_policy=NO_CACHE, task_run_name="sft {role}")
 def sft_model(config: RunConfig, role: str) -> dict:
-    """SFT a fresh tiny Llama for ``role`` ("policy" or "judge") and commit its folder."""
+    """SFT a fresh tiny Llama for ``role`` ("policy" or "judge") and commit its folder.
+
+    The policy trains until it answers held-out prompts as the teacher most often does (the
+    carry mistake learned); the judge until its held-out verdicts are right. Both results
+    are then the same on every CPU, whatever its floating-point kernels."""
     logger = get_run_logger()
     uri = config.uri(config.model.policy if role == "policy" else config.model.judge)
     if objectstore.exists(objectstore.join(uri, "MANIFEST.json")):
@@ -63,23 +71,42 @@ def sft_model(config: RunConfig, role: str) -> dict:
     train, heldout = _problems(config)
     if role == "policy":
         pairs = arithmetic.teacher_demonstrations(train, p.teacher_slip, seed=config.seed)
-        steps, check = p.sft_steps, heldout
+        check, target = arithmetic.teacher_majority(heldout, p.teacher_slip), p.sft_target
     else:
         pairs = arithmetic.judge_examples(train, config.judge.template, seed=config.seed)
-        steps, check = p.judge_sft_steps, arithmetic.judge_examples(heldout, config.judge.template, seed=config.seed + 1)
+        check, target = arithmetic.judge_examples(heldout, config.judge.template, seed=config.seed + 1), p.judge_target
     tokenizer = build_char_tokenizer()
     model = build_tiny_llama(
-        len(tokenizer), hidden_size=p.hidden_size, num_layers=p.layers, num_heads=p.heads, num_kv_heads=p.kv_heads, seed=config.seed
+        len(tokenizer), hidden_size=p.hidden_size, num_layers=p.layers, num_heads=p.heads, num_kv_heads=p.kv_heads,
+        seed=config.seed, init_std=p.policy_init_std if role == "policy" else 0.02,
     )
-    result = sft(model, tokenizer, pairs, steps, batch_size=p.sft_batch_size, lr=p.sft_lr, seed=config.seed, log=logger.info)
+    result = sft(
+        model, tokenizer, pairs, check, target=target, max_steps=p.sft_max_steps, check_every=p.sft_check_every,
+        batch_size=p.sft_batch_size, lr=p.sft_lr, seed=config.seed, log=logger.info,
+    )
+    if not result["converged"]:
+        field = "prepare.sft_target" if role == "policy" else "prepare.judge_target"
+        raise SFTNotConverged(
+            f"{role} SFT reached {100 * result['exact_match']:.1f}% held-out exact match after {result['steps']} steps, "
+            f"short of {field}={target}: raise prepare.sft_max_steps ({p.sft_max_steps}) or prepare.sft_lr; nothing was written to {uri}"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        outs = TorchGenerator(tmp).generate([q for q, _ in check], greedy=True, max_new_tokens=8)
-        accuracy = sum(o.response == check[o.prompt_index][1] for o in outs) / len(check)
+        # the figure users compare with RL's: the right answer, not the teacher's
+        accuracy = heldout_accuracy(tmp, heldout) if role == "policy" else result["exact_match"]
         objectstore.upload_folder(tmp, uri)
-    logger.info("%s model: held-out exact match %.1f%% after %d SFT steps (%.0fs) → %s", role, 100 * accuracy, steps, result["seconds"], uri)
-    return {"uri": uri, "heldout_exact_match": accuracy, "sft_seconds": result["seconds"]}
+    logger.info(
+        "%s model: held-out %s %.1f%% after %d SFT steps (%.0fs) → %s", role,
+        "exact match" if role == "policy" else "verdict accuracy", 100 * accuracy, result["steps"], result["seconds"], uri,
+    )
+    return {"uri": uri, "heldout_exact_match": accuracy, "sft_steps": result["steps"], "sft_seconds": result["seconds"]}
+
+
+def heldout_accuracy(model_dir: str, problems: list[tuple[str, str]]) -> float:
+    """Greedy exact match on the right answers, through the same loading code as RL's engines."""
+    outs = TorchGenerator(model_dir).generate([q for q, _ in problems], greedy=True, max_new_tokens=8)
+    return sum(o.response == problems[o.prompt_index][1] for o in outs) / len(problems)
 
 
 @flow(name="prepare", flow_run_name=run_label("prepare"))

@@ -1,6 +1,8 @@
-"""The README's main command on its embedded defaults learns for real: RL lifts held-out
-exact-match accuracy by at least 20 points over the SFT start — on the torch engines (the
-CPU default) and on the production engines (vLLM rollout and GenRM, Megatron-Core training).
+"""The README's main command on its embedded defaults learns for real: the SFT warm start lands
+in its band (the teacher's carry mistake learned: greedy answers right only where no carry is
+needed, ~30% of held-out prompts), and RL lifts held-out exact-match accuracy by at least 20
+points over it — on the torch engines (the CPU default) and on the production engines (vLLM
+rollout and GenRM, Megatron-Core training).
 
 Both runs share one prepared storage root: the second ``demo`` finds the datasets and the
 SFT'd models committed and skips straight to training.
@@ -18,6 +20,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "deployments" / "demo.yaml")
+# Where a converged warm start lands on every CPU and seed measured (README, "The demo task"):
+# below it the SFT has not learned the task, above it greedy decoding is no longer the teacher's.
+SFT_BAND = (25.0, 40.0)
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +46,7 @@ def test_demo_learns(prefect_server, demo_root, capsys):
     before, after = run_demo(demo_root)
     with capsys.disabled():
         print(f"\n[demo] torch engines: held-out exact-match accuracy {before}% (SFT) -> {after}% (RL)")
+    assert SFT_BAND[0] <= before <= SFT_BAND[1]
     assert after - before >= 20.0
     assert (demo_root / "runs" / "demo" / "final" / "MANIFEST.json").exists()
 

@@ -1,0 +1,87 @@
+"""The demo across seeds and CPU floating-point paths: does the warm start land in its band,
+and does RL lift it, whatever the machine?
+
+    .venv/bin/python -m bench.seeds                          # seeds 0-4 on both paths (~40 min on 2 cores)
+    .venv/bin/python -m bench.seeds --seeds 0,1 --paths best --steps 30
+
+Each row is one ``yattflow demo`` (prepare, then RL on ``deployments/demo.yaml``) in a
+subprocess with a storage root of its own. A *path* is a setting of torch's CPU float kernels:
+
+* ``best``: the kernels torch picks for this CPU (AVX-512, AMX where present), 2 threads;
+* ``default``: ``ATEN_CPU_CAPABILITY=default`` (plain vectorised kernels), 1 thread.
+
+Prints the CPU (``lscpu``'s model name), one row per run (seed, path, SFT steps, SFT %, RL %,
+lift, seconds) and the range of each figure. Not part of ``python -m bench``: it is a check
+that the demo learns, not a speed figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PATHS = {
+    "best": {"OMP_NUM_THREADS": "2"},
+    "default": {"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"},
+}
+RESULT = re.compile(r"accuracy ([\d.]+)% \(SFT\) → ([\d.]+)%")
+SFT_STEPS = re.compile(r"policy model: held-out exact match [\d.]+% after (\d+) SFT steps")
+
+
+def cpu_model() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "unknown CPU")
+
+
+def run_demo(seed: int, path: str, steps: int, root: str) -> dict:
+    env = dict(os.environ, **PATHS[path])
+    command = [sys.executable, "-m", "flows.cli", "demo", "-c", str(ROOT / "deployments" / "demo.yaml"),
+               f"storage.root={root}", f"seed={seed}", f"steps={steps}"]
+    start = time.perf_counter()
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    log = out.stdout + out.stderr
+    result, sft_steps = RESULT.search(log), SFT_STEPS.search(log)
+    if out.returncode or not result:
+        raise RuntimeError(f"demo seed={seed} path={path} failed (exit {out.returncode}):\n{log[-3000:]}")
+    sft, rl = float(result.group(1)), float(result.group(2))
+    return {"seed": seed, "path": path, "sft_steps": int(sft_steps.group(1)) if sft_steps else None,
+            "sft": sft, "rl": rl, "lift": round(rl - sft, 1), "seconds": round(seconds)}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds")
+    parser.add_argument("--paths", default="best,default", help=f"comma-separated float paths: {', '.join(PATHS)}")
+    parser.add_argument("--steps", type=int, default=30, help="RL steps per run (the demo's own: 30)")
+    args = parser.parse_args(argv)
+    seeds, paths = [int(s) for s in args.seeds.split(",")], args.paths.split(",")
+    unknown = set(paths) - set(PATHS)
+    if unknown:
+        parser.error(f"--paths: unknown {sorted(unknown)}; choose from {list(PATHS)}")
+    cpu = cpu_model()
+    print(f"CPU: {cpu}; {len(seeds)} seeds x {len(paths)} paths, {args.steps} RL steps each\n")
+    print("| seed | path | SFT steps | SFT % | RL % | lift (points) | seconds |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:
+            for path in paths:
+                row = run_demo(seed, path, args.steps, os.path.join(tmp, f"{path}-{seed}"))
+                rows.append(row)
+                print(f"| {seed} | {path} | {row['sft_steps']} | {row['sft']} | {row['rl']} | {row['lift']} | {row['seconds']} |", flush=True)
+    span = {k: (min(r[k] for r in rows), max(r[k] for r in rows)) for k in ("sft", "rl", "lift")}
+    print(f"\nSFT {span['sft'][0]}-{span['sft'][1]}%, after RL {span['rl'][0]}-{span['rl'][1]}%, "
+          f"lift {span['lift'][0]}-{span['lift'][1]} points ({cpu})")
+    return {"cpu": cpu, "rows": rows, "span": span}
+
+
+if __name__ == "__main__":
+    main()
