@@ -56,10 +56,10 @@ test: engines system
 UV_VERSION = 0.13.9
 UV_TORCH_CPU ?= $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS),--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match)
 COMPILE = $(VENV)/bin/uv pip compile --quiet --upgrade --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
-	$(UV_TORCH_CPU) --override requirements/overrides.txt --custom-compile-command "make lock" --annotation-style line
+	$(UV_TORCH_CPU) --custom-compile-command "make lock" --annotation-style line
 lock: $(VENV)/.installed
 	$(PY) -m pip install -q uv==$(UV_VERSION)
-	$(COMPILE) pyproject.toml requirements/engines.in --extra test \
+	$(COMPILE) pyproject.toml requirements/engines.in --extra test --override requirements/overrides.txt \
 		--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec --no-emit-package triton \
 		-o requirements/engines.lock
 	$(COMPILE) pyproject.toml --extra test -c requirements/engines.lock -o requirements/base.lock
