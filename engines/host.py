@@ -10,8 +10,9 @@ The channel is a way into a process that holds the model, so it binds to loopbac
 with a per-run secret (``multiprocessing.connection`` HMAC challenge), serves one
 controller, and exchanges JSON only — never pickles.
 
-The hosts of one run form a ``torch.distributed`` group (gloo on CPU), so the train
-step is a real collective.
+The hosts of one run form a ``torch.distributed`` group (NCCL when the trainer is on CUDA,
+gloo on CPU), so the train step is a real collective; CPU metadata (the balance plan) goes
+through a gloo group of its own (``engines/distributed.py``).
 """
 
 from __future__ import annotations
@@ -205,18 +206,22 @@ def stable_seed(*parts) -> int:
 
 
 def _all_gather_ints(values: list[int]) -> list[list[int]]:
-    """Every rank's list of integers (lengths may differ), as int64 tensors over the default
-    group: unlike ``all_gather_object`` nothing is unpickled from the network."""
+    """Every rank's list of integers (lengths may differ), as int64 CPU tensors over the gloo
+    metadata group (``engines/distributed.py``; the default group is NCCL on GPUs): unlike
+    ``all_gather_object`` nothing is unpickled from the network."""
     import torch
     import torch.distributed as dist
 
-    world = dist.get_world_size()
+    from engines.distributed import metadata_group
+
+    group = metadata_group()
+    world = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([len(values)], dtype=torch.int64))
+    dist.all_gather(sizes, torch.tensor([len(values)], dtype=torch.int64), group=group)
     mine = torch.zeros(max(max(int(s) for s in sizes), 1), dtype=torch.int64)
     mine[: len(values)] = torch.tensor(values, dtype=torch.int64)
     out = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(out, mine)
+    dist.all_gather(out, mine, group=group)
     return [o[: int(s)].tolist() for o, s in zip(out, sizes)]
 
 
@@ -255,6 +260,7 @@ class EngineHost:
         import torch
         import torch.distributed as dist
 
+        from engines import distributed
         from flows.config import RunConfig
         from storage import objectstore
 
@@ -264,9 +270,11 @@ class EngineHost:
         self.prompt_files = self._prompt_files(cfg.uri(cfg.data.prompts))
         if resume:
             self._check_prompt_files(cfg.uri(cfg.data.prompts), resume)  # before any engine loads
+        # the timing stub trains nothing on a device: its one all-reduce is of a CPU tensor
+        self.device = torch.device("cpu") if cfg.train.backend == "stub" else distributed.default_device()
         if self.world > 1 and not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=f"tcp://{master}" if master else None, rank=self.rank,
-                                    world_size=self.world, timeout=timedelta(seconds=cfg.host_timeout_s))
+            distributed.init_process_groups(self.device, self.rank, self.world, f"tcp://{master}" if master else None,
+                                            timedelta(seconds=cfg.host_timeout_s))
         policy_dir = objectstore.local_folder(cfg.uri(cfg.model.policy))
         self.trainer = make_trainer(cfg, policy_dir)
         self.policy = make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads)
@@ -694,9 +702,12 @@ class EngineHost:
 
     def params_sha(self) -> str:
         """Fingerprint of the trainer's parameters: equal on every replica after a step."""
+        import torch
+
         h = hashlib.sha256()
         for _, p in self.trainer.export_weights():
-            h.update(p.detach().contiguous().numpy().tobytes())
+            # the raw bytes, whatever the device and dtype (numpy has no bfloat16)
+            h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()[:16]
 
     def sync_weights(self) -> dict:

@@ -41,6 +41,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer
 
 from engines import algorithms
+from engines.distributed import init_process_groups
 from engines.offload import Offload, trainer_tensors
 from engines.torch_engines import TrainBatch, micro_batches, pad_batch
 
@@ -275,13 +276,7 @@ def _init_distributed(tensor_parallel: int, device: torch.device) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=0,
-            world_size=1,
-            timeout=timedelta(minutes=10),
-        )
+        init_process_groups(device, 0, 1, f"tcp://127.0.0.1:{port}", timedelta(minutes=10))
     if parallel_state.model_parallel_is_initialized():
         current = parallel_state.get_tensor_model_parallel_world_size()
         if current != tensor_parallel:
