@@ -276,8 +276,8 @@ class EngineHost:
             distributed.init_process_groups(self.device, self.rank, self.world, f"tcp://{master}" if master else None,
                                             timedelta(seconds=cfg.host_timeout_s))
         policy_dir = objectstore.local_folder(cfg.uri(cfg.model.policy))
-        self.trainer = make_trainer(cfg, policy_dir)
-        self.policy = make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads)
+        self.trainer = make_trainer(cfg, policy_dir, self.device)
+        self.policy = make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads, self.device)
         self.judge = None
         if cfg.reward.genrm_weight > 0:
             judge_dir = objectstore.local_folder(cfg.uri(cfg.model.judge))
@@ -285,7 +285,7 @@ class EngineHost:
                 self.judge = JudgeProcess(cfg, judge_dir, cfg.placement.judge_threads or max(1, self.threads // 2),
                                           cfg.placement.judge_devices)
             else:
-                self.judge = make_generator(cfg.judge.backend, judge_dir, cfg, self.threads)
+                self.judge = make_generator(cfg.judge.backend, judge_dir, cfg, self.threads, self.device)
         self.backends = f"rollout={cfg.rollout.backend} judge={cfg.judge.backend} train={cfg.train.backend}"
         self.rule = _import_function(cfg.reward.rule) if cfg.reward.rule else None
         self._awake = {"policy", "judge", "trainer"}  # all loaded, all on the devices
@@ -541,8 +541,9 @@ class EngineHost:
 
         Full colocation switches at every stage (rollout → score → train → sync); partial keeps
         policy and judge resident together through ``rollout_and_score``, and training still takes
-        the devices alone. The torch engines (CPU only) have no ``sleep``; vLLM and Megatron on a
-        CPU have nothing to give back: there, switches take no time."""
+        the devices alone. The torch engines have no ``sleep`` (on a GPU they stay resident side by
+        side: the reference, not the production path); vLLM and Megatron on a CPU have nothing to
+        give back: there, switches take no time."""
         start = time.perf_counter()
         awake = self._awake
         for name in sorted(awake - set(engines)):
@@ -907,8 +908,9 @@ def _test_checkpoint_pause() -> None:
         time.sleep(delay)
 
 
-def make_trainer(cfg, model_dir: str):
-    """The train engine the config names, on the policy's Hugging Face folder."""
+def make_trainer(cfg, model_dir: str, device=None):
+    """The train engine the config names, on the policy's Hugging Face folder, on ``device``
+    (None: ``engines.distributed.default_device()``)."""
     t = cfg.train
     kwargs = dict(
         lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
@@ -924,10 +926,10 @@ def make_trainer(cfg, model_dir: str):
         return MegatronTrainer(model_dir, tensor_parallel=t.tensor_parallel, distributed_optimizer=t.distributed_optimizer, **kwargs)
     from engines.torch_engines import TorchTrainer
 
-    return TorchTrainer(model_dir, **kwargs)
+    return TorchTrainer(model_dir, device=device, **kwargs)
 
 
-def make_generator(backend: str, model_dir: str, cfg, threads: int):
+def make_generator(backend: str, model_dir: str, cfg, threads: int, device=None):
     """A generation engine (policy rollout or GenRM judge) of the named backend."""
     if backend == "stub":  # timing stub for scale benchmarks, not training (engines/stub.py)
         from engines.stub import TimingStubGenerator
@@ -940,7 +942,7 @@ def make_generator(backend: str, model_dir: str, cfg, threads: int):
         return VLLMGenerator(model_dir, dtype=cfg.model.dtype, seed=cfg.seed, threads=threads)
     from engines.torch_engines import TorchGenerator
 
-    return TorchGenerator(model_dir, dtype=cfg.model.dtype)
+    return TorchGenerator(model_dir, dtype=cfg.model.dtype, device=device)
 
 
 class JudgeProcess:
