@@ -923,7 +923,8 @@ def make_trainer(cfg, model_dir: str, device=None):
     if t.backend == "megatron":
         from engines.megatron_engine import MegatronTrainer
 
-        return MegatronTrainer(model_dir, tensor_parallel=t.tensor_parallel, distributed_optimizer=t.distributed_optimizer, **kwargs)
+        return MegatronTrainer(model_dir, tensor_parallel=t.tensor_parallel, distributed_optimizer=t.distributed_optimizer,
+                               device=device, **kwargs)
     from engines.torch_engines import TorchTrainer
 
     return TorchTrainer(model_dir, device=device, **kwargs)

@@ -31,6 +31,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
@@ -240,6 +241,80 @@ def test_bfloat16_trains(model_dir):
     before = dict(megatron.export_weights())
     assert megatron.train_step(batch)["grad_norm"] > 0
     assert max_diff(dict(megatron.export_weights()), before) > 0
+
+
+# --- attention: SDPA instead of the local spec's unfused DotProductAttention -------------------
+
+
+def _causal(s: int) -> torch.Tensor:
+    return torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]  # Megatron's masks: True = not allowed
+
+
+def _padded_causal(s: int, batch: int) -> torch.Tensor:
+    """Causal, and row b's first b keys hidden from every query after the first b+1 (never a whole row)."""
+    mask = _causal(s).repeat(batch, 1, 1, 1)
+    for b in range(batch):
+        mask[b, 0, b + 1 :, :b] = True
+    return mask
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "padded"])
+def test_sdpa_attention_equals_local_spec_attention_with_gqa(model_dir, mask):
+    """Same inputs through Megatron's DotProductAttention and SDPAttention: 2 query heads sharing
+    1 key/value head (the demo's shape), outputs and input gradients equal to 1e-5 in fp32. Megatron
+    builds the causal mask itself when given none (the trainer gives none)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer import TransformerConfig
+
+    from engines.megatron_engine import SDPAttention, _init_distributed
+
+    _init_distributed(1, torch.device("cpu"))
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=1, kv_channels=16,
+                               attention_dropout=0.0, hidden_dropout=0.0)
+    kwargs = {"config": config, "layer_number": 1, "attn_mask_type": AttnMaskType.causal, "attention_type": "self"}
+    local, sdpa = DotProductAttention(**kwargs), SDPAttention(**kwargs)
+    seq, batch = 9, 3
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(seq, batch, 2, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(seq, batch, 1, 16, generator=g, requires_grad=True) for _ in range(2))
+    attention_mask = {"none": None, "causal": _causal(seq), "padded": _padded_causal(seq, batch)}[mask]
+    outs, grads = [], []
+    for module in (local, sdpa):
+        out = module(q, k, v, attention_mask, attn_mask_type=AttnMaskType.causal)
+        assert out.shape == (seq, batch, 32)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out) + out.detach()))
+    assert (outs[0] - outs[1]).abs().max().item() <= ATOL
+    assert max((a - b).abs().max().item() for a, b in zip(*grads)) <= ATOL
+    # the tolerance tells attention patterns apart: attending to the future is far outside it
+    full = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), enable_gqa=True)
+    assert (full.permute(2, 0, 1, 3).reshape(seq, batch, 32) - outs[0]).abs().max().item() > 1e-2
+
+
+def test_gpt_logits_with_sdpa_equal_the_local_spec(tmp_path, model_dir):
+    """A whole GPTModel of the demo's shape (2 query heads, 1 key/value head) built from the same
+    Hugging Face weights with each attention: logits equal to 1e-5 in fp32."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from engines.megatron_engine import SDPAttention, _init_distributed, build_gpt, transformer_config
+    from engines.tiny import build_tiny_llama
+
+    tokenizer = build_char_tokenizer()
+    build_tiny_llama(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=3).save_pretrained(tmp_path)
+    _init_distributed(1, torch.device("cpu"))
+    hf_config, hf_state = AutoConfig.from_pretrained(tmp_path), load_hf_state(tmp_path)
+    config = transformer_config(hf_config, 1, torch.float32)
+    local = build_gpt(hf_config, config, hf_state, layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"))
+    sdpa = build_gpt(hf_config, config, hf_state)
+    assert isinstance(sdpa.decoder.layers[0].self_attention.core_attention, SDPAttention)
+    assert not isinstance(local.decoder.layers[0].self_attention.core_attention, SDPAttention)
+    ids = torch.randint(4, len(tokenizer), (3, 12), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(12).expand(3, 12)
+    with torch.no_grad():
+        logits = [m(input_ids=ids, position_ids=positions, attention_mask=None) for m in (local, sdpa)]
+    assert logits[0].abs().max() > 0.1
+    assert (logits[0] - logits[1]).abs().max().item() <= ATOL
 
 
 # --- 5. placement: the trainer's offload ---------------------------------------------------
