@@ -924,6 +924,8 @@ def make_trainer(cfg, model_dir: str, device=None):
         from engines.megatron_engine import MegatronTrainer
 
         return MegatronTrainer(model_dir, tensor_parallel=t.tensor_parallel, distributed_optimizer=t.distributed_optimizer,
+                               recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
+                               recompute_num_layers=t.recompute_num_layers, recompute_modules=t.recompute_modules,
                                device=device, **kwargs)
     from engines.torch_engines import TorchTrainer
 

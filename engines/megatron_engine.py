@@ -286,9 +286,25 @@ def _keep(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def transformer_config(hf_config, tensor_parallel: int, dtype: torch.dtype) -> TransformerConfig:
+RecomputeGranularity = Literal["none", "selective", "full"]
+
+
+def transformer_config(hf_config, tensor_parallel: int, dtype: torch.dtype, recompute_granularity: RecomputeGranularity = "none",
+                       recompute_method: Literal["uniform", "block"] = "uniform", recompute_num_layers: int = 1,
+                       recompute_modules: list[str] | tuple[str, ...] = ("core_attn",)) -> TransformerConfig:
+    """``recompute_*``: activation recomputation (Megatron's options of the same names). "full"
+    recomputes whole layers in the backward pass (``recompute_method``: "uniform", every chunk of
+    ``recompute_num_layers`` layers; "block", the first ``recompute_num_layers`` layers), keeping
+    only their inputs; "selective" recomputes the ``recompute_modules`` of every layer."""
     _check_supported(hf_config)
     heads, groups, head_dim = _attention_shape(hf_config)
+    recompute = {}
+    if recompute_granularity == "full":
+        recompute = {"recompute_granularity": "full", "recompute_method": recompute_method, "recompute_num_layers": recompute_num_layers}
+    elif recompute_granularity == "selective":
+        recompute = {"recompute_granularity": "selective", "recompute_modules": list(recompute_modules)}
+    elif recompute_granularity != "none":
+        raise ValueError(f"recompute_granularity {recompute_granularity!r}: none, selective or full")
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -314,6 +330,7 @@ def transformer_config(hf_config, tensor_parallel: int, dtype: torch.dtype) -> T
         # The loss is already normalised by global counts: DDP must sum gradients over DP
         # ranks, not average them (its default divides by the DP size).
         calculate_per_token_loss=True,
+        **recompute,
     )
 
 
@@ -383,6 +400,10 @@ class MegatronTrainer:
         dtype: str = "float32",
         tensor_parallel: int = 1,
         distributed_optimizer: bool = False,
+        recompute_granularity: RecomputeGranularity = "none",
+        recompute_method: Literal["uniform", "block"] = "uniform",
+        recompute_num_layers: int = 1,
+        recompute_modules: list[str] | tuple[str, ...] = ("core_attn",),
         device: torch.device | str | None = None,
     ):
         # Megatron allocates on the *current* CUDA device: a device given here becomes it
@@ -401,7 +422,8 @@ class MegatronTrainer:
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype {dtype!r}: float32 or bfloat16 (float16 would need loss scaling)")
         torch_dtype = getattr(torch, dtype)
-        self.config = transformer_config(self.hf_config, tensor_parallel, torch_dtype)
+        self.config = transformer_config(self.hf_config, tensor_parallel, torch_dtype, recompute_granularity,
+                                         recompute_method, recompute_num_layers, recompute_modules)
         hf_state = load_hf_state(model_dir)
 
         model = build_gpt(self.hf_config, self.config, hf_state, self.device)

@@ -317,6 +317,53 @@ def test_gpt_logits_with_sdpa_equal_the_local_spec(tmp_path, model_dir):
     assert (logits[0] - logits[1]).abs().max().item() <= ATOL
 
 
+# --- activation recomputation -----------------------------------------------------------------
+
+
+RECOMPUTE = {
+    "full-uniform": ({"recompute_granularity": "full"}, "layer"),
+    "full-block": ({"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}, "layer"),
+    "selective-core_attn": ({"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}, "core_attention"),
+    "selective-mlp": ({"recompute_granularity": "selective", "recompute_modules": ["mlp"]}, "mlp"),
+}
+
+
+@pytest.mark.parametrize("name", list(RECOMPUTE))
+def test_recomputation_reruns_the_forward_and_changes_nothing(model_dir, name):
+    """With recomputation the chosen parts run their forward again in the backward pass (counted
+    by forward hooks: the option reaches Megatron), and the step is bit for bit the step without."""
+    options, part = RECOMPUTE[name]
+    batch = batch_near(TorchTrainer(model_dir), 6, seed=21)
+    runs = {}
+    for label, extra in (("plain", {}), ("recompute", options)):
+        trainer = MegatronTrainer(model_dir, **HYPER, **extra)
+        calls = {i: 0 for i in range(2)}
+        for i, layer in enumerate(trainer.model.module.decoder.layers):
+            module = {"layer": layer, "core_attention": layer.self_attention.core_attention, "mlp": layer.mlp}[part]
+            module.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+        stats = trainer.train_step(batch)  # one pass: each layer runs forward once (twice if recomputed)
+        runs[label] = (calls, stats, dict(trainer.export_weights()))
+    assert runs["plain"][0] == {0: 1, 1: 1}
+    expected = {0: 2, 1: 1} if name == "full-block" else {0: 2, 1: 2}  # block: only the first layer
+    assert runs["recompute"][0] == expected
+    assert runs["recompute"][1] == runs["plain"][1]
+    assert max_diff(runs["recompute"][2], runs["plain"][2]) == 0.0
+
+
+def test_run_config_recomputation_reaches_megatron(model_dir):
+    from engines.host import make_trainer
+    from flows.config import RunConfig
+
+    cfg = RunConfig(train={"backend": "megatron", "recompute_granularity": "full", "recompute_method": "block",
+                           "recompute_num_layers": 2})
+    trainer = make_trainer(cfg, model_dir)
+    assert (trainer.config.recompute_granularity, trainer.config.recompute_method, trainer.config.recompute_num_layers) == ("full", "block", 2)
+    cfg = RunConfig(train={"backend": "megatron", "recompute_granularity": "selective", "recompute_modules": ["mlp"]})
+    trainer = make_trainer(cfg, model_dir)
+    assert trainer.config.recompute_granularity == "selective" and trainer.config.recompute_modules == ["mlp"]
+    assert make_trainer(RunConfig(train={"backend": "megatron"}), model_dir).config.recompute_granularity is None
+
+
 # --- 5. placement: the trainer's offload ---------------------------------------------------
 
 
