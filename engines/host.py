@@ -542,8 +542,11 @@ class EngineHost:
         Full colocation switches at every stage (rollout → score → train → sync); partial keeps
         policy and judge resident together through ``rollout_and_score``, and training still takes
         the devices alone. The torch engines have no ``sleep`` (on a GPU they stay resident side by
-        side: the reference, not the production path); vLLM and Megatron on a CPU have nothing to
-        give back: there, switches take no time."""
+        side: the reference, not the production path); vLLM on a CPU has nothing to give back. The
+        Megatron trainer's sleep releases its storages on a CPU too (the GPU's code path). Stages
+        that only read the trainer's weights — ``export``, ``params_sha`` — read a sleeping
+        trainer's host copy; those that need it live wake it (``train_step``, ``sync_weights``,
+        ``checkpoint``)."""
         start = time.perf_counter()
         awake = self._awake
         for name in sorted(awake - set(engines)):
@@ -841,7 +844,8 @@ class EngineHost:
         log.info("dp-%d: resumed from %s (policy version %d, parameters %s)", self.rank, uri, self.trainer.version, self.params_sha())
 
     def export(self, uri: str) -> dict:
-        """Write the current policy as a Hugging Face folder (MANIFEST.json last)."""
+        """Write the current policy as a Hugging Face folder (MANIFEST.json last). A sleeping
+        trainer is not woken: its weights are read from its host copy."""
         from storage import objectstore
 
         if self.rank == 0:

@@ -462,7 +462,7 @@ class MegatronTrainer:
         self.config.finalize_model_grads_func = finalize_model_grads
         self._checkpoints = AsyncCallsQueue()
         self._pending_checkpoint: Path | None = None
-        self._offload = Offload()
+        self._offload = Offload(self.device)
 
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         per_rank = padded_vocab_size(self.hf_config) // tensor_parallel
@@ -490,6 +490,7 @@ class MegatronTrainer:
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """The trainer's log-probabilities of each response token (collective over TP)."""
+        self._require_awake("logprobs")
         if not len(batch):
             return []
         ids, _, resp, _ = pad_batch(batch, self.tokenizer.pad_token_id)
@@ -519,6 +520,7 @@ class MegatronTrainer:
         ``micro_batch_tokens``: as in ``TorchTrainer.train_step`` — length-sorted passes of at
         most this many padded tokens, accumulating into DDP's grad buffers (under ``no_sync``
         for all but the last pass), one all-reduce and optimizer step per minibatch."""
+        self._require_awake("train_step")
         totals = {"loss": 0.0, "clip_fraction": 0.0, "tokens": 0.0, "grad_norm": 0.0}
         self.model.train()
         for part in batch.split(minibatches):
@@ -560,25 +562,40 @@ class MegatronTrainer:
 
     def sleep(self) -> int:
         """Give the devices back while rollout and GenRM hold them: weights, gradient buffers,
-        optimizer moments and main copies move to host memory (see ``engines/offload.py``).
-        Answers the bytes moved: 0 on a CPU device, where there is nothing to give back."""
+        optimizer moments and main copies move to host memory (see ``engines/offload.py``; on a
+        CPU device too, so that CPU runs take the GPU's path). Answers the bytes moved (0 if
+        asleep already). While asleep, ``export_weights`` (so ``save_hf``) reads the host copy;
+        what needs the live state — ``logprobs``, ``train_step``, checkpoints — refuses."""
+        self.finalize_checkpoint()  # an async checkpoint write still reads the live tensors
         return self._offload.offload(trainer_tensors(self.model, self.reference, self.optimizer))
 
     def wake(self) -> int:
         """Everything ``sleep`` moved, back on the device, bit for bit."""
         return self._offload.restore()
 
+    @property
+    def asleep(self) -> bool:
+        return self._offload.asleep
+
+    def _require_awake(self, what: str) -> None:
+        # a released storage reads as garbage or crashes inside CUDA ("invalid argument"): say so instead
+        if self._offload.asleep:
+            raise RuntimeError(f"MegatronTrainer.{what}: the trainer is asleep (its device memory is released); wake() it first")
+
     # --- weights out ---------------------------------------------------------------------
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full Hugging Face-named tensors on the CPU, one Megatron parameter at a time.
+        """Full Hugging Face-named tensors on the CPU, one Megatron parameter at a time; from the
+        host copy while the trainer sleeps (nothing is woken: the devices stay with whoever holds them).
 
         Collective over the TP group when ``tensor_parallel > 1`` (each parameter's shards are
         all-gathered): every TP rank must consume the whole iterator."""
         tp_group = parallel_state.get_tensor_model_parallel_group()
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         for name, param in self.model.module.named_parameters():
-            local = param.detach()
+            local = self._offload.host_view(param.detach())
+            if tp_size > 1 and local.device != self.device:
+                local = local.to(self.device)  # the TP group's backend gathers device tensors (one parameter at a time)
             shards = [local]
             if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
                 shards = [torch.empty_like(local) for _ in range(tp_size)]
@@ -621,6 +638,7 @@ class MegatronTrainer:
         ``local_dir``) this rank wrote; with ``async_save`` the files are written in the
         background and :meth:`finalize_checkpoint` returns them.
         """
+        self._require_awake("save_checkpoint")
         self.finalize_checkpoint()
         path = Path(local_dir)
         path.mkdir(parents=True, exist_ok=True)
@@ -646,6 +664,7 @@ class MegatronTrainer:
 
     def load_checkpoint(self, local_dir: str) -> None:
         """Restore model, optimizer and version from a whole checkpoint folder (collective)."""
+        self._require_awake("load_checkpoint")
         self.finalize_checkpoint()
         if self._distributed_torch_adam:
             self._materialise_adam_state()

@@ -37,7 +37,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2For
 
 from engines.megatron_engine import MegatronTrainer, hf_to_megatron, load_hf_state, megatron_to_hf  # noqa: E402
 from engines.tiny import build_char_tokenizer  # noqa: E402
-from engines.torch_engines import TorchTrainer, TrainBatch  # noqa: E402
+from engines.torch_engines import TorchGenerator, TorchTrainer, TrainBatch  # noqa: E402
 from helpers import concat, free_port, random_batch, save_tiny_model, with_old_logprobs  # noqa: E402
 
 # Megatron without Apex or Transformer Engine warns at every layer it builds
@@ -367,31 +367,96 @@ def test_run_config_recomputation_reaches_megatron(model_dir):
 # --- 5. placement: the trainer's offload ---------------------------------------------------
 
 
-def test_sleep_moves_the_whole_trainer_off_its_storages_and_back(model_dir):
-    """Full colocation: the trainer sleeps while rollout and GenRM hold the devices. On CPU a
-    sleep moves nothing (host memory is where it would go); here the host storages are moved
-    too, so the mechanism runs: every storage the trainer holds is emptied, and training after
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sleep_releases_every_storage_and_wake_restores_it_bit_for_bit(model_dir, dtype):
+    """Full colocation: the trainer sleeps while rollout and GenRM hold the devices. On the CPU as
+    on a GPU every storage the trainer holds (weights, gradient buffer, Adam moments, fp32 main
+    copies, the reference model) is released and its bytes kept in host memory; training after
     ``wake`` is bit for bit the training of a trainer that never slept."""
-    from engines.offload import Offload, trainer_tensors
+    from engines.offload import trainer_tensors
 
-    options = {**HYPER, "distributed_optimizer": True, "reference": True}
+    options = {**HYPER, "distributed_optimizer": True, "reference": True, "dtype": dtype}
     a, b = MegatronTrainer(model_dir, **options), MegatronTrainer(model_dir, **options)
     steps = [batch_near(a, 6, seed=s) for s in (11, 12, 13)]
-    assert a.sleep() == 0 and a.wake() == 0  # CPU: nothing to give back
-    a._offload = Offload(include_host=True)
     n = sum(p.numel() for p in a.model.parameters())
     for batch in steps:
         a.train_step(batch, kl_coef=0.5)
         b.train_step(batch, kl_coef=0.5)
         moved = a.sleep()
-        # fp32 weights, gradient buffer, two Adam moments, the reference model: 20 bytes per parameter
+        # fp32: weights, gradient buffer, two Adam moments, the reference model (20 bytes per parameter);
+        # bf16: weights and reference (2 + 2), fp32 gradient buffer, main copy and moments (4 + 4 + 8)
         assert moved >= 20 * n, (moved, n)
-        assert {t.untyped_storage().nbytes() for t in trainer_tensors(a.model, a.reference, a.optimizer)} == {0}
+        assert a.asleep and {t.untyped_storage().nbytes() for t in trainer_tensors(a.model, a.reference, a.optimizer)} == {0}
         assert a.sleep() == 0  # already asleep
-        assert a.wake() == moved
+        assert a.wake() == moved and not a.asleep
     assert max_diff(dict(a.export_weights()), dict(b.export_weights())) == 0.0
     probe = random_batch(4, seed=14)
     assert a.logprobs(probe) == b.logprobs(probe)
+
+
+def test_a_sleeping_trainer_exports_from_host_memory_and_refuses_the_rest(tmp_path, model_dir):
+    """``export_weights`` and ``save_hf`` of a sleeping trainer read the host copy (bit for bit the
+    awake weights; nothing is woken); what needs the live state fails with a message rather than
+    reading released memory (on an H100, ``export`` after evaluation crashed inside CUDA)."""
+    from engines.offload import trainer_tensors
+
+    trainer = MegatronTrainer(model_dir, **HYPER, dtype="bfloat16")
+    trainer.train_step(batch_near(trainer, 6, seed=15))
+    awake = dict(trainer.export_weights())
+    trainer.sleep()
+    asleep = dict(trainer.export_weights())
+    assert awake.keys() == asleep.keys() and all(torch.equal(awake[k], asleep[k]) for k in awake)
+    assert {t.untyped_storage().nbytes() for t in trainer_tensors(trainer.model)} == {0}  # still asleep
+    trainer.save_hf(str(tmp_path / "hf"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
+    assert all(torch.equal(p, awake[k]) for k, p in loaded.named_parameters())
+    for call in (lambda: trainer.logprobs(random_batch(2, seed=1)), lambda: trainer.train_step(random_batch(2, seed=1)),
+                 lambda: trainer.save_checkpoint(str(tmp_path / "ckpt"))):
+        with pytest.raises(RuntimeError, match="asleep"):
+            call()
+    trainer.wake()
+    assert all(torch.equal(awake[k], v) for k, v in trainer.export_weights())
+
+
+def test_host_stages_read_a_sleeping_trainer_or_wake_it(tmp_path, model_dir):
+    """The host's stages after evaluation put the trainer to sleep (``_take("policy")``):
+    the params fingerprint and ``export`` read its host copy and leave it asleep; ``sync_weights``
+    and ``checkpoint`` wake it. Each gives what it gives for an awake trainer."""
+    from safetensors.torch import load_file
+
+    from engines.host import EngineHost
+    from flows.config import RunConfig
+
+    def host() -> EngineHost:
+        h = EngineHost(rank=0, world=1, threads=1)
+        h.config = RunConfig.model_validate({"dp": 1, "train": {"backend": "megatron"}, "checkpoint": {"asynchronous": False}})
+        h.trainer, h.policy, h.prompt_files = MegatronTrainer(model_dir, **HYPER), TorchGenerator(model_dir), [["part-00000.parquet", 8]]
+        h._awake = {"policy", "trainer"}  # as after setup
+        return h
+
+    h = host()
+    h.trainer.train_step(batch_near(h.trainer, 6, seed=16))
+    weights, sha = dict(h.trainer.export_weights()), h.params_sha()
+
+    h._take("policy")  # evaluation
+    assert h.trainer.asleep
+    assert h.params_sha() == sha and h.trainer.asleep
+    h.export(f"file://{tmp_path / 'export'}")
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert exported.keys() == weights.keys() and all(torch.equal(exported[k], weights[k]) for k in weights)
+    assert h.trainer.asleep
+
+    assert h.sync_weights()["tensors"] == len(weights)
+    assert not h.trainer.asleep
+    assert all(torch.equal(p.detach(), weights[k]) for k, p in h.policy.model.named_parameters())
+
+    h._take("policy")
+    assert h.trainer.asleep
+    assert h.checkpoint(f"file://{tmp_path / 'ckpt'}")["files"]
+    assert not h.trainer.asleep
+    resumed = host()
+    resumed.trainer.load_checkpoint(str(tmp_path / "ckpt" / "trainer-megatron"))
+    assert resumed.params_sha() == sha
 
 
 # --- 6. checkpoints ---------------------------------------------------------------------------
