@@ -54,7 +54,7 @@ QUICK = {
     "overhead": "--scaling '' --steps 4",
     "floor": "--dps 4 --repeats 1",
     "scale": "--dps 1,4,16 --steps 3 --real-steps 3",
-    "megatron_gpu": "--layers 4 --steps 3",
+    "megatron_gpu": "--sizes 0.44b --layers 4 --steps 3",
 }
 
 
@@ -117,9 +117,16 @@ def checkpoint_rows(f: dict) -> list[dict]:
 
 
 def megatron_gpu_rows(f: dict) -> list[dict]:
+    """Per size: the Megatron engine against plain transformers (SDPA, bf16 autocast, fused AdamW)."""
     rows: list[dict] = []
-    _pair(rows, f"Megatron-Core train tokens/s on {f.get('device')} (no baseline)", f.get("tokens_per_s"), None)
-    _pair(rows, "MFU (no baseline)", f.get("mfu"), None)
+    by = {(r["size"], r["engine"]): r for r in f.get("runs", [])}
+    for size in dict.fromkeys(r["size"] for r in f.get("runs", [])):
+        ours, base = by.get((size, "megatron"), {}), by.get((size, "transformers"), {})
+        label = f"{size}, seq {ours.get('seq') or base.get('seq')}"
+        _pair(rows, f"train tokens/s on {f.get('device')}, {label}: Megatron engine vs transformers + SDPA",
+              ours.get("tokens_per_s", ours.get("error")), base.get("tokens_per_s", base.get("error")))
+        _pair(rows, f"MFU, {label}: Megatron engine vs transformers + SDPA", ours.get("mfu"), base.get("mfu"))
+        _pair(rows, f"peak GiB, {label}: Megatron engine vs transformers + SDPA", ours.get("peak_gib"), base.get("peak_gib"))
     return rows
 
 

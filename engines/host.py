@@ -10,8 +10,9 @@ The channel is a way into a process that holds the model, so it binds to loopbac
 with a per-run secret (``multiprocessing.connection`` HMAC challenge), serves one
 controller, and exchanges JSON only — never pickles.
 
-The hosts of one run form a ``torch.distributed`` group (gloo on CPU), so the train
-step is a real collective.
+The hosts of one run form a ``torch.distributed`` group (NCCL when the trainer is on CUDA,
+gloo on CPU), so the train step is a real collective; CPU metadata (the balance plan) goes
+through a gloo group of its own (``engines/distributed.py``).
 """
 
 from __future__ import annotations
@@ -205,18 +206,22 @@ def stable_seed(*parts) -> int:
 
 
 def _all_gather_ints(values: list[int]) -> list[list[int]]:
-    """Every rank's list of integers (lengths may differ), as int64 tensors over the default
-    group: unlike ``all_gather_object`` nothing is unpickled from the network."""
+    """Every rank's list of integers (lengths may differ), as int64 CPU tensors over the gloo
+    metadata group (``engines/distributed.py``; the default group is NCCL on GPUs): unlike
+    ``all_gather_object`` nothing is unpickled from the network."""
     import torch
     import torch.distributed as dist
 
-    world = dist.get_world_size()
+    from engines.distributed import metadata_group
+
+    group = metadata_group()
+    world = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([len(values)], dtype=torch.int64))
+    dist.all_gather(sizes, torch.tensor([len(values)], dtype=torch.int64), group=group)
     mine = torch.zeros(max(max(int(s) for s in sizes), 1), dtype=torch.int64)
     mine[: len(values)] = torch.tensor(values, dtype=torch.int64)
     out = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(out, mine)
+    dist.all_gather(out, mine, group=group)
     return [o[: int(s)].tolist() for o, s in zip(out, sizes)]
 
 
@@ -255,6 +260,7 @@ class EngineHost:
         import torch
         import torch.distributed as dist
 
+        from engines import distributed
         from flows.config import RunConfig
         from storage import objectstore
 
@@ -264,12 +270,14 @@ class EngineHost:
         self.prompt_files = self._prompt_files(cfg.uri(cfg.data.prompts))
         if resume:
             self._check_prompt_files(cfg.uri(cfg.data.prompts), resume)  # before any engine loads
+        # the timing stub trains nothing on a device: its one all-reduce is of a CPU tensor
+        self.device = torch.device("cpu") if cfg.train.backend == "stub" else distributed.default_device()
         if self.world > 1 and not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=f"tcp://{master}" if master else None, rank=self.rank,
-                                    world_size=self.world, timeout=timedelta(seconds=cfg.host_timeout_s))
+            distributed.init_process_groups(self.device, self.rank, self.world, f"tcp://{master}" if master else None,
+                                            timedelta(seconds=cfg.host_timeout_s))
         policy_dir = objectstore.local_folder(cfg.uri(cfg.model.policy))
-        self.trainer = make_trainer(cfg, policy_dir)
-        self.policy = make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads)
+        self.trainer = make_trainer(cfg, policy_dir, self.device)
+        self.policy = make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads, self.device)
         self.judge = None
         if cfg.reward.genrm_weight > 0:
             judge_dir = objectstore.local_folder(cfg.uri(cfg.model.judge))
@@ -277,7 +285,7 @@ class EngineHost:
                 self.judge = JudgeProcess(cfg, judge_dir, cfg.placement.judge_threads or max(1, self.threads // 2),
                                           cfg.placement.judge_devices)
             else:
-                self.judge = make_generator(cfg.judge.backend, judge_dir, cfg, self.threads)
+                self.judge = make_generator(cfg.judge.backend, judge_dir, cfg, self.threads, self.device)
         self.backends = f"rollout={cfg.rollout.backend} judge={cfg.judge.backend} train={cfg.train.backend}"
         self.rule = _import_function(cfg.reward.rule) if cfg.reward.rule else None
         self._awake = {"policy", "judge", "trainer"}  # all loaded, all on the devices
@@ -533,8 +541,12 @@ class EngineHost:
 
         Full colocation switches at every stage (rollout → score → train → sync); partial keeps
         policy and judge resident together through ``rollout_and_score``, and training still takes
-        the devices alone. The torch engines (CPU only) have no ``sleep``; vLLM and Megatron on a
-        CPU have nothing to give back: there, switches take no time."""
+        the devices alone. The torch engines have no ``sleep`` (on a GPU they stay resident side by
+        side: the reference, not the production path); vLLM on a CPU has nothing to give back. The
+        Megatron trainer's sleep releases its storages on a CPU too (the GPU's code path). Stages
+        that only read the trainer's weights — ``export``, ``params_sha`` — read a sleeping
+        trainer's host copy; those that need it live wake it (``train_step``, ``sync_weights``,
+        ``checkpoint``)."""
         start = time.perf_counter()
         awake = self._awake
         for name in sorted(awake - set(engines)):
@@ -694,9 +706,12 @@ class EngineHost:
 
     def params_sha(self) -> str:
         """Fingerprint of the trainer's parameters: equal on every replica after a step."""
+        import torch
+
         h = hashlib.sha256()
         for _, p in self.trainer.export_weights():
-            h.update(p.detach().contiguous().numpy().tobytes())
+            # the raw bytes, whatever the device and dtype (numpy has no bfloat16)
+            h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()[:16]
 
     def sync_weights(self) -> dict:
@@ -829,7 +844,8 @@ class EngineHost:
         log.info("dp-%d: resumed from %s (policy version %d, parameters %s)", self.rank, uri, self.trainer.version, self.params_sha())
 
     def export(self, uri: str) -> dict:
-        """Write the current policy as a Hugging Face folder (MANIFEST.json last)."""
+        """Write the current policy as a Hugging Face folder (MANIFEST.json last). A sleeping
+        trainer is not woken: its weights are read from its host copy."""
         from storage import objectstore
 
         if self.rank == 0:
@@ -896,8 +912,9 @@ def _test_checkpoint_pause() -> None:
         time.sleep(delay)
 
 
-def make_trainer(cfg, model_dir: str):
-    """The train engine the config names, on the policy's Hugging Face folder."""
+def make_trainer(cfg, model_dir: str, device=None):
+    """The train engine the config names, on the policy's Hugging Face folder, on ``device``
+    (None: ``engines.distributed.default_device()``)."""
     t = cfg.train
     kwargs = dict(
         lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
@@ -910,13 +927,16 @@ def make_trainer(cfg, model_dir: str):
     if t.backend == "megatron":
         from engines.megatron_engine import MegatronTrainer
 
-        return MegatronTrainer(model_dir, tensor_parallel=t.tensor_parallel, distributed_optimizer=t.distributed_optimizer, **kwargs)
+        return MegatronTrainer(model_dir, tensor_parallel=t.tensor_parallel, distributed_optimizer=t.distributed_optimizer,
+                               recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
+                               recompute_num_layers=t.recompute_num_layers, recompute_modules=t.recompute_modules,
+                               device=device, **kwargs)
     from engines.torch_engines import TorchTrainer
 
-    return TorchTrainer(model_dir, **kwargs)
+    return TorchTrainer(model_dir, device=device, **kwargs)
 
 
-def make_generator(backend: str, model_dir: str, cfg, threads: int):
+def make_generator(backend: str, model_dir: str, cfg, threads: int, device=None):
     """A generation engine (policy rollout or GenRM judge) of the named backend."""
     if backend == "stub":  # timing stub for scale benchmarks, not training (engines/stub.py)
         from engines.stub import TimingStubGenerator
@@ -929,7 +949,7 @@ def make_generator(backend: str, model_dir: str, cfg, threads: int):
         return VLLMGenerator(model_dir, dtype=cfg.model.dtype, seed=cfg.seed, threads=threads)
     from engines.torch_engines import TorchGenerator
 
-    return TorchGenerator(model_dir, dtype=cfg.model.dtype)
+    return TorchGenerator(model_dir, dtype=cfg.model.dtype, device=device)
 
 
 class JudgeProcess:

@@ -1,9 +1,12 @@
 """Megatron-Core policy trainer: ``TorchTrainer``'s interface on a Megatron ``GPTModel``.
 
 Models come in and go out as Hugging Face folders; inside, the policy is a Megatron-Core GPT
-model with the local (non-Transformer-Engine) layer specs, tensor parallel over
+model with the local (non-Transformer-Engine) layer specs, whose core attention is replaced by
+:class:`SDPAttention` (torch's fused scaled-dot-product attention), tensor parallel over
 ``tensor_parallel`` ranks, data parallel over the rest of ``torch.distributed``'s world,
 wrapped in Megatron's ``DistributedDataParallel`` and stepped by ``get_megatron_optimizer``.
+Everything — model, reference model, gradient buffers, optimizer state — lives on the device
+of the process (the current CUDA device, else the CPU).
 The loss is the one ``TorchTrainer`` uses (``engines.algorithms``), normalised by *global*
 token or sequence counts, so a DP step equals one process stepping on the concatenated batch.
 
@@ -17,6 +20,8 @@ Megatron-Core has no Hugging Face converter for GPT models; ``hf_to_megatron`` a
 from __future__ import annotations
 
 import contextlib
+import copy
+import math
 import os
 import re
 import socket
@@ -27,7 +32,7 @@ from typing import Iterator, Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
@@ -37,10 +42,14 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER, OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed, vocab_parallel_cross_entropy
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer
 
 from engines import algorithms
+from engines.distributed import default_device, init_process_groups
 from engines.offload import Offload, trainer_tensors
 from engines.torch_engines import TrainBatch, micro_batches, pad_batch
 
@@ -203,6 +212,72 @@ def load_hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------
 
 
+class SDPAttention(MegatronModule):
+    """Megatron-Core core attention on ``torch.nn.functional.scaled_dot_product_attention``.
+
+    The local layer spec's ``DotProductAttention`` materialises the [batch, heads, seq, seq] scores
+    (and their softmax, kept for the backward pass): at 1.2B parameters and seq 2048 an H100 ran
+    out of memory. Torch's SDPA picks a fused kernel instead — flash or memory-efficient attention
+    on CUDA (bf16; ``is_causal`` without a mask tensor), a fused CPU kernel on the CPU — that
+    never holds the scores. Transformer Engine's attention does the same but cannot be installed
+    everywhere; this is a drop-in for the local spec (same constructor and ``forward`` as
+    ``DotProductAttention``; no parameters, so checkpoints are unchanged).
+
+    Layout: query [sq, b, heads, d], key/value [sk, b, kv groups, d] of this TP rank → [sq, b,
+    heads·d]. Grouped-query attention goes to SDPA as is (``enable_gqa``; flash supports it
+    natively); only a mask tensor makes it expand the keys and values (no fused kernel takes both).
+    ``attention_mask``: Megatron's boolean mask, True where attention is *not* allowed; None with
+    a causal ``attn_mask_type`` is plain causal attention (what the trainer uses).
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise NotImplementedError("SDPAttention: context parallelism needs Transformer Engine")
+        if config.softmax_type != "vanilla" or config.window_size is not None:
+            raise NotImplementedError("SDPAttention: only vanilla softmax over the whole causal context")
+        tp = pg_collection.tp.size() if pg_collection is not None else parallel_state.get_tensor_model_parallel_world_size()
+        self.attn_mask_type = attn_mask_type
+        self.heads = divide(config.num_attention_heads, tp)
+        self.groups = divide(config.num_query_groups, tp)
+        self.head_dim = config.kv_channels
+        # Megatron's apply_query_key_layer_scaling divides the scale by the layer number and its
+        # softmax multiplies it back (an fp16 overflow guard): in exact arithmetic, this scale
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPAttention: packed sequences and attention bias need Transformer Engine")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
+        allowed = None
+        if attention_mask is not None:
+            allowed = ~attention_mask  # SDPA's boolean masks say where attention *is* allowed
+            if self.heads != self.groups:
+                k, v = (t.repeat_interleave(self.heads // self.groups, dim=1) for t in (k, v))
+        dropout = self.dropout if self.training else 0.0
+        # the attention dropout draws from the TP-aware RNG stream, as DotProductAttention's does
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
+        with rng:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.scale,
+                is_causal=allowed is None and mask_type == AttnMaskType.causal,
+                enable_gqa=allowed is None and self.heads != self.groups,
+            )
+        sq, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)  # [b, h, s, d] -> [s, b, h·d]
+
+
+def gpt_layer_spec():
+    """Megatron-Core's local (non-Transformer-Engine) GPT layer with :class:`SDPAttention`."""
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
 def _keep(tensor: torch.Tensor) -> torch.Tensor:
     """Init method that leaves the tensor alone: every weight is overwritten from the HF folder.
 
@@ -211,9 +286,25 @@ def _keep(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def transformer_config(hf_config, tensor_parallel: int, dtype: torch.dtype) -> TransformerConfig:
+RecomputeGranularity = Literal["none", "selective", "full"]
+
+
+def transformer_config(hf_config, tensor_parallel: int, dtype: torch.dtype, recompute_granularity: RecomputeGranularity = "none",
+                       recompute_method: Literal["uniform", "block"] = "uniform", recompute_num_layers: int = 1,
+                       recompute_modules: list[str] | tuple[str, ...] = ("core_attn",)) -> TransformerConfig:
+    """``recompute_*``: activation recomputation (Megatron's options of the same names). "full"
+    recomputes whole layers in the backward pass (``recompute_method``: "uniform", every chunk of
+    ``recompute_num_layers`` layers; "block", the first ``recompute_num_layers`` layers), keeping
+    only their inputs; "selective" recomputes the ``recompute_modules`` of every layer."""
     _check_supported(hf_config)
     heads, groups, head_dim = _attention_shape(hf_config)
+    recompute = {}
+    if recompute_granularity == "full":
+        recompute = {"recompute_granularity": "full", "recompute_method": recompute_method, "recompute_num_layers": recompute_num_layers}
+    elif recompute_granularity == "selective":
+        recompute = {"recompute_granularity": "selective", "recompute_modules": list(recompute_modules)}
+    elif recompute_granularity != "none":
+        raise ValueError(f"recompute_granularity {recompute_granularity!r}: none, selective or full")
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -239,15 +330,18 @@ def transformer_config(hf_config, tensor_parallel: int, dtype: torch.dtype) -> T
         # The loss is already normalised by global counts: DDP must sum gradients over DP
         # ranks, not average them (its default divides by the DP size).
         calculate_per_token_loss=True,
+        **recompute,
     )
 
 
-def build_gpt(hf_config, config: TransformerConfig, hf_state: dict) -> GPTModel:
-    """A GPT model on the current device (Megatron allocates there) holding this TP rank's
-    share of the Hugging Face weights."""
+def build_gpt(hf_config, config: TransformerConfig, hf_state: dict, device: torch.device | None = None,
+              layer_spec=None) -> GPTModel:
+    """A GPT model on ``device`` (None: this process's, ``engines.distributed.default_device``)
+    holding this TP rank's share of the Hugging Face weights. ``layer_spec``: the transformer
+    layer (default :func:`gpt_layer_spec`)."""
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=layer_spec if layer_spec is not None else gpt_layer_spec(),
         vocab_size=padded_vocab_size(hf_config),
         max_sequence_length=hf_config.max_position_embeddings,
         parallel_output=True,  # logits stay split over TP ranks; the log-softmax is vocab-parallel
@@ -255,9 +349,11 @@ def build_gpt(hf_config, config: TransformerConfig, hf_state: dict) -> GPTModel:
         position_embedding_type="rope",
         rotary_base=_rope_theta(hf_config),
     )
-    # The local spec builds its norms with torch's default dtype; Megatron-LM casts the whole
-    # model for bf16 (Float16Module), and its optimizers expect parameters of one dtype.
-    model.to(config.params_dtype)
+    # Megatron allocates its linear layers on the current CUDA device, but the local spec builds its
+    # norms on the CPU in torch's default dtype: Megatron-LM casts the whole model for bf16
+    # (Float16Module), its optimizers expect parameters of one dtype, and an H100 run failed with
+    # the norms left on the CPU. So the whole model goes to the device and dtype here.
+    model.to(device=device if device is not None else default_device(), dtype=config.params_dtype)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     state = hf_to_megatron(hf_state, hf_config, tp_rank, tp_size)
@@ -275,13 +371,7 @@ def _init_distributed(tensor_parallel: int, device: torch.device) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=0,
-            world_size=1,
-            timeout=timedelta(minutes=10),
-        )
+        init_process_groups(device, 0, 1, f"tcp://127.0.0.1:{port}", timedelta(minutes=10))
     if parallel_state.model_parallel_is_initialized():
         current = parallel_state.get_tensor_model_parallel_world_size()
         if current != tensor_parallel:
@@ -310,8 +400,16 @@ class MegatronTrainer:
         dtype: str = "float32",
         tensor_parallel: int = 1,
         distributed_optimizer: bool = False,
+        recompute_granularity: RecomputeGranularity = "none",
+        recompute_method: Literal["uniform", "block"] = "uniform",
+        recompute_num_layers: int = 1,
+        recompute_modules: list[str] | tuple[str, ...] = ("core_attn",),
+        device: torch.device | str | None = None,
     ):
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        # Megatron allocates on the *current* CUDA device: a device given here becomes it
+        self.device = torch.device(device) if device is not None else default_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         _init_distributed(tensor_parallel, self.device)
         self.hf_config = AutoConfig.from_pretrained(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -324,10 +422,11 @@ class MegatronTrainer:
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype {dtype!r}: float32 or bfloat16 (float16 would need loss scaling)")
         torch_dtype = getattr(torch, dtype)
-        self.config = transformer_config(self.hf_config, tensor_parallel, torch_dtype)
+        self.config = transformer_config(self.hf_config, tensor_parallel, torch_dtype, recompute_granularity,
+                                         recompute_method, recompute_num_layers, recompute_modules)
         hf_state = load_hf_state(model_dir)
 
-        model = build_gpt(self.hf_config, self.config, hf_state)
+        model = build_gpt(self.hf_config, self.config, hf_state, self.device)
         self.model = DistributedDataParallel(
             config=self.config,
             ddp_config=DistributedDataParallelConfig(
@@ -337,7 +436,7 @@ class MegatronTrainer:
         )
         self.reference = None
         if reference:
-            self.reference = build_gpt(self.hf_config, self.config, hf_state).eval()
+            self.reference = build_gpt(self.hf_config, self.config, hf_state, self.device).eval()
             self.reference.requires_grad_(False)
         del hf_state
 
@@ -363,7 +462,7 @@ class MegatronTrainer:
         self.config.finalize_model_grads_func = finalize_model_grads
         self._checkpoints = AsyncCallsQueue()
         self._pending_checkpoint: Path | None = None
-        self._offload = Offload()
+        self._offload = Offload(self.device)
 
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         per_rank = padded_vocab_size(self.hf_config) // tensor_parallel
@@ -377,11 +476,12 @@ class MegatronTrainer:
         """log p(token t | tokens < t) for t >= 1; shape [batch, len-1] (on every TP rank).
 
         Sequences are right-padded, so causal attention alone keeps real tokens away from
-        padding, and positions 0..n-1 are the ones Hugging Face gives them."""
+        padding, and positions 0..n-1 are the ones Hugging Face gives them. No mask tensor: the
+        layers' causal mask type lets SDPA use its causal kernels (a [seq, seq] mask would rule
+        flash attention out)."""
         batch, length = ids.shape
         positions = torch.arange(length, device=ids.device).expand(batch, length)
-        causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).triu(1)[None, None]
-        logits = model(input_ids=ids, position_ids=positions, attention_mask=causal)
+        logits = model(input_ids=ids, position_ids=positions, attention_mask=None)
         logits = logits[:, :-1].float() / self.temperature
         if self._vocab_padding is not None:
             logits = logits.masked_fill(self._vocab_padding, float("-inf"))
@@ -390,6 +490,7 @@ class MegatronTrainer:
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """The trainer's log-probabilities of each response token (collective over TP)."""
+        self._require_awake("logprobs")
         if not len(batch):
             return []
         ids, _, resp, _ = pad_batch(batch, self.tokenizer.pad_token_id)
@@ -419,6 +520,7 @@ class MegatronTrainer:
         ``micro_batch_tokens``: as in ``TorchTrainer.train_step`` — length-sorted passes of at
         most this many padded tokens, accumulating into DDP's grad buffers (under ``no_sync``
         for all but the last pass), one all-reduce and optimizer step per minibatch."""
+        self._require_awake("train_step")
         totals = {"loss": 0.0, "clip_fraction": 0.0, "tokens": 0.0, "grad_norm": 0.0}
         self.model.train()
         for part in batch.split(minibatches):
@@ -460,25 +562,40 @@ class MegatronTrainer:
 
     def sleep(self) -> int:
         """Give the devices back while rollout and GenRM hold them: weights, gradient buffers,
-        optimizer moments and main copies move to host memory (see ``engines/offload.py``).
-        Answers the bytes moved: 0 on a CPU device, where there is nothing to give back."""
+        optimizer moments and main copies move to host memory (see ``engines/offload.py``; on a
+        CPU device too, so that CPU runs take the GPU's path). Answers the bytes moved (0 if
+        asleep already). While asleep, ``export_weights`` (so ``save_hf``) reads the host copy;
+        what needs the live state — ``logprobs``, ``train_step``, checkpoints — refuses."""
+        self.finalize_checkpoint()  # an async checkpoint write still reads the live tensors
         return self._offload.offload(trainer_tensors(self.model, self.reference, self.optimizer))
 
     def wake(self) -> int:
         """Everything ``sleep`` moved, back on the device, bit for bit."""
         return self._offload.restore()
 
+    @property
+    def asleep(self) -> bool:
+        return self._offload.asleep
+
+    def _require_awake(self, what: str) -> None:
+        # a released storage reads as garbage or crashes inside CUDA ("invalid argument"): say so instead
+        if self._offload.asleep:
+            raise RuntimeError(f"MegatronTrainer.{what}: the trainer is asleep (its device memory is released); wake() it first")
+
     # --- weights out ---------------------------------------------------------------------
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full Hugging Face-named tensors on the CPU, one Megatron parameter at a time.
+        """Full Hugging Face-named tensors on the CPU, one Megatron parameter at a time; from the
+        host copy while the trainer sleeps (nothing is woken: the devices stay with whoever holds them).
 
         Collective over the TP group when ``tensor_parallel > 1`` (each parameter's shards are
         all-gathered): every TP rank must consume the whole iterator."""
         tp_group = parallel_state.get_tensor_model_parallel_group()
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         for name, param in self.model.module.named_parameters():
-            local = param.detach()
+            local = self._offload.host_view(param.detach())
+            if tp_size > 1 and local.device != self.device:
+                local = local.to(self.device)  # the TP group's backend gathers device tensors (one parameter at a time)
             shards = [local]
             if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
                 shards = [torch.empty_like(local) for _ in range(tp_size)]
@@ -521,6 +638,7 @@ class MegatronTrainer:
         ``local_dir``) this rank wrote; with ``async_save`` the files are written in the
         background and :meth:`finalize_checkpoint` returns them.
         """
+        self._require_awake("save_checkpoint")
         self.finalize_checkpoint()
         path = Path(local_dir)
         path.mkdir(parents=True, exist_ok=True)
@@ -546,6 +664,7 @@ class MegatronTrainer:
 
     def load_checkpoint(self, local_dir: str) -> None:
         """Restore model, optimizer and version from a whole checkpoint folder (collective)."""
+        self._require_awake("load_checkpoint")
         self.finalize_checkpoint()
         if self._distributed_torch_adam:
             self._materialise_adam_state()

@@ -7,8 +7,11 @@ host memory and shrinks it to zero bytes; ``restore`` grows it back and copies t
 The tensor objects never change, so the model, Megatron's DDP wrapper and the optimizer keep
 every reference they hold (verl offloads Megatron buffers the same way).
 
-Storages already in host memory are left alone: a CPU trainer has nothing to give back
-(``include_host=True`` moves them anyway, so tests can check the mechanism without a GPU).
+What is offloaded is every storage on the trainer's device — on a CPU trainer too: there the
+"host copy" is just another allocation, but the storages really are released and restored, so
+CPU tests run the code path a GPU run takes (reading a sleeping trainer's weights from a
+released storage crashed an H100 run that no CPU test could see). While the trainer sleeps,
+``host_view`` reads a tensor from its host copy.
 """
 
 from __future__ import annotations
@@ -57,50 +60,67 @@ def _ddp_buffers(module: torch.nn.Module) -> list:
 
 
 class Offload:
-    """Host-memory copies of a trainer's device storages, reused from one offload to the next
+    """Host-memory copies of a trainer's ``device`` storages, reused from one offload to the next
     (allocating pinned memory is slower than copying into it)."""
 
-    def __init__(self, include_host: bool = False):
-        self.include_host = include_host
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
         self._copies: dict[int, torch.Tensor] = {}  # storage id → its bytes in host memory
-        self._offloaded: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+        self._offloaded: dict[int, tuple[torch.UntypedStorage, torch.Tensor]] = {}  # storage id → (storage, copy)
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self._offloaded)
+
+    @staticmethod
+    def _key(storage: torch.UntypedStorage) -> int:
+        return storage._cdata  # the storage itself, stable across resizes (data_ptr is not)
 
     @torch.no_grad()
     def offload(self, tensors: Iterable[torch.Tensor]) -> int:
-        """Move every storage behind ``tensors`` to host memory; answers the bytes moved."""
+        """Move every storage behind ``tensors`` that is on the device to host memory; answers the
+        bytes moved (0 when already offloaded)."""
         if self._offloaded:
             return 0
-        seen: set[int] = set()
+        pinned = self.device.type == "cuda"
         for tensor in tensors:
             storage = tensor.untyped_storage()
-            key = storage._cdata  # the storage itself, stable across resizes (data_ptr is not)
-            if key in seen or storage.nbytes() == 0 or (storage.device.type == "cpu" and not self.include_host):
+            key = self._key(storage)
+            if key in self._offloaded or storage.nbytes() == 0 or storage.device.type != self.device.type:
                 continue
-            seen.add(key)
             copy = self._copies.get(key)
             if copy is None or copy.numel() != storage.nbytes():
-                copy = self._copies[key] = torch.empty(
-                    storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+                copy = self._copies[key] = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned)
             copy.untyped_storage().copy_(storage, non_blocking=True)
-            self._offloaded.append((storage, copy))
-        self._copies = {key: self._copies[key] for key in seen}  # storages gone since the last offload free theirs
-        if any(s.device.type == "cuda" for s, _ in self._offloaded):
+            self._offloaded[key] = (storage, copy)
+        # storages gone since the last offload free their copies
+        self._copies = {key: self._copies[key] for key in self._offloaded}
+        if pinned:
             torch.cuda.synchronize()  # the copies must land before the device memory goes
-        for storage, _ in self._offloaded:
+        for storage, _ in self._offloaded.values():
             storage.resize_(0)
-        if torch.cuda.is_available():
+        if pinned:
             torch.cuda.empty_cache()  # hand the freed blocks back to the driver, for vLLM to take
-        return sum(copy.numel() for _, copy in self._offloaded)
+        return sum(copy.numel() for _, copy in self._offloaded.values())
 
     @torch.no_grad()
     def restore(self) -> int:
         """Grow every offloaded storage back on its device and copy its bytes in."""
         moved = 0
-        for storage, copy in self._offloaded:
+        for storage, copy in self._offloaded.values():
             storage.resize_(copy.numel())
             storage.copy_(copy.untyped_storage(), non_blocking=True)
             moved += copy.numel()
-        if any(s.device.type == "cuda" for s, _ in self._offloaded):
+        if self.device.type == "cuda" and self._offloaded:
             torch.cuda.synchronize()
-        self._offloaded = []
+        self._offloaded = {}
         return moved
+
+    def host_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` itself, or — while its storage is offloaded — the same elements read from the
+        host copy (a host-memory tensor of the same dtype, shape and strides; do not write to it)."""
+        entry = self._offloaded.get(self._key(tensor.untyped_storage()))
+        if entry is None:
+            return tensor
+        view = torch.empty(0, dtype=tensor.dtype)
+        return view.set_(entry[1].untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())

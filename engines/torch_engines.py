@@ -2,12 +2,19 @@
 
 ``TorchGenerator`` serves both roles that generate text (policy rollout and the
 generative reward model); ``TorchTrainer`` trains the policy with data parallelism over
-``torch.distributed`` (gloo on CPU). Both speak Hugging Face parameter names, so the
-vLLM and Megatron-Core backends can take their place behind the same methods.
+``torch.distributed`` (gloo on CPU, NCCL on GPUs). Both speak Hugging Face parameter names, so
+the vLLM and Megatron-Core backends can take their place behind the same methods.
+
+Both run on the device they are given (default: the current CUDA device, else the CPU), with
+model, buffers and optimizer state there. On CUDA the forward passes run under bf16 autocast
+(parameters and Adam state stay in the model's dtype, fp32 by default) with SDPA attention and
+the fused AdamW: the plain-PyTorch GPU baseline. On the CPU they compute in the model's dtype
+without autocast, the fp32 reference the other engines are tested against.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy as copy_module
 import io
 import os
@@ -32,15 +39,34 @@ class Generation:
     truncated: bool
 
 
-def load_model(model_dir: str, dtype: str = "float32"):
+def load_model(model_dir: str, dtype: str = "float32", device: torch.device | str = "cpu"):
     # imported here, not at the top: engine hosts import this module for TrainBatch and the
     # checkpoint helpers, and transformers adds ~100 MB per host (64 timing-stub hosts: 6 GB)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-    return tokenizer, model
+    # SDPA: flash / memory-efficient kernels on CUDA (transformers' default too, here made explicit)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    return tokenizer, model.to(device)
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        from engines.distributed import default_device
+
+        return default_device()
+    return torch.device(device)
+
+
+def forward_precision(device: torch.device, autocast: bool | None):
+    """The context the engines' forward passes run in: bf16 autocast (``autocast`` None: on
+    CUDA only) or nothing (the model's own dtype)."""
+    if autocast is None:
+        autocast = device.type == "cuda"
+    if autocast:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -52,10 +78,16 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 
 class TorchGenerator:
-    """Sampling with per-token log-probabilities, and weight updates by HF name."""
+    """Sampling with per-token log-probabilities, and weight updates by HF name.
 
-    def __init__(self, model_dir: str, dtype: str = "float32"):
-        self.tokenizer, self.model = load_model(model_dir, dtype)
+    ``device``: where the model lives and computes (None: the current CUDA device, else the CPU);
+    ``autocast``: bf16 autocast of the forward passes (None: on CUDA only)."""
+
+    def __init__(self, model_dir: str, dtype: str = "float32", device: torch.device | str | None = None,
+                 autocast: bool | None = None):
+        self.device = resolve_device(device)
+        self.autocast = autocast
+        self.tokenizer, self.model = load_model(model_dir, dtype, self.device)
         self.model.eval()
 
     @torch.no_grad()
@@ -71,21 +103,22 @@ class TorchGenerator:
     ) -> list[Generation]:
         tok = self.tokenizer
         # input ids and mask only: a tokenizer that adds token_type_ids makes generate() refuse them
-        batch = tok([p for p in prompts for _ in range(n)], return_tensors="pt", padding=True, return_token_type_ids=False)
+        batch = tok([p for p in prompts for _ in range(n)], return_tensors="pt", padding=True, return_token_type_ids=False).to(self.device)
         if not greedy:  # greedy draws nothing: leave the process-wide RNG alone (a judge on another
             torch.manual_seed(seed)  # thread must not reseed the rollout's sampling: placement.mode=partial)
-        out = self.model.generate(
-            **batch,
-            do_sample=not greedy,
-            temperature=temperature if not greedy else None,
-            top_p=top_p if not greedy else None,
-            top_k=None,
-            max_new_tokens=max_new_tokens,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-        )
+        with forward_precision(self.device, self.autocast):
+            out = self.model.generate(
+                **batch,
+                do_sample=not greedy,
+                temperature=temperature if not greedy else None,
+                top_p=top_p if not greedy else None,
+                top_k=None,
+                max_new_tokens=max_new_tokens,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
         new_tokens = out.sequences[:, batch["input_ids"].shape[1] :]
         logits = torch.stack(out.logits, dim=1).float() / (1.0 if greedy else temperature)
         token_logprobs = torch.log_softmax(logits, -1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
@@ -199,7 +232,11 @@ class TorchTrainer:
 
     Gradients are summed with one all-reduce over a flat buffer, and the loss of every
     rank is normalised by the *global* token (or sequence) count, so each replica takes
-    exactly the step one process would take on the concatenated batch.
+    exactly the step one process would take on the concatenated batch. Both all-reduces are of
+    tensors on ``device``, over the default group (NCCL on CUDA: ``engines/distributed.py``).
+
+    ``device`` and ``autocast``: as for :class:`TorchGenerator`; the reference model lives there
+    too, and on CUDA the optimizer is the fused AdamW (its state is created on the device).
     """
 
     def __init__(
@@ -212,11 +249,17 @@ class TorchTrainer:
         temperature: float = 1.0,
         reference: bool = False,
         dtype: str = "float32",
+        device: torch.device | str | None = None,
+        autocast: bool | None = None,
     ):
-        self.tokenizer, self.model = load_model(model_dir, dtype)
+        self.device = resolve_device(device)
+        self.autocast = autocast
+        self.tokenizer, self.model = load_model(model_dir, dtype, self.device)
         self.model.train()
-        self.reference = load_model(model_dir, dtype)[1].eval() if reference else None
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        self.reference = load_model(model_dir, dtype, self.device)[1].eval() if reference else None
+        # fused: one kernel for all parameters on CUDA; on the CPU torch's default, as always
+        fused = True if self.device.type == "cuda" else None
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, fused=fused)
         self.grad_clip = grad_clip
         self.temperature = temperature
         self.version = 0  # optimizer steps taken: the policy version rollouts are stamped with
@@ -226,17 +269,20 @@ class TorchTrainer:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
     def _global_sum(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
         if self.distributed:
             dist.all_reduce(t)
         return t.item()
 
     def _all_reduce_grads(self) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.distributed:
-            dist.all_reduce(flat)
+        for p in params:  # every rank steps every parameter (AdamW's weight decay included)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if not self.distributed:  # nothing to add: no flat copy of every gradient (GBs on a large model)
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
         offset = 0
         for p in params:
             n = p.numel()
@@ -248,8 +294,9 @@ class TorchTrainer:
         """The trainer's log-probabilities of each response token under the current weights."""
         if not len(batch):
             return []
-        ids, attn, resp, _ = pad_batch(batch, self.tokenizer.pad_token_id)
-        lp = sequence_logprobs(self.model, ids, attn, self.temperature)
+        ids, attn, resp, _ = (t.to(self.device) for t in pad_batch(batch, self.tokenizer.pad_token_id))
+        with forward_precision(self.device, self.autocast):
+            lp = sequence_logprobs(self.model, ids, attn, self.temperature)
         return [lp[i][resp[i].bool()].tolist() for i in range(len(batch))]
 
     def train_step(
@@ -276,13 +323,14 @@ class TorchTrainer:
             total = self._global_sum(local_tokens if aggregation == "token" else float(len(part)))
             loss_value = 0.0
             for micro in micro_batches(part, micro_batch_tokens):
-                ids, attn, resp, old = pad_batch(micro, self.tokenizer.pad_token_id)
-                logprobs = sequence_logprobs(self.model, ids, attn, self.temperature)
-                ref = None
-                if self.reference is not None and kl_coef > 0:
-                    with torch.no_grad():
-                        ref = sequence_logprobs(self.reference, ids, attn, self.temperature)
-                adv = torch.tensor(micro.advantages, dtype=logprobs.dtype)
+                ids, attn, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
+                with forward_precision(self.device, self.autocast):  # the loss below is fp32 either way
+                    logprobs = sequence_logprobs(self.model, ids, attn, self.temperature)
+                    ref = None
+                    if self.reference is not None and kl_coef > 0:
+                        with torch.no_grad():
+                            ref = sequence_logprobs(self.reference, ids, attn, self.temperature)
+                adv = torch.tensor(micro.advantages, dtype=logprobs.dtype, device=self.device)
                 per_token, clipped = algorithms.policy_loss_terms(logprobs, old, adv, clip_low, clip_high, ref, kl_coef)
                 # global ``total`` (not this pass's own count): the passes' losses sum to the minibatch's
                 weights = algorithms.token_weights(resp, aggregation, total)
@@ -332,7 +380,9 @@ class TorchTrainer:
         return ["trainer.pt"]
 
     def load_checkpoint(self, local_dir: str) -> None:
-        state = torch.load(os.path.join(local_dir, "trainer.pt"), weights_only=True)
+        # read into host memory (a checkpoint may come from another device); load_state_dict
+        # copies into the parameters, and the optimizer moves its state to theirs
+        state = torch.load(os.path.join(local_dir, "trainer.pt"), weights_only=True, map_location="cpu")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = state["version"]

@@ -235,6 +235,26 @@ class TrainConfig(Section):
         1, gt=0, description="Megatron-Core tensor-parallel size inside a DP group (the local engine hosts run 1 process per group, so 1 only)."
     )
     distributed_optimizer: bool = Field(False, description="Megatron-Core distributed optimizer (optimizer state sharded over DP).")
+    recompute_granularity: Literal["none", "selective", "full"] = Field(
+        "none",
+        description="Megatron-Core activation recomputation: activations are dropped in the forward pass and recomputed "
+        "in the backward pass, trading compute for activation memory. full: whole transformer layers (only their "
+        "inputs are kept; see recompute_method); selective: the recompute_modules of every layer; none: keep everything.",
+    )
+    recompute_method: Literal["uniform", "block"] = Field(
+        "uniform",
+        description="recompute_granularity=full: uniform recomputes every chunk of recompute_num_layers layers (keeping "
+        "each chunk's input); block recomputes only the first recompute_num_layers layers and keeps the rest.",
+    )
+    recompute_num_layers: int = Field(
+        1, gt=0, description="recompute_granularity=full: layers per recomputed chunk (uniform) or layers recomputed (block)."
+    )
+    recompute_modules: list[Literal["core_attn", "mlp"]] = Field(
+        ["core_attn"],
+        description="recompute_granularity=selective: the parts of each layer recomputed. core_attn: the attention "
+        "itself (little to gain with the engine's fused SDPA attention, which keeps no seq x seq scores); mlp: the "
+        "feed-forward block (its 4x-wide activations: the larger saving).",
+    )
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -264,7 +284,8 @@ class TrainConfig(Section):
         "The update is the same either way (up to float summation order); only which group computes which sequence changes.",
     )
 
-    @field_validator("tensor_parallel", "distributed_optimizer")
+    @field_validator("tensor_parallel", "distributed_optimizer", "recompute_granularity", "recompute_method",
+                     "recompute_num_layers", "recompute_modules")
     @classmethod
     def _megatron_only(cls, value, info):
         default = TrainConfig.model_fields[info.field_name].default

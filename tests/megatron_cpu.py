@@ -5,8 +5,9 @@ as the device of the rotary table and the DDP grad buffers, ``device='cuda'`` li
 optimizer, gradient clipping and checkpoint code, ``torch.cuda.synchronize()``, and a CUDA RNG
 tracker forked around every attention dropout. The shim below makes each Megatron module see a
 ``torch`` whose CUDA is the CPU, and replaces the two things that cannot be redirected that way:
-the RNG tracker, and the ``tensor.type() == 'torch.cuda.FloatTensor'`` checks in gradient clipping
-and the distributed optimizer.
+the RNG tracker (and the CUDA RNG state that activation recomputation saves and restores), and the
+``tensor.type() == 'torch.cuda.FloatTensor'`` checks in gradient clipping and the distributed
+optimizer.
 
 Nothing outside ``megatron.*`` is touched (but ``torch.Tensor.type`` for the duration of those few
 calls): transformers, vLLM and torch itself keep the real ``torch``. On a machine with CUDA the
@@ -92,6 +93,10 @@ def _patch(module) -> None:
     if name == "megatron.core.tensor_parallel.random":
         module.CudaRNGStatesTracker.add = _tracker_add
         module.CudaRNGStatesTracker.fork = _tracker_fork
+        # activation recomputation saves and restores the CUDA RNG around each recomputed chunk
+        # (beside the CPU RNG, which it handles itself, and is the only one a CPU run draws from)
+        module._get_cuda_rng_state = _no_cuda_rng_state
+        module._set_cuda_rng_state = _no_cuda_rng_state
     if name == "megatron.core.optimizer.clip_grads":
         module.clip_grad_by_total_norm_fp32 = _cuda_type_names(module.clip_grad_by_total_norm_fp32)
     if name == "megatron.core.optimizer.optimizer":
@@ -153,6 +158,10 @@ def _tracker_add(self, name, seed):
 @contextlib.contextmanager
 def _tracker_fork(self, name="model-parallel-rng"):
     yield
+
+
+def _no_cuda_rng_state(*args, **kwargs):
+    return None
 
 
 # --- Megatron tells fp32 from bf16 parameters (and asserts that grads are on the GPU) by comparing

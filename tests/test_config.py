@@ -206,3 +206,15 @@ def test_hosts_devices_one_entry_per_dp_group():
         load_config(None, ["dp=2", 'hosts.devices=["0"]'])
     with pytest.raises(ConfigError, match=r"field 'hosts.launch'"):
         load_config(None, ["hosts.launch=slurm"])
+
+
+def test_recomputation_is_megatron_only_and_checked():
+    config = load_config(None, ["train.backend=megatron", "train.recompute_granularity=selective", "train.recompute_modules=[mlp]"])
+    assert config.train.recompute_granularity == "selective" and config.train.recompute_modules == ["mlp"]
+    assert load_config().train.recompute_granularity == "none"
+    with pytest.raises(ConfigError, match="'train.recompute_granularity'.*needs train.backend: megatron"):
+        load_config(None, ["train.recompute_granularity=full"])
+    with pytest.raises(ConfigError, match="'train.recompute_modules"):
+        load_config(None, ["train.backend=megatron", "train.recompute_modules=[everything]"])
+    with pytest.raises(ConfigError, match="'train.recompute_num_layers'"):
+        load_config(None, ["train.backend=megatron", "train.recompute_num_layers=0"])

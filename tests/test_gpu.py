@@ -1,33 +1,82 @@
 """Checks that need a CUDA device: the production engines on the device they target, without
-the CPU shim. Skipped where there is no GPU (tests/conftest.py)."""
+the CPU shim. Skipped where there is no GPU (tests/conftest.py); ``dp=2`` over NCCL needs two."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+import helpers  # noqa: F401  (puts the checkout on sys.path)
+
+
+def _megatron():
+    pytest.importorskip("megatron.core", reason="Megatron-Core is optional (pip install -e .[megatron])")
+
+
+def _devices(*roots) -> set[str]:
+    """Device types of every tensor the trainer keeps (modules, Megatron's buffers, optimizers),
+    but 0-dim ones: torch's (unfused) Adam keeps its step counters on the host by design."""
+    from engines.offload import trainer_tensors
+
+    return {t.device.type for t in trainer_tensors(*roots) if t.dim() > 0}
+
 
 @pytest.mark.gpu
-def test_megatron_trains_in_bf16_on_cuda():
-    pytest.importorskip("megatron.core", reason="Megatron-Core is optional (pip install -e .[megatron])")
+def test_benchmark_runs_both_engines():
+    _megatron()
     from bench.megatron_gpu import main
 
-    result = main(["--layers", "2", "--hidden", "512", "--heads", "8", "--kv-heads", "4", "--seq", "256",
+    result = main(["--sizes", "0.44b", "--layers", "2", "--hidden", "512", "--heads", "8", "--kv-heads", "4", "--seq", "256",
                    "--batch", "4", "--steps", "2", "--warmup", "1"])
-    assert result["tokens_per_s"] > 0 and result["mfu"] > 0
+    assert [r["engine"] for r in result["runs"]] == ["megatron", "transformers"]
+    for run in result["runs"]:
+        assert "error" not in run, run
+        assert run["tokens_per_s"] > 0 and run["mfu"] > 0 and run["peak_gib"] > 0
 
 
 @pytest.mark.gpu
-def test_megatron_trainer_sleep_frees_the_device_and_wakes_bit_for_bit(tmp_path):
+def test_megatron_bf16_train_step_with_everything_on_cuda(tmp_path):
+    """The H100 failure: bf16 Megatron's norms stayed on the CPU. Now every parameter, buffer,
+    gradient buffer and optimizer state is on the GPU, the step runs, and its log-probs are the
+    fp32 reference's up to bf16 rounding."""
+    _megatron()
+    import torch
+
+    from engines.megatron_engine import MegatronTrainer, SDPAttention
+    from engines.torch_engines import TorchTrainer
+    from helpers import random_batch, save_tiny_model, with_old_logprobs
+
+    model_dir = save_tiny_model(tmp_path / "model", hidden_size=256, num_layers=2)
+    trainer = MegatronTrainer(model_dir, lr=1e-3, dtype="bfloat16", reference=True)
+    assert trainer.device.type == "cuda"
+    assert isinstance(trainer.model.module.decoder.layers[0].self_attention.core_attention, SDPAttention)
+    reference = TorchTrainer(model_dir, device="cpu")  # fp32 on the CPU
+    batch = random_batch(8, seed=1)
+    ours, ref = trainer.logprobs(batch), reference.logprobs(batch)
+    assert max(abs(a - b) for x, y in zip(ours, ref) for a, b in zip(x, y)) < 2e-2  # bf16 rounding
+    before = dict(trainer.export_weights())
+    stats = trainer.train_step(with_old_logprobs(batch, ref, noise=0.3, seed=1), kl_coef=0.1)
+    assert stats["grad_norm"] > 0 and trainer.version == 1
+    assert max((v.float() - before[k].float()).abs().max().item() for k, v in trainer.export_weights()) > 0
+    assert _devices(trainer.model, trainer.reference, trainer.optimizer) == {"cuda"}
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.gpu
+def test_megatron_sleep_export_wake_on_cuda(tmp_path):
     """Full colocation on a GPU: a sleeping trainer holds (almost) no device memory — weights,
-    gradient buffers, Adam moments and fp32 main copies are in host memory — and after ``wake``
-    it trains exactly as a trainer that never slept."""
-    pytest.importorskip("megatron.core", reason="Megatron-Core is optional (pip install -e .[megatron])")
+    gradient buffers, Adam moments and fp32 main copies are in host memory — its export (the
+    H100 crashed here: ``CUDA error: invalid argument``) reads the host copy without waking it,
+    and after ``wake`` it trains exactly as a trainer that never slept."""
+    _megatron()
     import time
 
     import torch
+    from transformers import AutoModelForCausalLM
 
     from engines.megatron_engine import MegatronTrainer
-    from tests.helpers import random_batch, save_tiny_model, with_old_logprobs
+    from helpers import random_batch, save_tiny_model, with_old_logprobs
 
     model_dir = save_tiny_model(tmp_path / "model", hidden_size=512, num_layers=4)
     options = {"lr": 1e-3, "dtype": "bfloat16", "distributed_optimizer": True}
@@ -38,6 +87,7 @@ def test_megatron_trainer_sleep_frees_the_device_and_wakes_bit_for_bit(tmp_path)
         batch = with_old_logprobs(batch, b.logprobs(batch), noise=0.5, seed=seed)
         a.train_step(batch)
         b.train_step(batch)
+        awake = dict(a.export_weights())
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         start = time.perf_counter()
@@ -46,6 +96,12 @@ def test_megatron_trainer_sleep_frees_the_device_and_wakes_bit_for_bit(tmp_path)
         freed = before - torch.cuda.memory_allocated()
         # bf16 weights (2 bytes), fp32 gradient buffer (4), fp32 main copy (4), two fp32 moments (8)
         assert moved >= 18 * n and freed >= 18 * n, (moved, freed, n)
+        asleep = dict(a.export_weights())
+        assert all(torch.equal(awake[k], asleep[k]) for k in awake)
+        a.save_hf(str(tmp_path / f"hf-{seed}"))
+        assert torch.cuda.memory_allocated() <= before - freed + 2**20  # exporting woke nothing
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / f"hf-{seed}", dtype=torch.bfloat16)
+        assert all(torch.equal(p, awake[k]) for k, p in loaded.named_parameters())
         start = time.perf_counter()
         assert a.wake() == moved
         print(f"\n[offload] {moved / 2**20:.1f} MiB: sleep {slept * 1e3:.1f} ms, wake {(time.perf_counter() - start) * 1e3:.1f} ms")
@@ -53,3 +109,109 @@ def test_megatron_trainer_sleep_frees_the_device_and_wakes_bit_for_bit(tmp_path)
     assert a.logprobs(probe) == b.logprobs(probe)
     weights_a, weights_b = dict(a.export_weights()), dict(b.export_weights())
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_b)
+
+
+@pytest.mark.gpu
+def test_sdpa_attention_on_cuda_bf16_matches_the_local_spec(tmp_path):
+    """On CUDA in bf16 SDPAttention takes the fused kernels (causal, GQA without a mask tensor);
+    it agrees with the local spec's DotProductAttention up to bf16 rounding."""
+    _megatron()
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from engines.megatron_engine import SDPAttention, _init_distributed
+
+    _init_distributed(1, torch.device("cuda", torch.cuda.current_device()))
+    config = TransformerConfig(num_layers=1, hidden_size=1024, num_attention_heads=8, num_query_groups=2, kv_channels=128,
+                               attention_dropout=0.0, hidden_dropout=0.0, bf16=True, params_dtype=torch.bfloat16)
+    kwargs = {"config": config, "layer_number": 1, "attn_mask_type": AttnMaskType.causal, "attention_type": "self"}
+    seq, batch = 512, 2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(seq, batch, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(seq, batch, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    local = DotProductAttention(**kwargs)(q, k, v, None, attn_mask_type=AttnMaskType.causal).float()
+    sdpa = SDPAttention(**kwargs)(q, k, v, None, attn_mask_type=AttnMaskType.causal).float()
+    diff = (local - sdpa).abs()
+    # bf16 scores in the local spec, fp32 accumulation in the fused kernels; a wrong pattern is off by ~0.3
+    assert diff.mean().item() < 5e-3 and diff.max().item() < 0.1
+
+
+@pytest.mark.gpu
+def test_torch_engines_on_cuda(tmp_path):
+    """The torch engines on the GPU: model, reference and AdamW state there. Without autocast they
+    are the CPU's fp32 reference (up to GPU float summation); with it (the default on CUDA) one
+    step moves the weights like the CPU's up to bf16 rounding; the generator samples on the GPU."""
+    import torch
+
+    from engines.torch_engines import TorchGenerator, TorchTrainer
+    from helpers import random_batch, save_tiny_model, with_old_logprobs
+
+    model_dir = save_tiny_model(tmp_path / "model", hidden_size=128, num_layers=2)
+    cpu = TorchTrainer(model_dir, lr=1e-3, device="cpu")
+    fp32 = TorchTrainer(model_dir, lr=1e-3, autocast=False, reference=True)
+    mixed = TorchTrainer(model_dir, lr=1e-3)
+    assert fp32.device.type == mixed.device.type == "cuda" and mixed.optimizer.defaults["fused"]
+    batch = random_batch(8, seed=1)
+    batch = with_old_logprobs(batch, cpu.logprobs(batch), noise=0.3, seed=1)
+    lp_cpu, lp_fp32, lp_mixed = cpu.logprobs(batch), fp32.logprobs(batch), mixed.logprobs(batch)
+    diff = lambda x, y: max(abs(a - b) for r, s in zip(x, y) for a, b in zip(r, s))  # noqa: E731
+    assert diff(lp_cpu, lp_fp32) < 1e-4 and diff(lp_cpu, lp_mixed) < 0.1
+    for trainer in (cpu, fp32, mixed):
+        trainer.train_step(batch, minibatches=2)
+    assert _devices(fp32.model, fp32.reference) == {"cuda"}
+    assert {t.device.type for s in mixed.optimizer.state.values() for t in s.values()} == {"cuda"}
+    after = {k: v.cpu() for k, v in cpu.export_weights()}
+    assert max((after[k] - v.cpu()).abs().max().item() for k, v in fp32.export_weights()) < 1e-4
+    generator = TorchGenerator(model_dir)
+    assert generator.device.type == "cuda"
+    assert generator.update_weights(mixed.export_weights()) == len(after)
+    outs = generator.generate(["12+7=", "3+4="], n=2, max_new_tokens=6, seed=0)
+    assert len(outs) == 4 and all(len(o.logprobs) == len(o.response_ids) > 0 for o in outs)
+
+
+def _nccl_worker(rank: int, port: int, model_dir: str, out: str) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from engines import distributed
+    from engines.host import _all_gather_ints
+    from engines.megatron_engine import MegatronTrainer
+    from helpers import random_batch, with_old_logprobs
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the metadata group's gloo, on loopback
+    device = torch.device("cuda", rank)
+    distributed.init_process_groups(device, rank, 2, f"tcp://127.0.0.1:{port}", timedelta(seconds=120))
+    try:
+        assert dist.get_backend() == "nccl" and dist.get_backend(distributed.metadata_group()) == "gloo"
+        gathered = _all_gather_ints([rank] * (rank + 1))  # CPU tensors: NCCL would refuse them
+        trainer = MegatronTrainer(model_dir, lr=1e-3, dtype="bfloat16", device=device)
+        batch = random_batch(4 + rank, seed=rank)
+        stats = trainer.train_step(with_old_logprobs(batch, trainer.logprobs(batch), noise=0.3, seed=rank))
+        torch.save({"gathered": gathered, "stats": stats, "weights": dict(trainer.export_weights())}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_megatron_dp2_over_nccl_with_gloo_metadata(tmp_path):
+    """dp=2 on two GPUs (the H100 run could not: gloo cannot all-reduce CUDA tensors): the
+    gradient all-reduce goes over NCCL, the balance plan's integers over the gloo group, and
+    the replicas come out identical."""
+    _megatron()
+    import torch
+    import torch.multiprocessing as mp
+
+    from helpers import free_port, save_tiny_model
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices (NCCL takes one per rank)")
+    model_dir = save_tiny_model(tmp_path / "model", hidden_size=128, num_layers=2)
+    mp.spawn(_nccl_worker, args=(free_port(), model_dir, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert ranks[0]["gathered"] == ranks[1]["gathered"] == [[0], [1, 1]]
+    assert all(torch.equal(ranks[0]["weights"][k], ranks[1]["weights"][k]) for k in ranks[0]["weights"])
+    assert ranks[0]["stats"]["loss"] == ranks[1]["stats"]["loss"]

@@ -31,12 +31,13 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from engines.megatron_engine import MegatronTrainer, hf_to_megatron, load_hf_state, megatron_to_hf  # noqa: E402
 from engines.tiny import build_char_tokenizer  # noqa: E402
-from engines.torch_engines import TorchTrainer, TrainBatch  # noqa: E402
+from engines.torch_engines import TorchGenerator, TorchTrainer, TrainBatch  # noqa: E402
 from helpers import concat, free_port, random_batch, save_tiny_model, with_old_logprobs  # noqa: E402
 
 # Megatron without Apex or Transformer Engine warns at every layer it builds
@@ -242,34 +243,220 @@ def test_bfloat16_trains(model_dir):
     assert max_diff(dict(megatron.export_weights()), before) > 0
 
 
+# --- attention: SDPA instead of the local spec's unfused DotProductAttention -------------------
+
+
+def _causal(s: int) -> torch.Tensor:
+    return torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]  # Megatron's masks: True = not allowed
+
+
+def _padded_causal(s: int, batch: int) -> torch.Tensor:
+    """Causal, and row b's first b keys hidden from every query after the first b+1 (never a whole row)."""
+    mask = _causal(s).repeat(batch, 1, 1, 1)
+    for b in range(batch):
+        mask[b, 0, b + 1 :, :b] = True
+    return mask
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "padded"])
+def test_sdpa_attention_equals_local_spec_attention_with_gqa(model_dir, mask):
+    """Same inputs through Megatron's DotProductAttention and SDPAttention: 2 query heads sharing
+    1 key/value head (the demo's shape), outputs and input gradients equal to 1e-5 in fp32. Megatron
+    builds the causal mask itself when given none (the trainer gives none)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer import TransformerConfig
+
+    from engines.megatron_engine import SDPAttention, _init_distributed
+
+    _init_distributed(1, torch.device("cpu"))
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=1, kv_channels=16,
+                               attention_dropout=0.0, hidden_dropout=0.0)
+    kwargs = {"config": config, "layer_number": 1, "attn_mask_type": AttnMaskType.causal, "attention_type": "self"}
+    local, sdpa = DotProductAttention(**kwargs), SDPAttention(**kwargs)
+    seq, batch = 9, 3
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(seq, batch, 2, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(seq, batch, 1, 16, generator=g, requires_grad=True) for _ in range(2))
+    attention_mask = {"none": None, "causal": _causal(seq), "padded": _padded_causal(seq, batch)}[mask]
+    outs, grads = [], []
+    for module in (local, sdpa):
+        out = module(q, k, v, attention_mask, attn_mask_type=AttnMaskType.causal)
+        assert out.shape == (seq, batch, 32)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out) + out.detach()))
+    assert (outs[0] - outs[1]).abs().max().item() <= ATOL
+    assert max((a - b).abs().max().item() for a, b in zip(*grads)) <= ATOL
+    # the tolerance tells attention patterns apart: attending to the future is far outside it
+    full = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), enable_gqa=True)
+    assert (full.permute(2, 0, 1, 3).reshape(seq, batch, 32) - outs[0]).abs().max().item() > 1e-2
+
+
+def test_gpt_logits_with_sdpa_equal_the_local_spec(tmp_path, model_dir):
+    """A whole GPTModel of the demo's shape (2 query heads, 1 key/value head) built from the same
+    Hugging Face weights with each attention: logits equal to 1e-5 in fp32."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from engines.megatron_engine import SDPAttention, _init_distributed, build_gpt, transformer_config
+    from engines.tiny import build_tiny_llama
+
+    tokenizer = build_char_tokenizer()
+    build_tiny_llama(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=3).save_pretrained(tmp_path)
+    _init_distributed(1, torch.device("cpu"))
+    hf_config, hf_state = AutoConfig.from_pretrained(tmp_path), load_hf_state(tmp_path)
+    config = transformer_config(hf_config, 1, torch.float32)
+    local = build_gpt(hf_config, config, hf_state, layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"))
+    sdpa = build_gpt(hf_config, config, hf_state)
+    assert isinstance(sdpa.decoder.layers[0].self_attention.core_attention, SDPAttention)
+    assert not isinstance(local.decoder.layers[0].self_attention.core_attention, SDPAttention)
+    ids = torch.randint(4, len(tokenizer), (3, 12), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(12).expand(3, 12)
+    with torch.no_grad():
+        logits = [m(input_ids=ids, position_ids=positions, attention_mask=None) for m in (local, sdpa)]
+    assert logits[0].abs().max() > 0.1
+    assert (logits[0] - logits[1]).abs().max().item() <= ATOL
+
+
+# --- activation recomputation -----------------------------------------------------------------
+
+
+RECOMPUTE = {
+    "full-uniform": ({"recompute_granularity": "full"}, "layer"),
+    "full-block": ({"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}, "layer"),
+    "selective-core_attn": ({"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}, "core_attention"),
+    "selective-mlp": ({"recompute_granularity": "selective", "recompute_modules": ["mlp"]}, "mlp"),
+}
+
+
+@pytest.mark.parametrize("name", list(RECOMPUTE))
+def test_recomputation_reruns_the_forward_and_changes_nothing(model_dir, name):
+    """With recomputation the chosen parts run their forward again in the backward pass (counted
+    by forward hooks: the option reaches Megatron), and the step is bit for bit the step without."""
+    options, part = RECOMPUTE[name]
+    batch = batch_near(TorchTrainer(model_dir), 6, seed=21)
+    runs = {}
+    for label, extra in (("plain", {}), ("recompute", options)):
+        trainer = MegatronTrainer(model_dir, **HYPER, **extra)
+        calls = {i: 0 for i in range(2)}
+        for i, layer in enumerate(trainer.model.module.decoder.layers):
+            module = {"layer": layer, "core_attention": layer.self_attention.core_attention, "mlp": layer.mlp}[part]
+            module.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+        stats = trainer.train_step(batch)  # one pass: each layer runs forward once (twice if recomputed)
+        runs[label] = (calls, stats, dict(trainer.export_weights()))
+    assert runs["plain"][0] == {0: 1, 1: 1}
+    expected = {0: 2, 1: 1} if name == "full-block" else {0: 2, 1: 2}  # block: only the first layer
+    assert runs["recompute"][0] == expected
+    assert runs["recompute"][1] == runs["plain"][1]
+    assert max_diff(runs["recompute"][2], runs["plain"][2]) == 0.0
+
+
+def test_run_config_recomputation_reaches_megatron(model_dir):
+    from engines.host import make_trainer
+    from flows.config import RunConfig
+
+    cfg = RunConfig(train={"backend": "megatron", "recompute_granularity": "full", "recompute_method": "block",
+                           "recompute_num_layers": 2})
+    trainer = make_trainer(cfg, model_dir)
+    assert (trainer.config.recompute_granularity, trainer.config.recompute_method, trainer.config.recompute_num_layers) == ("full", "block", 2)
+    cfg = RunConfig(train={"backend": "megatron", "recompute_granularity": "selective", "recompute_modules": ["mlp"]})
+    trainer = make_trainer(cfg, model_dir)
+    assert trainer.config.recompute_granularity == "selective" and trainer.config.recompute_modules == ["mlp"]
+    assert make_trainer(RunConfig(train={"backend": "megatron"}), model_dir).config.recompute_granularity is None
+
+
 # --- 5. placement: the trainer's offload ---------------------------------------------------
 
 
-def test_sleep_moves_the_whole_trainer_off_its_storages_and_back(model_dir):
-    """Full colocation: the trainer sleeps while rollout and GenRM hold the devices. On CPU a
-    sleep moves nothing (host memory is where it would go); here the host storages are moved
-    too, so the mechanism runs: every storage the trainer holds is emptied, and training after
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sleep_releases_every_storage_and_wake_restores_it_bit_for_bit(model_dir, dtype):
+    """Full colocation: the trainer sleeps while rollout and GenRM hold the devices. On the CPU as
+    on a GPU every storage the trainer holds (weights, gradient buffer, Adam moments, fp32 main
+    copies, the reference model) is released and its bytes kept in host memory; training after
     ``wake`` is bit for bit the training of a trainer that never slept."""
-    from engines.offload import Offload, trainer_tensors
+    from engines.offload import trainer_tensors
 
-    options = {**HYPER, "distributed_optimizer": True, "reference": True}
+    options = {**HYPER, "distributed_optimizer": True, "reference": True, "dtype": dtype}
     a, b = MegatronTrainer(model_dir, **options), MegatronTrainer(model_dir, **options)
     steps = [batch_near(a, 6, seed=s) for s in (11, 12, 13)]
-    assert a.sleep() == 0 and a.wake() == 0  # CPU: nothing to give back
-    a._offload = Offload(include_host=True)
     n = sum(p.numel() for p in a.model.parameters())
     for batch in steps:
         a.train_step(batch, kl_coef=0.5)
         b.train_step(batch, kl_coef=0.5)
         moved = a.sleep()
-        # fp32 weights, gradient buffer, two Adam moments, the reference model: 20 bytes per parameter
+        # fp32: weights, gradient buffer, two Adam moments, the reference model (20 bytes per parameter);
+        # bf16: weights and reference (2 + 2), fp32 gradient buffer, main copy and moments (4 + 4 + 8)
         assert moved >= 20 * n, (moved, n)
-        assert {t.untyped_storage().nbytes() for t in trainer_tensors(a.model, a.reference, a.optimizer)} == {0}
+        assert a.asleep and {t.untyped_storage().nbytes() for t in trainer_tensors(a.model, a.reference, a.optimizer)} == {0}
         assert a.sleep() == 0  # already asleep
-        assert a.wake() == moved
+        assert a.wake() == moved and not a.asleep
     assert max_diff(dict(a.export_weights()), dict(b.export_weights())) == 0.0
     probe = random_batch(4, seed=14)
     assert a.logprobs(probe) == b.logprobs(probe)
+
+
+def test_a_sleeping_trainer_exports_from_host_memory_and_refuses_the_rest(tmp_path, model_dir):
+    """``export_weights`` and ``save_hf`` of a sleeping trainer read the host copy (bit for bit the
+    awake weights; nothing is woken); what needs the live state fails with a message rather than
+    reading released memory (on an H100, ``export`` after evaluation crashed inside CUDA)."""
+    from engines.offload import trainer_tensors
+
+    trainer = MegatronTrainer(model_dir, **HYPER, dtype="bfloat16")
+    trainer.train_step(batch_near(trainer, 6, seed=15))
+    awake = dict(trainer.export_weights())
+    trainer.sleep()
+    asleep = dict(trainer.export_weights())
+    assert awake.keys() == asleep.keys() and all(torch.equal(awake[k], asleep[k]) for k in awake)
+    assert {t.untyped_storage().nbytes() for t in trainer_tensors(trainer.model)} == {0}  # still asleep
+    trainer.save_hf(str(tmp_path / "hf"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
+    assert all(torch.equal(p, awake[k]) for k, p in loaded.named_parameters())
+    for call in (lambda: trainer.logprobs(random_batch(2, seed=1)), lambda: trainer.train_step(random_batch(2, seed=1)),
+                 lambda: trainer.save_checkpoint(str(tmp_path / "ckpt"))):
+        with pytest.raises(RuntimeError, match="asleep"):
+            call()
+    trainer.wake()
+    assert all(torch.equal(awake[k], v) for k, v in trainer.export_weights())
+
+
+def test_host_stages_read_a_sleeping_trainer_or_wake_it(tmp_path, model_dir):
+    """The host's stages after evaluation put the trainer to sleep (``_take("policy")``):
+    the params fingerprint and ``export`` read its host copy and leave it asleep; ``sync_weights``
+    and ``checkpoint`` wake it. Each gives what it gives for an awake trainer."""
+    from safetensors.torch import load_file
+
+    from engines.host import EngineHost
+    from flows.config import RunConfig
+
+    def host() -> EngineHost:
+        h = EngineHost(rank=0, world=1, threads=1)
+        h.config = RunConfig.model_validate({"dp": 1, "train": {"backend": "megatron"}, "checkpoint": {"asynchronous": False}})
+        h.trainer, h.policy, h.prompt_files = MegatronTrainer(model_dir, **HYPER), TorchGenerator(model_dir), [["part-00000.parquet", 8]]
+        h._awake = {"policy", "trainer"}  # as after setup
+        return h
+
+    h = host()
+    h.trainer.train_step(batch_near(h.trainer, 6, seed=16))
+    weights, sha = dict(h.trainer.export_weights()), h.params_sha()
+
+    h._take("policy")  # evaluation
+    assert h.trainer.asleep
+    assert h.params_sha() == sha and h.trainer.asleep
+    h.export(f"file://{tmp_path / 'export'}")
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert exported.keys() == weights.keys() and all(torch.equal(exported[k], weights[k]) for k in weights)
+    assert h.trainer.asleep
+
+    assert h.sync_weights()["tensors"] == len(weights)
+    assert not h.trainer.asleep
+    assert all(torch.equal(p.detach(), weights[k]) for k, p in h.policy.model.named_parameters())
+
+    h._take("policy")
+    assert h.trainer.asleep
+    assert h.checkpoint(f"file://{tmp_path / 'ckpt'}")["files"]
+    assert not h.trainer.asleep
+    resumed = host()
+    resumed.trainer.load_checkpoint(str(tmp_path / "ckpt" / "trainer-megatron"))
+    assert resumed.params_sha() == sha
 
 
 # --- 6. checkpoints ---------------------------------------------------------------------------
@@ -329,6 +516,20 @@ print(json.dumps({"stats": trainer.train_step(batch), "version": trainer.version
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["version"] == 1 and result["stats"]["tokens"] == 4.0 and result["stats"]["grad_norm"] > 0
+
+
+def test_gpu_benchmark_runs_end_to_end_on_the_cpu():
+    """bench/megatron_gpu.py needs a GPU for its figures; its code path — model folder, both
+    engines, timing, the table — is checked here on a tiny shape (``--allow-cpu``)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS / "megatron_cpu_site"), str(TESTS.parent)]))
+    shape = ["--sizes", "1.2b", "--hidden", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--seq", "16",
+             "--batch", "2", "--vocab", "256", "--steps", "1", "--warmup", "1", "--recompute", "full"]
+    done = subprocess.run([sys.executable, "-m", "bench.megatron_gpu", "--allow-cpu", *shape], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=TESTS.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 1.2b |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["megatron", "transformers"]
+    assert all("out of memory" not in row for row in rows)
 
 
 # --- 2./4./5. two processes over gloo: TP=2, then DP=2 ---------------------------------------

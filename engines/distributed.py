@@ -1,0 +1,66 @@
+"""The engines' device, and the hosts' two process groups: one for the trainer, one for metadata.
+
+A DP run's trainers exchange *device* tensors — the gradient all-reduce, tensor-parallel shards,
+the global token counts — and on CUDA only NCCL carries those: gloo fails on them
+(``ProcessGroupGloo::allreduce_coalesced: unsupported device type cuda``, seen on an H100).
+The hosts also exchange small integers that live in host memory — the balance plan's token
+counts (``engines.host._all_gather_ints``) and anything else about the run rather than the
+model — which NCCL would need copied onto the device and back. So the default group gets the
+backend of the trainer's device (NCCL on CUDA, gloo on the CPU), and a second group, always gloo,
+carries the CPU metadata. On the CPU both are gloo, and the metadata still goes through its own
+group, so CPU tests exercise the same routing the GPU run takes.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# (the default group the metadata group was created beside, the metadata group): a default group
+# destroyed and created again (tests do) leaves a stale entry, recognised by the first element
+_metadata: tuple[object, dist.ProcessGroup] | None = None
+
+
+def default_device() -> torch.device:
+    """The device an engine of this process computes on: the current CUDA device (a host sees
+    its group's GPUs through ``CUDA_VISIBLE_DEVICES``), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device | str) -> str:
+    """The ``torch.distributed`` backend for collectives of tensors on ``device``."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_process_groups(device: torch.device | str, rank: int, world: int, init_method: str | None,
+                        timeout: timedelta) -> None:
+    """Join the DP group (collective: every rank calls it once, before any other collective).
+
+    The default group uses :func:`backend_for` the trainer's ``device``; a gloo group over the
+    same ranks is created for :func:`metadata_group`."""
+    global _metadata
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds a rank to the device that is current when it connects
+    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    _metadata = (dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout))
+
+
+def metadata_group() -> dist.ProcessGroup:
+    """The gloo group for collectives of CPU tensors (balance plans and other run metadata).
+
+    Where ``torch.distributed`` was initialised by other code (a test's or a benchmark's own
+    gloo workers) the default group is gloo already and serves; with another backend there is
+    no group for CPU tensors, which is an error rather than a hang or a crash inside NCCL."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: no metadata group")
+    if _metadata is not None and _metadata[0] is dist.group.WORLD:
+        return _metadata[1]
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    raise RuntimeError(f"torch.distributed was initialised with {dist.get_backend()!r} without "
+                       "engines.distributed.init_process_groups: there is no gloo group for CPU metadata")

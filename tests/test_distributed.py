@@ -1,0 +1,144 @@
+"""The hosts' two process groups (``engines/distributed.py``): trainer collectives on the default
+group (NCCL on CUDA, gloo here), CPU metadata on a gloo group of its own.
+
+On a GPU gloo cannot all-reduce CUDA tensors and NCCL cannot carry CPU ones, so a collective on
+the wrong group fails there; here both groups are gloo and either would work. So two real gloo
+processes record the group every collective is given (the real collectives run, observed on the
+way through) and the test checks the routing: the balance plan's all-gather on the metadata group,
+the trainers' gradient and count all-reduces (TorchTrainer and Megatron-Core's DDP) never on it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+from datetime import timedelta
+
+import pytest
+
+import helpers  # noqa: F401  (puts the checkout on sys.path)
+import megatron_cpu
+
+megatron_cpu.install()  # in the spawned workers too: they import this module
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from engines import distributed  # noqa: E402
+from helpers import free_port, random_batch, save_tiny_model, with_old_logprobs  # noqa: E402
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
+
+
+def test_backend_follows_the_device():
+    assert distributed.backend_for("cuda:0") == distributed.backend_for(torch.device("cuda", 1)) == "nccl"
+    assert distributed.backend_for("cpu") == "gloo"
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="not initialised"):
+            distributed.metadata_group()
+
+
+def _record_collectives(log: list) -> None:
+    """Wrap torch.distributed's collectives so that each call notes the group it was given, then runs."""
+    for name in COLLECTIVES:
+        real = getattr(dist, name)
+
+        def recorded(*args, _real=real, _name=name, **kwargs):
+            log.append((_name, inspect.signature(_real).bind(*args, **kwargs).arguments.get("group")))
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, recorded)
+
+
+def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
+    from engines.host import _all_gather_ints
+    from engines.torch_engines import TorchTrainer
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    distributed.init_process_groups("cpu", rank, 2, f"tcp://127.0.0.1:{port}", timedelta(seconds=120))
+    try:
+        meta = distributed.metadata_group()
+        result = {
+            "backend": dist.get_backend(), "metadata_backend": dist.get_backend(meta),
+            "metadata_is_default": meta is dist.group.WORLD, "metadata_size": dist.get_world_size(meta),
+        }
+        log: list = []
+        _record_collectives(log)
+
+        def groups(calls):  # each call's group, by role: "metadata", "default" (None) or "other"
+            return [(name, "metadata" if g is meta else "default" if g is None or g is dist.group.WORLD else "other")
+                    for name, g in calls]
+
+        result["gathered"] = _all_gather_ints(list(range(rank, 3 + 2 * rank)))
+        result["balance_calls"] = groups(log)
+        log.clear()
+
+        batch = random_batch(2 + rank, seed=rank)
+        trainer = TorchTrainer(model_dir, lr=1e-3)
+        trainer.train_step(with_old_logprobs(batch, trainer.logprobs(batch)), minibatches=2)
+        result["torch_calls"] = groups(log)
+        log.clear()
+
+        if importlib.util.find_spec("megatron") is None:  # Megatron-Core is optional
+            torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+            return
+        from megatron.core import parallel_state
+
+        from engines.megatron_engine import MegatronTrainer
+
+        megatron = MegatronTrainer(model_dir, lr=1e-3)
+        result["megatron_dp_backend"] = dist.get_backend(parallel_state.get_data_parallel_group())
+        log.clear()  # construction's own collectives (group setup) aside: the step
+        megatron.train_step(with_old_logprobs(batch, megatron.logprobs(batch)))
+        result["megatron_calls"] = groups(log)
+        parallel_state.destroy_model_parallel()
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("groups")
+    model_dir = save_tiny_model(tmp / "model", hidden_size=32, num_layers=1)
+    mp.spawn(_worker, args=(free_port(), model_dir, str(tmp)), nprocs=2, join=True)
+    return [torch.load(tmp / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
+def test_metadata_on_its_own_gloo_group_trainer_collectives_on_the_default(two_ranks):
+    for r in two_ranks:
+        assert r["backend"] == "gloo"  # backend_for the CPU
+        assert r["metadata_backend"] == "gloo" and not r["metadata_is_default"] and r["metadata_size"] == 2
+        # the balance plan: both ranks' integers, every collective on the metadata group
+        assert r["gathered"] == [[0, 1, 2], [1, 2, 3, 4]]
+        assert r["balance_calls"] and {group for _, group in r["balance_calls"]} == {"metadata"}
+        # TorchTrainer: the gradient and count all-reduces, all on the default group
+        assert {name for name, _ in r["torch_calls"]} == {"all_reduce"}
+        assert {group for _, group in r["torch_calls"]} == {"default"}
+        # Megatron-Core: DDP's gradient all-reduce and the counts go over its data-parallel group,
+        # built on the default group's backend, never over the metadata group
+        if "megatron_calls" not in r:
+            pytest.skip("megatron-core is not installed")
+        assert r["megatron_dp_backend"] == r["backend"]
+        assert any(name == "all_reduce" for name, _ in r["megatron_calls"])
+        assert "metadata" not in {group for _, group in r["megatron_calls"]}
+
+
+def test_a_group_initialised_elsewhere_serves_metadata_only_if_gloo(tmp_path):
+    """Code that initialises torch.distributed itself (a test's or a benchmark's gloo workers) gets
+    the default group for metadata; a metadata group left from an earlier default group is not used."""
+    port = free_port()
+    distributed.init_process_groups("cpu", 0, 1, f"tcp://127.0.0.1:{port}", timedelta(seconds=30))
+    try:
+        assert distributed.metadata_group() is not dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        assert distributed.metadata_group() is dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
