@@ -112,8 +112,11 @@ def disconnect(run: str, world: int) -> None:
 class HostProcess:
     """One engine-host process, started and read up to its ``READY`` line."""
 
-    def __init__(self, rank: int, world: int, threads: int, secret: bytes, bind: str = "127.0.0.1"):
+    def __init__(self, rank: int, world: int, threads: int, secret: bytes, bind: str = "127.0.0.1",
+                 devices: str | None = None):
         env = dict(os.environ, YATTFLOW_HOST_SECRET=secret.hex(), OMP_NUM_THREADS=str(threads))
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines flood the run's output
         project_root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [project_root, env.get("PYTHONPATH")]))
@@ -148,18 +151,38 @@ class HostProcess:
         return self.proc.wait()
 
 
+def local_devices(world: int, devices: list[str] | None, gpus: int, visible: str | None) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES of each of ``world`` local hosts on a machine with ``gpus`` GPUs
+    (``visible``: the parent's CUDA_VISIBLE_DEVICES). ``devices`` (``hosts.devices``) when given;
+    else one GPU per host, since NCCL refuses two ranks of one group on one GPU; on the CPU, or
+    with one host, each inherits the parent's (None)."""
+    if devices is not None:
+        return list(devices)
+    if world == 1 or gpus == 0:
+        return [None] * world
+    if gpus < world:
+        raise HostError(f"dp={world} local hosts need one GPU each and this machine shows {gpus}: lower dp, "
+                        "or set hosts.devices (one CUDA_VISIBLE_DEVICES entry per group)")
+    ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
+    return ids[:world]
+
+
 class LocalHosts:
     """Start, supervise and stop the engine hosts of one run as local subprocesses."""
 
-    def __init__(self, run: str, world: int, threads: int, timeout_s: float):
+    def __init__(self, run: str, world: int, threads: int, timeout_s: float, devices: list[str] | None = None):
+        import torch
+
         self.run, self.world, self.threads, self.timeout_s = run, world, threads, timeout_s
+        self.devices = local_devices(world, devices, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         self.hosts: list[HostProcess] = []
         self.master: str | None = None  # rank 0's torch.distributed rendezvous, "host:port"
 
     def __enter__(self) -> "LocalHosts":
         secret = secrets.token_bytes(32)
         try:
-            self.hosts = [HostProcess(rank, self.world, self.threads, secret) for rank in range(self.world)]
+            self.hosts = [HostProcess(rank, self.world, self.threads, secret, devices=self.devices[rank])
+                          for rank in range(self.world)]
             for h in self.hosts:
                 connect(self.run, h.rank, h.wait_ready().address, secret, self.timeout_s)
             self.master = f"{self.hosts[0].address[0]}:{self.hosts[0].dist_port}"

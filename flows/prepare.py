@@ -78,17 +78,19 @@ def sft_model(config: RunConfig, role: str) -> dict:
     tokenizer = build_char_tokenizer()
     model = build_tiny_llama(
         len(tokenizer), hidden_size=p.hidden_size, num_layers=p.layers, num_heads=p.heads, num_kv_heads=p.kv_heads,
-        seed=config.seed, init_std=p.policy_init_std if role == "policy" else 0.02,
+        seed=config.seed, init_std=p.policy_init_std if role == "policy" else p.judge_init_std,
     )
+    lr, lr_field = (p.sft_lr, "sft_lr") if role == "policy" else (p.judge_sft_lr, "judge_sft_lr")
     result = sft(
         model, tokenizer, pairs, check, target=target, max_steps=p.sft_max_steps, check_every=p.sft_check_every,
-        batch_size=p.sft_batch_size, lr=p.sft_lr, seed=config.seed, log=logger.info,
+        batch_size=p.sft_batch_size, lr=lr, seed=config.seed, log=logger.info,
     )
     if not result["converged"]:
         field = "prepare.sft_target" if role == "policy" else "prepare.judge_target"
         raise SFTNotConverged(
             f"{role} SFT reached {100 * result['exact_match']:.1f}% held-out exact match after {result['steps']} steps, "
-            f"short of {field}={target}: raise prepare.sft_max_steps ({p.sft_max_steps}) or prepare.sft_lr; nothing was written to {uri}"
+            f"short of {field}={target}: raise prepare.sft_max_steps ({p.sft_max_steps}) or change prepare.{lr_field} "
+            f"({lr}); nothing was written to {uri}"
         )
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, safe_serialization=True)

@@ -32,6 +32,18 @@ from helpers import free_port, random_batch, save_tiny_model, with_old_logprobs 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
 
 
+def test_local_hosts_take_one_gpu_each():
+    from engines.host import HostError, local_devices
+
+    assert local_devices(2, None, gpus=0, visible=None) == [None, None]  # the CPU: nothing to choose
+    assert local_devices(1, None, gpus=8, visible=None) == [None]  # one host sees every GPU
+    assert local_devices(2, None, gpus=4, visible=None) == ["0", "1"]
+    assert local_devices(2, None, gpus=2, visible="5,7") == ["5", "7"]  # the parent's numbering
+    assert local_devices(2, ["0,1", "2,3"], gpus=4, visible=None) == ["0,1", "2,3"]  # hosts.devices wins
+    with pytest.raises(HostError, match="dp=4 local hosts need one GPU each and this machine shows 2"):
+        local_devices(4, None, gpus=2, visible=None)
+
+
 def test_backend_follows_the_device():
     assert distributed.backend_for("cuda:0") == distributed.backend_for(torch.device("cuda", 1)) == "nccl"
     assert distributed.backend_for("cpu") == "gloo"

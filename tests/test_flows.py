@@ -153,3 +153,15 @@ def test_model_vllm_cannot_serve_is_named_before_engines_load(prepared):
         run_train(prepared, "name=bad-head", "dp=1", "rollout.backend=vllm")
     assert "model.policy" in str(err.value) and "config.json: head size 16" in str(err.value)
     assert not (Path(prepared) / "runs" / "bad-head").exists()
+
+
+def test_sft_short_of_its_target_fails_naming_the_field_and_writes_no_model(prefect_server, tmp_path):
+    """A warm start that has not learned its demonstrations is an error, not a quietly worse demo."""
+    from flows.prepare import SFTNotConverged, prepare
+
+    with pytest.raises(SFTNotConverged, match=r"policy SFT reached .* after 2 steps, short of prepare.sft_target=1.0: "
+                       r"raise prepare.sft_max_steps \(2\) or change prepare.sft_lr"):
+        prepare(overrides=TINY + [f"storage.root={tmp_path}", "prepare.sft_target=1", "prepare.sft_max_steps=2",
+                                  "prepare.sft_check_every=1"])
+    assert (tmp_path / "data" / "train" / "part-00000.parquet").exists()  # the datasets, committed before the SFT
+    assert not (tmp_path / "models").exists()
