@@ -1,7 +1,7 @@
 """The demo across seeds and CPU floating-point paths: does the warm start land in its band,
 and does RL lift it, whatever the machine?
 
-    .venv/bin/python -m bench.seeds                          # seeds 0-4 on both paths (~40 min on 2 cores)
+    .venv/bin/python -m bench.seeds                          # seeds 0-4 on both paths (~55 min on 2 cores)
     .venv/bin/python -m bench.seeds --seeds 0,1 --paths best --steps 30
 
 Each row is one ``yattflow demo`` (prepare, then RL on ``deployments/demo.yaml``) in a
@@ -10,9 +10,10 @@ subprocess with a storage root of its own. A *path* is a setting of torch's CPU 
 * ``best``: the kernels torch picks for this CPU (AVX-512, AMX where present), 2 threads;
 * ``default``: ``ATEN_CPU_CAPABILITY=default`` (plain vectorised kernels), 1 thread.
 
-Prints the CPU (``lscpu``'s model name), one row per run (seed, path, SFT steps, SFT %, RL %,
-lift, seconds) and the range of each figure. Not part of ``python -m bench``: it is a check
-that the demo learns, not a speed figure.
+Prints the CPU (``lscpu``'s model name), one row per run (seed, path, policy SFT steps, SFT %,
+RL %, lift, the GenRM's held-out verdict accuracy and SFT steps, seconds) and the range of each
+figure; a run that fails is a row saying why, and the command exits 1. Not part of
+``python -m bench``: it is a check that the demo learns, not a speed figure.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ PATHS = {
 }
 RESULT = re.compile(r"accuracy ([\d.]+)% \(SFT\) → ([\d.]+)%")
 SFT_STEPS = re.compile(r"policy model: held-out exact match [\d.]+% after (\d+) SFT steps")
+JUDGE = re.compile(r"judge model: held-out verdict accuracy ([\d.]+)% after (\d+) SFT steps")
 
 
 def cpu_model() -> str:
@@ -48,12 +50,14 @@ def run_demo(seed: int, path: str, steps: int, root: str) -> dict:
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     log = out.stdout + out.stderr
-    result, sft_steps = RESULT.search(log), SFT_STEPS.search(log)
-    if out.returncode or not result:
-        raise RuntimeError(f"demo seed={seed} path={path} failed (exit {out.returncode}):\n{log[-3000:]}")
+    result, sft_steps, judge = RESULT.search(log), SFT_STEPS.search(log), JUDGE.search(log)
+    row = {"seed": seed, "path": path, "sft_steps": int(sft_steps.group(1)) if sft_steps else None,
+           "judge": f"{judge.group(1)}% in {judge.group(2)}" if judge else None, "seconds": round(seconds)}
+    if out.returncode or not result:  # a row of its own: the other runs still tell where the demo lands
+        failure = next((line for line in reversed(log.splitlines()) if "Error" in line), f"exit {out.returncode}")
+        return {**row, "failed": failure.strip()[:300]}
     sft, rl = float(result.group(1)), float(result.group(2))
-    return {"seed": seed, "path": path, "sft_steps": int(sft_steps.group(1)) if sft_steps else None,
-            "sft": sft, "rl": rl, "lift": round(rl - sft, 1), "seconds": round(seconds)}
+    return {**row, "sft": sft, "rl": rl, "lift": round(rl - sft, 1)}
 
 
 def main(argv=None) -> dict:
@@ -68,20 +72,23 @@ def main(argv=None) -> dict:
         parser.error(f"--paths: unknown {sorted(unknown)}; choose from {list(PATHS)}")
     cpu = cpu_model()
     print(f"CPU: {cpu}; {len(seeds)} seeds x {len(paths)} paths, {args.steps} RL steps each\n")
-    print("| seed | path | SFT steps | SFT % | RL % | lift (points) | seconds |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| seed | path | policy SFT steps | SFT % | RL % | lift (points) | GenRM SFT | seconds |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
             for path in paths:
-                row = run_demo(seed, path, args.steps, os.path.join(tmp, f"{path}-{seed}"))
-                rows.append(row)
-                print(f"| {seed} | {path} | {row['sft_steps']} | {row['sft']} | {row['rl']} | {row['lift']} | {row['seconds']} |", flush=True)
-    span = {k: (min(r[k] for r in rows), max(r[k] for r in rows)) for k in ("sft", "rl", "lift")}
-    print(f"\nSFT {span['sft'][0]}-{span['sft'][1]}%, after RL {span['rl'][0]}-{span['rl'][1]}%, "
-          f"lift {span['lift'][0]}-{span['lift'][1]} points ({cpu})")
-    return {"cpu": cpu, "rows": rows, "span": span}
+                r = run_demo(seed, path, args.steps, os.path.join(tmp, f"{path}-{seed}"))
+                rows.append(r)
+                figures = f"{r['sft']} | {r['rl']} | {r['lift']}" if "failed" not in r else f"failed: {r['failed']} | | "
+                print(f"| {seed} | {path} | {r['sft_steps']} | {figures} | {r['judge']} | {r['seconds']} |", flush=True)
+    done = [r for r in rows if "failed" not in r]
+    span = {k: (min(r[k] for r in done), max(r[k] for r in done)) for k in ("sft", "rl", "lift")} if done else {}
+    if span:
+        print(f"\nSFT {span['sft'][0]}-{span['sft'][1]}%, after RL {span['rl'][0]}-{span['rl'][1]}%, "
+              f"lift {span['lift'][0]}-{span['lift'][1]} points; {len(rows) - len(done)} of {len(rows)} runs failed ({cpu})")
+    return {"cpu": cpu, "rows": rows, "span": span, "failed": len(rows) - len(done)}
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main()["failed"] else 0)

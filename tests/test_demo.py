@@ -69,3 +69,17 @@ def test_demo_learns_on_vllm_and_megatron(prefect_server, demo_root, capsys):
     assert (checkpoint / "MANIFEST.json").exists()
     assert list((checkpoint / "trainer-megatron").iterdir())  # Megatron dist_checkpointing shards
     assert (run / "final" / "MANIFEST.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_demo_learns_on_cuda_with_megatron(prefect_server, demo_root, capsys):
+    """The run that unlearned on an H100 (reward 0.45 -> 0.18): dp=1, torch rollout and GenRM,
+    the Megatron trainer, everything on CUDA, no CPU shim. Full colocation, so the trainer
+    sleeps and wakes around every rollout."""
+    pytest.importorskip("megatron.core", reason="Megatron-Core is optional (pip install -e .[megatron])")
+    before, after = run_demo(demo_root, "name=demo-cuda", "dp=1", "train.backend=megatron")
+    with capsys.disabled():
+        print(f"\n[demo] CUDA, dp=1, Megatron trainer: held-out exact-match accuracy {before}% (SFT) -> {after}% (RL)")
+    assert SFT_BAND[0] <= before <= SFT_BAND[1]
+    assert after - before >= 20.0
