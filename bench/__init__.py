@@ -10,3 +10,15 @@ for _key, _value in {
     "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
 }.items():
     os.environ.setdefault(_key, _value)
+
+
+def cpu_model() -> str:
+    """``lscpu``'s model name: figures from different machines are not comparable, so every
+    benchmark table says where it ran (float kernels differ even between x86 CPUs)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return "unknown CPU"
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "unknown CPU")

@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -233,7 +235,7 @@ def main(argv=None) -> dict:
             figures = json.loads(out.read_text())
             results[module] = {"rows": rows_of(module, figures), "seconds": seconds, "figures": figures}
     text = table(results)
-    print(f"\n## All benchmarks ({time.perf_counter() - t0:.0f}s: "
+    print(f"\n## All benchmarks on {cpu_model()}, {os.cpu_count()} cores ({time.perf_counter() - t0:.0f}s: "
           + ", ".join(f"{m} {r['seconds']:.0f}s" for m, r in results.items() if "seconds" in r) + ")\n")
     print(text)
     if args.json:

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = {
     "best": {"OMP_NUM_THREADS": "2"},
@@ -35,11 +37,6 @@ PATHS = {
 RESULT = re.compile(r"accuracy ([\d.]+)% \(SFT\) → ([\d.]+)%")
 SFT_STEPS = re.compile(r"policy model: held-out exact match [\d.]+% after (\d+) SFT steps")
 JUDGE = re.compile(r"judge model: held-out verdict accuracy ([\d.]+)% after (\d+) SFT steps")
-
-
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "unknown CPU")
 
 
 def run_demo(seed: int, path: str, steps: int, root: str) -> dict:
