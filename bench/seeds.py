@@ -2,7 +2,7 @@
 and does RL lift it, whatever the machine?
 
     .venv/bin/python -m bench.seeds                          # seeds 0-4 on both paths (~55 min on 2 cores)
-    .venv/bin/python -m bench.seeds --seeds 0,1 --paths best --steps 30
+    .venv/bin/python -m bench.seeds --seeds 0,1 --paths best --steps 20
 
 Each row is one ``yattflow demo`` (prepare, then RL on ``deployments/demo.yaml``) in a
 subprocess with a storage root of its own. A *path* is a setting of torch's CPU float kernels:
@@ -39,10 +39,10 @@ SFT_STEPS = re.compile(r"policy model: held-out exact match [\d.]+% after (\d+) 
 JUDGE = re.compile(r"judge model: held-out verdict accuracy ([\d.]+)% after (\d+) SFT steps")
 
 
-def run_demo(seed: int, path: str, steps: int, root: str) -> dict:
+def run_demo(seed: int, path: str, steps: int | None, root: str) -> dict:
     env = dict(os.environ, **PATHS[path])
     command = [sys.executable, "-m", "flows.cli", "demo", "-c", str(ROOT / "deployments" / "demo.yaml"),
-               f"storage.root={root}", f"seed={seed}", f"steps={steps}"]
+               f"storage.root={root}", f"seed={seed}", *([f"steps={steps}"] if steps else [])]
     start = time.perf_counter()
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -61,14 +61,14 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds")
     parser.add_argument("--paths", default="best,default", help=f"comma-separated float paths: {', '.join(PATHS)}")
-    parser.add_argument("--steps", type=int, default=30, help="RL steps per run (the demo's own: 30)")
+    parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: deployments/demo.yaml's)")
     args = parser.parse_args(argv)
     seeds, paths = [int(s) for s in args.seeds.split(",")], args.paths.split(",")
     unknown = set(paths) - set(PATHS)
     if unknown:
         parser.error(f"--paths: unknown {sorted(unknown)}; choose from {list(PATHS)}")
     cpu = cpu_model()
-    print(f"CPU: {cpu}; {len(seeds)} seeds x {len(paths)} paths, {args.steps} RL steps each\n")
+    print(f"CPU: {cpu}; {len(seeds)} seeds x {len(paths)} paths, {args.steps or 'the demo.yaml'} RL steps each\n")
     print("| seed | path | policy SFT steps | SFT % | RL % | lift (points) | GenRM SFT | seconds |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
