@@ -69,28 +69,30 @@ def sft_model(config: RunConfig, role: str) -> dict:
         return {"uri": uri, "skipped": True}
     p = config.prepare
     train, heldout = _problems(config)
+    # what differs between the two roles, in one place: demonstrations, held-out check, target
+    # and its field, initialisation, learning rate and its field
     if role == "policy":
         pairs = arithmetic.teacher_demonstrations(train, p.teacher_slip, seed=config.seed)
-        check, target = arithmetic.teacher_majority(heldout, p.teacher_slip), p.sft_target
+        check = arithmetic.teacher_majority(heldout, p.teacher_slip)
+        target, target_field, init_std, lr, lr_field = p.sft_target, "sft_target", p.policy_init_std, p.sft_lr, "sft_lr"
     else:
         pairs = arithmetic.judge_examples(train, config.judge.template, seed=config.seed)
-        check, target = arithmetic.judge_examples(heldout, config.judge.template, seed=config.seed + 1), p.judge_target
+        check = arithmetic.judge_examples(heldout, config.judge.template, seed=config.seed + 1)
+        target, target_field, init_std, lr, lr_field = p.judge_target, "judge_target", p.judge_init_std, p.judge_sft_lr, "judge_sft_lr"
     tokenizer = build_char_tokenizer()
     model = build_tiny_llama(
         len(tokenizer), hidden_size=p.hidden_size, num_layers=p.layers, num_heads=p.heads, num_kv_heads=p.kv_heads,
-        seed=config.seed, init_std=p.policy_init_std if role == "policy" else p.judge_init_std,
+        seed=config.seed, init_std=init_std,
     )
-    lr, lr_field = (p.sft_lr, "sft_lr") if role == "policy" else (p.judge_sft_lr, "judge_sft_lr")
     result = sft(
         model, tokenizer, pairs, check, target=target, max_steps=p.sft_max_steps, check_every=p.sft_check_every,
         batch_size=p.sft_batch_size, lr=lr, seed=config.seed, log=logger.info,
     )
     if not result["converged"]:
-        field = "prepare.sft_target" if role == "policy" else "prepare.judge_target"
         raise SFTNotConverged(
             f"{role} SFT reached {100 * result['exact_match']:.1f}% held-out exact match after {result['steps']} steps, "
-            f"short of {field}={target}: raise prepare.sft_max_steps ({p.sft_max_steps}) or change prepare.{lr_field} "
-            f"({lr}); nothing was written to {uri}"
+            f"short of prepare.{target_field}={target}: raise prepare.sft_max_steps ({p.sft_max_steps}) or change "
+            f"prepare.{lr_field} ({lr}); nothing was written to {uri}"
         )
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
