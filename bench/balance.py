@@ -79,7 +79,7 @@ def build_model(path: str, hidden: int, layers: int, max_positions: int) -> None
 
 def make_data(args) -> list:
     """Both ranks' experience (the same on every process): rank 0 long responses, rank 1 short."""
-    from engines.torch_engines import TrainBatch
+    from engines.protocols import TrainBatch
 
     rng = random.Random(args.seed)
     batches = []
@@ -94,7 +94,7 @@ def make_data(args) -> list:
 def rank_batch(batches, rank: int, layout):
     """This rank's batch: its own rows (unbalanced), or its rows of the plan (balanced)."""
     from engines import balance
-    from engines.torch_engines import TrainBatch
+    from engines.protocols import TrainBatch
 
     if layout is None:
         return batches[rank]

@@ -137,10 +137,10 @@ class Meter:
                            "kept_groups": metrics.get("kept_groups"), "reward": metrics.get("reward")})
 
     def count_host_channel(self) -> None:
-        """Count the bytes on every connection to an engine host (``engines.host.HostClient``)."""
-        from engines import host
+        """Count the bytes on every connection to an engine host (``engines.channel.HostClient``)."""
+        from engines import channel
 
-        meter, call = self, host.HostClient.call
+        meter, call = self, channel.HostClient.call
 
         class Counting:
             def __init__(self, conn):
@@ -158,12 +158,12 @@ class Meter:
             def __getattr__(self, name):
                 return getattr(self._conn, name)
 
-        def counted_call(client, command, **params):
+        def counted_call(client, request):
             if not isinstance(client._conn, Counting):
                 client._conn = Counting(client._conn)
-            return call(client, command, **params)
+            return call(client, request)
 
-        host.HostClient.call = counted_call
+        channel.HostClient.call = counted_call
 
 
 METER: Meter | None = None
@@ -213,15 +213,15 @@ def _single_controller_flows():
     """The baseline's flows (built on first use, so that importing this module stays light)."""
     from prefect import flow, get_run_logger
 
-    import tasks
+    from tasks import stages as tasks
     from engines.sampling import GroupSampling, plan_wave
-    from flows.config import load_config
+    from engines.config import load_config
     from flows.hosts import engine_hosts
     from storage import datasets, objectstore
 
     @flow(name="single-controller-iteration", flow_run_name="sc-iteration-{step:04d}")
     async def sc_iteration(config, step, cursors, sampling):  # no annotations: this flow is local (RunConfig)
-        run, run_uri, s, dp = config.name, config.run_uri, config.sampling, config.dp
+        s, dp = config.sampling, config.dp
         driver = Driver(METER)
         start = time.perf_counter()
         states = [GroupSampling.from_dict(x) for x in sampling]
@@ -230,34 +230,33 @@ def _single_controller_flows():
         for wave in range(s.max_waves):
             waves += 1
             counts = {g: plan_wave(s, states[g], have[g]) for g in active}
-            rolled = await asyncio.gather(*(tasks.rollout(run, run_uri, step, g, wave, cursors[g], counts[g]) for g in active))
+            rolled = await asyncio.gather(*(tasks.rollout(config, step, g, wave, cursors[g], counts[g]) for g in active))
             for g, r in zip(active, rolled):
-                cursors[g] = r["cursor"]
-                samples += r["samples"]
-            driver.gather_scatter([r["uri"] for r in rolled], datasets.ROLLOUTS)
-            scored = await asyncio.gather(*(tasks.genrm_score(run, run_uri, step, g, wave) for g in active))
-            rewards += sum(x["reward_mean"] * r["samples"] for x, r in zip(scored, rolled))
-            driver.gather_scatter([x["uri"] for x in scored], datasets.SCORED)
-            kept = await asyncio.gather(*(tasks.dynamic_filter(run, run_uri, step, g, wave, s.target_groups, carry_in[g])
-                                          for g in active))
-            driver.gather_scatter([k["uri"] for k in kept], datasets.EXPERIENCE)
-            driver.gather_scatter([k["carry"] for k in kept if k["carry"]], datasets.CARRY)
+                cursors[g] = r.cursor
+                samples += r.samples
+            driver.gather_scatter([r.uri for r in rolled], datasets.ROLLOUTS)
+            scored = await asyncio.gather(*(tasks.genrm_score(config, step, g, wave) for g in active))
+            rewards += sum(x.reward_mean * r.samples for x, r in zip(scored, rolled))
+            driver.gather_scatter([x.uri for x in scored], datasets.SCORED)
+            kept = await asyncio.gather(*(tasks.dynamic_filter(config, step, g, wave, carry_in[g]) for g in active))
+            driver.gather_scatter([k.uri for k in kept], datasets.EXPERIENCE)
+            driver.gather_scatter([k.carry for k in kept if k.carry], datasets.CARRY)
             for g, k in zip(active, kept):
-                states[g].observe(counts[g], k["new_kept"], s.keep_ratio_decay)
-                have[g], last[g] = k["kept"], k
-            active = [g for g in active if not last[g]["enough"]]
+                states[g].observe(counts[g], k.new_kept, s.keep_ratio_decay)
+                have[g], last[g] = k.kept, k
+            active = [g for g in active if not last[g].enough]
             if not active:
                 break
         for g in range(dp):
-            states[g].carry, states[g].carried = last[g]["carry"], last[g]["carried_out"]
-        trained = await asyncio.gather(*(tasks.train_step(run, run_uri, step, g) for g in range(dp)))
-        await asyncio.gather(*(tasks.sync_weights(run, g) for g in range(dp)))
-        shas = {t["params_sha"] for t in trained}
+            states[g].carry, states[g].carried = last[g].carry, last[g].carried_out
+        trained = await asyncio.gather(*(tasks.train_step(config, step, g) for g in range(dp)))
+        await asyncio.gather(*(tasks.sync_weights(config, g) for g in range(dp)))
+        shas = {t.params_sha for t in trained}
         if len(shas) != 1:
             raise RuntimeError(f"step {step}: DP replicas diverged ({sorted(shas)})")
         driver.batch = None
         return {"step": step, "samples": samples, "reward": rewards / max(samples, 1), "waves": waves,
-                "kept_groups": sum(last[g]["kept"] for g in range(dp)), "cursors": cursors,
+                "kept_groups": sum(last[g].kept for g in range(dp)), "cursors": cursors,
                 "sampling": [st.to_dict() for st in states], "seconds": time.perf_counter() - start}
 
     @flow(name="single-controller-train", flow_run_name="sc-train")
@@ -266,9 +265,8 @@ def _single_controller_flows():
         objectstore.check_reachable(config.uri(""))
         history = []
         async with engine_hosts(config) as hosts:
-            await tasks.validate_inputs(config.name, config.model_dump())
-            await asyncio.gather(*(tasks.setup_engines(config.name, g, config.model_dump(), None, hosts.master)
-                                   for g in range(config.dp)))
+            await tasks.validate_inputs(config)
+            await asyncio.gather(*(tasks.setup_engines(config, g, None, hosts.master) for g in range(config.dp)))
             cursors, sampling = [0] * config.dp, [None] * config.dp
             for step in range(config.steps):
                 before = METER.begin()
@@ -361,7 +359,7 @@ def add_images(root: str, kb: int) -> int:
     import numpy as np
     import pyarrow as pa
 
-    from flows.config import load_config
+    from engines.config import load_config
     from storage import datasets, objectstore
 
     config = load_config(None, TINY + [f"storage.root={root}"])
@@ -384,7 +382,7 @@ def add_images(root: str, kb: int) -> int:
 def prepare_store(api_url: str, root: str, work: Path) -> float:
     """The tiny store of bench/overhead.py (same ``TINY``, same ``prepare`` flow in a fresh process),
     unless ``root`` has it already; the seconds it took."""
-    from flows.config import load_config
+    from engines.config import load_config
     from storage import objectstore
     from tests.postgres import run_flow_subprocess
 

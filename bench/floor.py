@@ -25,7 +25,7 @@ import time
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.config import RunConfig, load_config
+from engines.config import RunConfig, load_config
 
 # the stage tasks of one DP group in one single-wave iteration: rollout, genrm_score,
 # dynamic_filter, train_step, sync_weights

@@ -108,7 +108,7 @@ def _trainer(engine: str, folder: str, args):
 def _time_steps(trainer, shape: dict, args) -> float:
     import torch
 
-    from engines.torch_engines import TrainBatch
+    from engines.protocols import TrainBatch
 
     rng = random.Random(0)
     prompt_len = shape["seq"] // 4

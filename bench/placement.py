@@ -5,7 +5,7 @@ run, same workload, with a long-tailed output-length distribution and a generati
     .venv/bin/python -m bench.placement              # also full colocation on 2 threads per engine: minutes more on a
                                                      # busy machine (2 OpenMP threads on 2 shared cores stall at barriers)
 
-The workload: one DP group's engine host (``engines.host.EngineHost``, rank 0 of 1, in this
+The workload: one DP group's engine host (``engines.worker.Worker``, rank 0 of 1, in this
 process, torch engines) and one rollout wave of ``--prompts`` arithmetic prompts x G samples,
 then its scoring by a generative reward model that writes a verdict of up to
 ``--judge-max-new-tokens`` tokens (greedy). Both models are randomly initialised tiny Llamas built
@@ -121,8 +121,9 @@ def long_tail(model, tokenizer, mean_tokens: float) -> None:
 
 
 def make_host(root: str, args, mode: str):
-    from engines.host import EngineHost
-    from flows.config import load_config
+    from engines.commands import SetupEngines
+    from engines.config import load_config
+    from engines.worker import Worker
 
     config = load_config(None, [
         f"storage.root={root}", "name=bench-placement", "dp=1", f"threads_per_host={args.threads}", f"seed={args.seed}",
@@ -132,25 +133,30 @@ def make_host(root: str, args, mode: str):
         f"placement.stream_chunk={args.stream_chunk}", f"placement.queue_size={args.queue_size}",
         *([f"placement.judge_threads={args.judge_threads}"] if args.judge_threads else []),
     ])
-    host = EngineHost(rank=0, world=1, threads=args.threads)
-    host.setup(config.model_dump())
+    host = Worker(rank=0, world=1, threads=args.threads)
+    host.setup_engines(SetupEngines(config=config))
     return host, config
 
 
 def run_full(host, out: str, wave: int, count: int) -> dict:
+    from engines.commands import GenRMScore, Rollout
+
     start = time.perf_counter()
-    rolled = host.rollout(0, wave, 0, count, f"{out}/rollouts")
-    scored = host.score(f"{out}/rollouts", f"{out}/scored")
-    return {"seconds": time.perf_counter() - start, "generate_s": rolled["seconds"], "score_s": scored["seconds"],
-            "switch_s": rolled["switch_s"] + scored["switch_s"], "tokens": rolled["tokens"]}
+    rolled = host.rollout(Rollout(step=0, wave=wave, cursor=0, count=count, out=f"{out}/rollouts"))
+    scored = host.genrm_score(GenRMScore(rollouts=f"{out}/rollouts", out=f"{out}/scored"))
+    return {"seconds": time.perf_counter() - start, "generate_s": rolled.seconds, "score_s": scored.seconds,
+            "switch_s": rolled.switch_s + scored.switch_s, "tokens": rolled.tokens}
 
 
 def run_partial(host, out: str, wave: int, count: int) -> dict:
+    from engines.commands import RolloutAndScore
+
     start = time.perf_counter()
-    both = host.rollout_and_score(0, wave, 0, count, f"{out}/rollouts", f"{out}/scored")
-    return {"seconds": time.perf_counter() - start, "generate_s": both["generate_s"], "score_s": both["judge_busy_s"],
-            "judge_tail_s": both["judge_tail_s"], "queue_wait_s": both["queue_wait_s"], "switch_s": both["switch_s"],
-            "tokens": both["rollout"]["tokens"]}
+    both = host.rollout_and_score(RolloutAndScore(step=0, wave=wave, cursor=0, count=count, rollouts_out=f"{out}/rollouts",
+                                                  scored_out=f"{out}/scored"))
+    return {"seconds": time.perf_counter() - start, "generate_s": both.generate_s, "score_s": both.judge_busy_s,
+            "judge_tail_s": both.judge_tail_s, "queue_wait_s": both.queue_wait_s, "switch_s": both.switch_s,
+            "tokens": both.rollout.tokens}
 
 
 def main(argv=None) -> dict:

@@ -101,7 +101,7 @@ def bench_task(args, model_dir: str, root: str) -> dict:
     from prefect import flow
 
     from engines.host import LocalHosts
-    from flows.config import load_config
+    from engines.config import load_config
     from storage import datasets
     from tasks import stages
 
@@ -119,11 +119,11 @@ def bench_task(args, model_dir: str, root: str) -> dict:
     async def run() -> list[dict]:
         results = []
         with LocalHosts(config.name, 1, config.threads_per_host, config.host_timeout_s):
-            await stages.setup_engines(config.name, 0, config.model_dump(), None)
+            await stages.setup_engines(config, 0, None)
             for step in range(args.repeats + 1):  # step 0 is the warm-up
                 start = time.perf_counter()
-                out = await stages.rollout(config.name, config.run_uri, step, 0, 0, 0, len(prompts))
-                results.append({"seconds": time.perf_counter() - start, "tokens": out["tokens"]})
+                out = await stages.rollout(config, step, 0, 0, 0, len(prompts))
+                results.append({"seconds": time.perf_counter() - start, "tokens": out.tokens})
         return results[1:]
 
     results = asyncio.run(run())

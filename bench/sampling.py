@@ -7,7 +7,7 @@ against adaptive waves (with carry-over), same workload.
 
 The workload is a real RL loop on the test suite's tiny prepared models (``TINY``: the
 ``prepare`` flow's arithmetic prompts, a 1-layer hidden-32 policy and GenRM judge after 150 SFT
-steps each): one engine host (``engines.host.EngineHost``, rank 0 of 1, in this process, torch
+steps each): one engine host (``engines.worker.Worker``, rank 0 of 1, in this process, torch
 engines, 1 thread) runs rollout → score (GenRM judge) → filter waves and a train step per step,
 exactly the commands a DP group's sub-flow sends, with the wave sizes of the sub-flow's own rule
 (``engines.sampling.plan_wave``) and the same keep-ratio bookkeeping. Every mode starts from the
@@ -79,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def prepared_store(root: str) -> float:
     """Build the tiny datasets and models with the real ``prepare`` flow unless they are there;
     the seconds it took."""
-    from flows.config import load_config
+    from engines.config import load_config
     from storage import objectstore
 
     config = load_config(None, PREPARE + [f"storage.root={root}"])
@@ -96,9 +96,10 @@ def prepared_store(root: str) -> float:
 
 def run_mode(root: str, workload: str, mode: str, args) -> list[dict]:
     """One mode's RL loop: the DP-group sub-flow's waves, without Prefect. Per step: its figures."""
-    from engines.host import EngineHost
+    from engines.commands import DynamicFilter, GenRMScore, Rollout, SetupEngines, SyncWeights, TrainStep
+    from engines.config import load_config
     from engines.sampling import GroupSampling, plan_wave
-    from flows.config import load_config
+    from engines.worker import Worker
     from storage import datasets, objectstore
 
     name = "bench-sampling-" + "".join(c if c.isalnum() else "-" for c in f"{workload}-{mode}").replace("--", "-")
@@ -109,8 +110,8 @@ def run_mode(root: str, workload: str, mode: str, args) -> list[dict]:
         *MODES[mode]])
     run_uri, s = config.run_uri, config.sampling
     objectstore.remove(run_uri)
-    host = EngineHost(rank=0, world=1, threads=1)
-    host.setup(config.model_dump())  # the SFT policy, fresh for every mode
+    host = Worker(rank=0, world=1, threads=1)
+    host.setup_engines(SetupEngines(config=config))  # the SFT policy, fresh for every mode
     state, cursor, steps = GroupSampling(), 0, []
     start = time.perf_counter()
     for step in range(args.steps):
@@ -120,25 +121,26 @@ def run_mode(root: str, workload: str, mode: str, args) -> list[dict]:
         for wave in range(s.max_waves):
             count = plan_wave(s, state, have)
             rollouts = datasets.stage_uri(run_uri, step, "rollouts", 0, wave)
-            rolled = host.rollout(step, wave, cursor, count, rollouts)
-            cursor = rolled["cursor"]
+            rolled = host.rollout(Rollout(step=step, wave=wave, cursor=cursor, count=count, out=rollouts))
+            cursor = rolled.cursor
             scored.append(datasets.stage_uri(run_uri, step, "scored", 0, wave))
-            score = host.score(rollouts, scored[-1])
-            kept = host.filter(scored, experience, s.target_groups, step=step, carry_in=carry_in, carry_out=carry_out)
-            state.observe(count, kept["new_kept"], s.keep_ratio_decay)
-            have = kept["kept"]
+            score = host.genrm_score(GenRMScore(rollouts=rollouts, out=scored[-1]))
+            kept = host.dynamic_filter(DynamicFilter(step=step, scored=scored, out=experience, target_groups=s.target_groups,
+                                                     carry_in=carry_in, carry_out=carry_out))
+            state.observe(count, kept.new_kept, s.keep_ratio_decay)
+            have = kept.kept
             sizes.append(count)
-            samples += rolled["samples"]
-            new_kept += kept["new_kept"]
-            engine_s += rolled["seconds"] + score["seconds"]
-            if kept["enough"]:
+            samples += rolled.samples
+            new_kept += kept.new_kept
+            engine_s += rolled.seconds + score.seconds
+            if kept.enough:
                 break
-        state.carry, state.carried = kept["carry"], kept["carried_out"]
-        trained = host.train_step(experience)
-        host.sync_weights()
-        steps.append({"step": step, "waves": len(sizes), "prompts": sum(sizes), "samples": samples, "kept": kept["kept"],
-                      "nonequal": new_kept, "carried_in": kept["carried_in"], "carried_out": kept["carried_out"],
-                      "surplus_dropped": kept["surplus_dropped"], "rollout_score_s": engine_s, "train_s": trained["seconds"],
+        state.carry, state.carried = kept.carry, kept.carried_out
+        trained = host.train_step(TrainStep(experience=experience))
+        host.sync_weights(SyncWeights())
+        steps.append({"step": step, "waves": len(sizes), "prompts": sum(sizes), "samples": samples, "kept": kept.kept,
+                      "nonequal": new_kept, "carried_in": kept.carried_in, "carried_out": kept.carried_out,
+                      "surplus_dropped": kept.surplus_dropped, "rollout_score_s": engine_s, "train_s": trained.seconds,
                       "keep_ratio_estimate": state.keep_ratio, "seconds": time.perf_counter() - start})
         start = time.perf_counter()
     return steps

@@ -12,14 +12,17 @@ optimizer step sees the same set of sequences, normalised by the same global tok
 sequence) count, only summed in another order. It is also what the ranks wait on: every
 minibatch ends in a gradient all-reduce.
 
-Everything here is pure Python and deterministic (ties broken by index), so every rank
-computes the same plan from the same gathered counts.
+The planning is pure Python and deterministic (ties broken by index), so every rank computes
+the same plan from the same gathered counts; :func:`balanced_batch` does the exchange.
 """
 
 from __future__ import annotations
 
-import functools
 import heapq
+import time
+from collections import defaultdict
+
+from engines.protocols import TrainBatch
 
 
 def karmarkar_karp(weights: list[int], parts: int) -> list[list[int]]:
@@ -143,28 +146,80 @@ def plan_totals(tokens: list[list[int]], layout: list[list[list[tuple[int, int]]
     return [sum(tokens[src][i] for mb in rank for src, i in mb) for rank in layout]
 
 
-def presplit(minibatches: list):
-    """One ``TrainBatch`` holding ``minibatches`` (``TrainBatch`` each), whose ``split`` gives
-    exactly them back: balanced minibatches need not have the sizes ``split`` would cut.
-    Both trainers only ever call ``batch.split(minibatches)``."""
-    return _presplit_class().of(minibatches)
+def presplit(minibatches: list[TrainBatch]) -> TrainBatch:
+    """One ``TrainBatch`` holding ``minibatches``, whose ``split`` gives exactly them back:
+    balanced minibatches need not have the sizes ``split`` would cut. Both trainers only ever
+    call ``batch.split(minibatches)``."""
+    return PresplitBatch.of(minibatches)
 
 
-@functools.cache
-def _presplit_class():
-    from engines.torch_engines import TrainBatch
+class PresplitBatch(TrainBatch):
+    @classmethod
+    def of(cls, parts: list[TrainBatch]) -> "PresplitBatch":
+        fields = ("prompt_ids", "response_ids", "old_logprobs", "advantages")
+        batch = cls(*([x for p in parts for x in getattr(p, f)] for f in fields))
+        batch.parts = list(parts)
+        return batch
 
-    class PresplitBatch(TrainBatch):
-        @classmethod
-        def of(cls, parts: list[TrainBatch]) -> "PresplitBatch":
-            fields = ("prompt_ids", "response_ids", "old_logprobs", "advantages")
-            batch = cls(*([x for p in parts for x in getattr(p, f)] for f in fields))
-            batch.parts = list(parts)
-            return batch
+    def split(self, parts: int) -> list[TrainBatch]:
+        if parts != len(self.parts):
+            raise ValueError(f"balanced batch was planned for {len(self.parts)} minibatches, asked to split into {parts}")
+        return list(self.parts)
 
-        def split(self, parts: int) -> list[TrainBatch]:
-            if parts != len(self.parts):
-                raise ValueError(f"balanced batch was planned for {len(self.parts)} minibatches, asked to split into {parts}")
-            return list(self.parts)
 
-    return PresplitBatch
+# --------------------------------------------------------------------------- the exchange
+
+
+def to_batch(rows: list[dict]) -> TrainBatch:
+    """Experience rows (``storage.datasets.EXPERIENCE``) as a train batch."""
+    return TrainBatch([r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows],
+                      [r["logprobs"] for r in rows], [r["advantage"] for r in rows])
+
+
+def balanced_batch(rank: int, world: int, experience: str, rows: list[dict], minibatches: int,
+                   enabled: bool) -> tuple[TrainBatch, dict]:
+    """This rank's train batch, spread over the DP groups by token count (collective).
+
+    The hosts all-gather (experience URI, tokens per row) — small integers, as tensors over the
+    gloo metadata group, no pickles and no sample data — and every rank computes the same
+    :func:`plan`, then reads the rows it is given from the other groups' experience files.
+    Returns (batch, metrics); ``balance_ratio`` is max/mean of the groups' tokens (prompt +
+    response) after, ``balance_ratio_before`` before; both are reported with balancing off too.
+    """
+    import torch.distributed as dist
+
+    from engines.distributed import all_gather_ints
+    from storage import datasets
+
+    start = time.perf_counter()
+    tokens = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
+    info = {"tokens_before_balance": float(sum(len(r["response_ids"]) for r in rows)),
+            "sequences_before_balance": len(rows), "rows_received": 0, "balance_ratio": 1.0, "balance_ratio_before": 1.0}
+    if world == 1 or not dist.is_initialized():
+        return to_batch(rows), info | {"balance_s": time.perf_counter() - start}
+    uri = list(experience.encode())
+    gathered = all_gather_ints([len(uri), *uri, *tokens])
+    uris = [bytes(g[1 : 1 + g[0]]).decode() for g in gathered]
+    counts = [g[1 + g[0] :] for g in gathered]
+    info["balance_ratio"] = info["balance_ratio_before"] = imbalance([sum(c) for c in counts])
+    if not enabled:
+        return to_batch(rows), info | {"balance_s": time.perf_counter() - start}
+    layout = plan(counts, minibatches)
+    wanted: dict[int, set[int]] = defaultdict(set)
+    for minibatch in layout[rank]:
+        for src, i in minibatch:
+            wanted[src].add(i)
+    fetched = {(rank, i): rows[i] for i in wanted.pop(rank, ())}
+    for src, indices in sorted(wanted.items()):
+        table = datasets.read_table(uris[src], datasets.EXPERIENCE)
+        if table.num_rows != len(counts[src]):
+            raise RuntimeError(f"{uris[src]}: {table.num_rows} rows, but dp-{src} trains on {len(counts[src])}: it changed under the step")
+        indices = sorted(indices)
+        fetched.update(zip(((src, i) for i in indices), table.take(indices).to_pylist()))
+    for (src, i), r in fetched.items():
+        if len(r["prompt_ids"]) + len(r["response_ids"]) != counts[src][i]:
+            raise RuntimeError(f"{uris[src]} row {i}: not the row dp-{src} announced (token count differs)")
+    batch = presplit([to_batch([fetched[x] for x in minibatch]) for minibatch in layout[rank]])
+    info.update(rows_received=sum(src != rank for src, _ in fetched),
+                balance_ratio=imbalance(plan_totals(counts, layout)), balance_s=time.perf_counter() - start)
+    return batch, info

@@ -4,7 +4,7 @@ A DP run's trainers exchange *device* tensors — the gradient all-reduce, tenso
 the global token counts — and on CUDA only NCCL carries those: gloo fails on them
 (``ProcessGroupGloo::allreduce_coalesced: unsupported device type cuda``, seen on an H100).
 The hosts also exchange small integers that live in host memory — the balance plan's token
-counts (``engines.host._all_gather_ints``) and anything else about the run rather than the
+counts (:func:`all_gather_ints`) and anything else about the run rather than the
 model — which NCCL would need copied onto the device and back. So the default group gets the
 backend of the trainer's device (NCCL on CUDA, gloo on the CPU), and a second group, always gloo,
 carries the CPU metadata. On the CPU both are gloo, and the metadata still goes through its own
@@ -64,3 +64,17 @@ def metadata_group() -> dist.ProcessGroup:
         return dist.group.WORLD
     raise RuntimeError(f"torch.distributed was initialised with {dist.get_backend()!r} without "
                        "engines.distributed.init_process_groups: there is no gloo group for CPU metadata")
+
+
+def all_gather_ints(values: list[int]) -> list[list[int]]:
+    """Every rank's list of integers (lengths may differ), as int64 CPU tensors over the
+    metadata group: unlike ``all_gather_object`` nothing is unpickled from the network."""
+    group = metadata_group()
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(values)], dtype=torch.int64), group=group)
+    mine = torch.zeros(max(max(int(s) for s in sizes), 1), dtype=torch.int64)
+    mine[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    out = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine, group=group)
+    return [o[: int(s)].tolist() for o, s in zip(out, sizes)]

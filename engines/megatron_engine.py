@@ -51,7 +51,8 @@ from transformers import AutoConfig, AutoTokenizer
 from engines import algorithms
 from engines.distributed import default_device, init_process_groups
 from engines.offload import Offload, trainer_tensors
-from engines.torch_engines import TrainBatch, micro_batches, pad_batch
+from engines.protocols import FrozenCheckpoint, TrainBatch
+from engines.torch_engines import micro_batches, pad_batch
 
 # Megatron splits the vocabulary evenly over TP ranks. Padding it to a fixed multiple (rather than
 # to a multiple of the TP size) keeps checkpoint shapes independent of the TP size; real
@@ -653,6 +654,14 @@ class MegatronTrainer:
         self._checkpoints.schedule_async_request(request)
         self._pending_checkpoint = path
         return None
+
+    def freeze_checkpoint(self, local_dir: str, copy: bool, hf_weights: bool) -> FrozenCheckpoint:
+        """``dist_checkpointing``'s save is a collective (the DP ranks split the replicated tensors)
+        that must not run on another thread beside the train step's collectives: the shards are
+        written to ``local_dir`` now, and ``write`` only lists them. With ``copy`` and
+        ``hf_weights``, the policy's Hugging Face weights are copied to host memory too."""
+        written = self.save_checkpoint(local_dir)
+        return FrozenCheckpoint(lambda: written, dict(self.export_weights()) if copy and hf_weights else None)
 
     def finalize_checkpoint(self) -> list[str]:
         """Wait for the async save in flight, if any (collective); returns its files on this rank."""

@@ -23,7 +23,7 @@ estimate is ``kept / drawn``. A wave of 40 prompts thus weighs more than a wave 
 EMA of per-wave ratios would let one tiny refill wave swing it), and old waves fade. It
 carries across steps and is committed with each checkpoint (``RunState.sampling``).
 
-Kept groups beyond the target are *carried over* (the engine host's ``filter`` writes them to
+Kept groups beyond the target are *carried over* (the engine host's ``dynamic_filter`` writes them to
 ``steps/{step}/carry/group={g}/part-000.parquet``) and come first in the next step's batch;
 see ``sampling.max_carry_age``. The per-group state is small plain data — it travels through
 flow parameters and ``state.json``, never sample data::

@@ -30,7 +30,7 @@ serves the policy and the judge stub alike), and return data of the right shape:
 torch is imported lazily (the host has it anyway for its gloo group); transformers never.
 
 Memory, the choice made: the stub trainer keeps the real gloo all-reduce, so a stub host still
-imports torch (``EngineHost`` needs it anyway: gloo rendezvous in ``setup``, the parameter
+imports torch (its ``Worker`` needs it anyway: gloo rendezvous in ``setup``, the parameter
 fingerprint, checkpoint RNG state). Measured by bench/scale.py: ~400 MB RSS, 270–320 MB private
 (USS) per host, so 16 hosts take ~5 GB and 64 would take ~20 GB — more than the 24 GB shared
 machine can spare, and bench/scale.py skips 64 with that reason. What would make 64 fit: start
@@ -77,7 +77,7 @@ class TimingStubGenerator:
 
     def generate(self, prompts: list[str], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
                  max_new_tokens: int = 16, seed: int = 0, greedy: bool = False) -> list:
-        from engines.torch_engines import Generation
+        from engines.protocols import Generation
 
         out, tokens = [], 0
         for i, prompt in enumerate(prompts):
@@ -167,6 +167,19 @@ class TimingStubTrainer:
                                                            "weights": self.weights}))
         return [self.STATE]
 
+    def freeze_checkpoint(self, local_dir: str, copy: bool, hf_weights: bool):
+        """Written now (a few bytes); with ``copy`` and ``hf_weights`` the weights are kept too."""
+        from engines.protocols import FrozenCheckpoint
+
+        written = self.save_checkpoint(local_dir)
+        return FrozenCheckpoint(lambda: written, dict(self.export_weights()) if copy and hf_weights else None)
+
+    def sleep(self) -> None:  # placement: nothing on a device
+        pass
+
+    def wake(self) -> None:
+        pass
+
     def load_checkpoint(self, local_dir: str) -> None:
         state = json.loads(Path(local_dir, self.STATE).read_text())
         self.version, self.weights = state["version"], [float(w) for w in state["weights"]]
@@ -198,7 +211,8 @@ def measure(repeats: int = 5, threads: int = 1) -> dict:
 
     from engines import arithmetic
     from engines.tiny import build_char_tokenizer, build_tiny_llama
-    from engines.torch_engines import TorchGenerator, TorchTrainer, TrainBatch
+    from engines.protocols import TrainBatch
+    from engines.torch_engines import TorchGenerator, TorchTrainer
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="yattflow-stub-measure-") as tmp:

@@ -18,25 +18,13 @@ import contextlib
 import copy as copy_module
 import io
 import os
-from dataclasses import dataclass
 from typing import Iterable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
 
 from engines import algorithms
-
-
-@dataclass
-class Generation:
-    """One sampled completion."""
-
-    prompt_index: int
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response: str
-    logprobs: list[float]
-    truncated: bool
+from engines.protocols import FrozenCheckpoint, Generation, TrainBatch
 
 
 def load_model(model_dir: str, dtype: str = "float32", device: torch.device | str = "cpu"):
@@ -149,27 +137,12 @@ class TorchGenerator:
                 count += 1
         return count
 
+    # The reference engine stays resident: on a GPU beside the others, on a CPU nothing moves.
+    def sleep(self) -> None:
+        pass
 
-@dataclass
-class TrainBatch:
-    """Sequences for one optimizer step on this DP rank (may be empty)."""
-
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    old_logprobs: list[list[float]]
-    advantages: list[float]
-
-    def __len__(self) -> int:
-        return len(self.response_ids)
-
-    def split(self, parts: int) -> list["TrainBatch"]:
-        """``parts`` minibatches of near-equal size; some may be empty (a rank with little data
-        still joins every collective)."""
-        bounds = [round(i * len(self) / parts) for i in range(parts + 1)]
-        return [
-            TrainBatch(*(field[bounds[i] : bounds[i + 1]] for field in (self.prompt_ids, self.response_ids, self.old_logprobs, self.advantages)))
-            for i in range(parts)
-        ]
+    def wake(self) -> None:
+        pass
 
 
 def pad_batch(batch: TrainBatch, pad_id: int):
@@ -263,6 +236,7 @@ class TorchTrainer:
         self.grad_clip = grad_clip
         self.temperature = temperature
         self.version = 0  # optimizer steps taken: the policy version rollouts are stamped with
+        self._staged: dict | None = None  # the last checkpoint's host copy, whose buffers the next one reuses
 
     @property
     def distributed(self) -> bool:
@@ -352,6 +326,22 @@ class TorchTrainer:
         """Hugging Face-named tensors, for a generator's ``update_weights``."""
         for name, p in self.model.named_parameters():
             yield name, p.detach()
+
+    def sleep(self) -> None:  # resident, as TorchGenerator
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def freeze_checkpoint(self, local_dir: str, copy: bool, hf_weights: bool = True) -> FrozenCheckpoint:
+        """This rank's checkpoint as it is now: with ``copy``, model, optimizer and version copied
+        into host memory (rank 0; reusing the last copy's buffers), serialised by ``write`` on any
+        thread; without, ``write`` saves the live state (call it at once). Replicas are equal, so
+        the copy's model is also the policy's Hugging Face weights."""
+        state = None
+        if copy:
+            state = self._staged = self.checkpoint_state(into=self._staged)
+        return FrozenCheckpoint(lambda: self.save_checkpoint(local_dir, state), state["model"] if state is not None else None)
 
     def checkpoint_state(self, into: dict | None = None) -> dict | None:
         """A copy of model, optimizer and version in host memory, to write later (on any thread)

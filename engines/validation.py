@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
 
 from storage import datasets, objectstore
 
@@ -19,6 +18,8 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 def check_model_folder(field: str, uri: str, backend: str = "torch") -> str:
     """A readable Hugging Face folder that the backend can serve, else an error naming the
     config field, the URI and the offending config.json field."""
+    from transformers import AutoConfig  # here: every host imports this module, only rank 0 validates
+
     try:
         path = objectstore.local_folder(uri)
         config = AutoConfig.from_pretrained(path)
@@ -39,6 +40,8 @@ def validate_inputs(config) -> dict:
     policy = check_model_folder("model.policy", config.uri(config.model.policy), config.rollout.backend)
     if config.reward.genrm_weight > 0:
         check_model_folder("model.judge", config.uri(config.model.judge), config.judge.backend)
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(policy)
     counts = {}
     for field, path in (("data.prompts", config.data.prompts), ("data.heldout", config.data.heldout)):

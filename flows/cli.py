@@ -72,7 +72,7 @@ def _in_process(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-4 dp=2")
     args = parser.parse_intermixed_args(argv)
 
-    from flows.config import ConfigError, load_config
+    from engines.config import ConfigError, load_config
 
     try:
         config = load_config(args.config, args.overrides)
@@ -260,7 +260,7 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--watch", action="store_true", help="wait for the run to finish; exit 1 unless it completed")
     args = parser.parse_intermixed_args(argv)
 
-    from flows.config import ConfigError, load_config
+    from engines.config import ConfigError, load_config
 
     config_file = ROOT / (args.config or "deployments/demo.yaml")  # the deployment runs in the checkout
     try:  # fail here, not in a worker, on a bad key or value
@@ -339,7 +339,7 @@ async def _status_rows(deployment: str, name: str | None, limit: int) -> list[tu
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
     from prefect.client.schemas.sorting import FlowRunSort
 
-    from flows.config import load_config
+    from engines.config import load_config
     from storage.runstate import RunState
 
     async with get_client() as client:

@@ -34,8 +34,9 @@ from prefect.deployments import run_deployment
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, Cancelling
 
-from engines.host import HostError, HostProcess, connect, disconnect
-from flows.config import RunConfig
+from engines.channel import HostError, connect, disconnect
+from engines.host import HostProcess
+from engines.config import RunConfig
 from storage import objectstore
 
 

@@ -20,7 +20,7 @@ from engines import arithmetic
 from engines.sft import sft
 from engines.tiny import build_char_tokenizer, build_tiny_llama
 from engines.torch_engines import TorchGenerator
-from flows.config import RunConfig, load_config
+from engines.config import RunConfig, load_config
 from flows.training import run_label
 from storage import datasets, objectstore
 

@@ -8,7 +8,10 @@ sub-flow per DP group inside it.
            ├─ iteration-0001 ...
 
 The parent flows hold the config, URIs and small metrics — never sample data. Data moves
-engine host → object storage → engine host.
+engine host → object storage → engine host. Each stage is a task (``tasks/stages.py``) that
+sends one typed request to its group's engine host and gets a typed result back; a group's step
+is one ``GroupStep`` record of those results, a step's metrics one ``StepMetrics``
+(``flows/metrics.py``).
 """
 
 from __future__ import annotations
@@ -19,108 +22,68 @@ import time
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
-import tasks
+from engines.commands import CheckpointWaitResult
+from engines.config import RunConfig, load_config
 from engines.sampling import GroupSampling, plan_wave
-from flows.config import RunConfig, load_config
 from flows.artifacts import Curves, Progress, StepProgress
 from flows.hosts import engine_hosts
+from flows.metrics import GroupStep, StageClock, StepMetrics, Wave
 from storage import objectstore
 from storage.runstate import RunState, checkpoint_uri, commit_checkpoint, discard_uncommitted
+from tasks import stages
 
 
 @flow(name="dp-group", flow_run_name="iteration-{step:04d}-dp-{group}")
 async def dp_group(config: RunConfig, step: int, group: int, cursor: int, end: int | None = None,
-                   written: int | None = None, sampling: dict | None = None) -> dict:
-    """The controller of one DP group for one step (``end``: this run stops before that step;
-    ``written``: the earlier step whose checkpoint the host is still writing in the background;
-    ``sampling``: the group's dynamic-sampling state after the previous step, ``GroupSampling``)."""
-    run, run_uri, s = config.name, config.run_uri, config.sampling
-    stages: dict[str, float] = {"rollout": 0.0, "genrm_score": 0.0, "dynamic_filter": 0.0}
-    switches: dict[str, float] = {"rollout": 0.0, "genrm_score": 0.0}  # placement: device hand-over seconds per stage
-    waves = []
-    progress = StepProgress(run, step, group, is_checkpoint_step(config, step, end))  # live in the UI; never waited on
+                   written: int | None = None, sampling: dict | None = None) -> GroupStep:
+    """The controller of one DP group for one step: rollout → score → filter, in waves until
+    enough groups are kept, then train → sync (→ checkpoint).
+
+    ``end``: this run stops before that step; ``written``: the earlier step whose checkpoint the
+    host is still writing in the background; ``sampling``: the group's dynamic-sampling state
+    after the previous step (``GroupSampling``)."""
+    s, partial = config.sampling, config.placement.mode == "partial"
+    checkpointing = is_checkpoint_step(config, step, end)
+    clock = StageClock(StepProgress(config.name, step, group, wave_stages=2 if partial else 3,
+                                    after_stages=2 + (written is not None) + checkpointing))  # live in the UI
     state = GroupSampling.from_dict(sampling)
-    carry_in, have = state.carry, state.carried  # groups the previous step carried over count as kept
-    sizes = []  # prompts drawn by each wave
+    have = state.carried  # groups the previous step carried over count as kept
+    waves: list[Wave] = []
     for wave in range(s.max_waves):
         if wave:
-            progress.another_wave(wave)
-        t0 = time.perf_counter()
+            clock.progress.another_wave(wave)
         count = plan_wave(s, state, have)  # fixed, or from the keep-ratio estimate (engines/sampling.py)
-        if config.placement.mode == "partial":  # rollout and judge resident at once, samples streaming to the judge
-            both = await tasks.rollout_and_score(run, run_uri, step, group, wave, cursor, count)
-            rolled, scored = both["rollout"] | {"host_s": both["host_s"]}, both["score"] | {"host_s": 0.0}
-            progress.finished("rollout", wave)
-            progress.finished("genrm_score", wave)
-            t2 = time.perf_counter()
-            stages["rollout_and_score"] = stages.get("rollout_and_score", 0.0) + t2 - t0
+        if partial:  # rollout and judge resident at once, samples streaming to the judge
+            both = await clock("rollout_and_score", stages.rollout_and_score(config, step, group, wave, cursor, count), wave)
+            rolled, scored = both.rollout, both.score
         else:  # full colocation: one engine after the other, each on all the group's devices
-            rolled = await tasks.rollout(run, run_uri, step, group, wave, cursor, count)
-            progress.finished("rollout", wave)
-            t1 = time.perf_counter()
-            scored = await tasks.genrm_score(run, run_uri, step, group, wave)
-            progress.finished("genrm_score", wave)
-            t2 = time.perf_counter()
-            stages["rollout"] += t1 - t0
-            stages["genrm_score"] += t2 - t1
-        cursor = rolled["cursor"]
-        switches["rollout"] += rolled.get("switch_s", 0.0)
-        switches["genrm_score"] += scored.get("switch_s", 0.0)
-        kept = await tasks.dynamic_filter(run, run_uri, step, group, wave, s.target_groups, carry_in)
-        progress.finished("dynamic_filter", wave)
-        t3 = time.perf_counter()
-        state.observe(count, kept["new_kept"], s.keep_ratio_decay)
-        have = kept["kept"]
-        stages["dynamic_filter"] += t3 - t2
-        waves.append({"rollout": rolled, "score": scored, "filter": kept})
-        sizes.append(count)
-        if kept["enough"]:
+            rolled = await clock("rollout", stages.rollout(config, step, group, wave, cursor, count), wave)
+            scored = await clock("genrm_score", stages.genrm_score(config, step, group, wave), wave)
+        kept = await clock("dynamic_filter", stages.dynamic_filter(config, step, group, wave, state.carry), wave)
+        waves.append(Wave(rollout=rolled, score=scored, filter=kept))
+        cursor, have = rolled.cursor, kept.kept
+        state.observe(count, kept.new_kept, s.keep_ratio_decay)
+        if kept.enough:
             break
-    state.carry, state.carried = kept["carry"], kept["carried_out"]  # into the next step (and its checkpoint)
+    state.carry, state.carried = kept.carry, kept.carried_out  # into the next step (and its checkpoint)
     get_run_logger().info("dp-%d step %d: %s after %d wave(s) of %s prompts; %d kept group(s) carried over, %d dropped; "
-                          "keep ratio estimate %.2f", group, step, kept["reason"], len(waves), "+".join(map(str, sizes)),
-                          kept["carried_out"], kept["surplus_dropped"], state.keep_ratio or 0.0)
-    t0 = time.perf_counter()
-    trained = await tasks.train_step(run, run_uri, step, group)
-    progress.finished("train_step")
-    t1 = time.perf_counter()
-    synced = await tasks.sync_weights(run, group)
-    progress.finished("sync_weights")
-    stages["train_step"] = t1 - t0
-    stages["sync_weights"] = time.perf_counter() - t1
-    switches["train_step"], switches["sync_weights"] = trained.get("switch_s", 0.0), synced.get("switch_s", 0.0)
+                          "keep ratio estimate %.2f", group, step, kept.reason, len(waves),
+                          "+".join(str(w.rollout.prompts) for w in waves), kept.carried_out, kept.surplus_dropped,
+                          state.keep_ratio or 0.0)
+    trained = await clock("train_step", stages.train_step(config, step, group))
+    synced = await clock("sync_weights", stages.sync_weights(config, group))
     waited = saved = None
     if written is not None:
         # The asynchronous write of step `written`'s checkpoint has run beside this whole step
         # (rollout, scoring, training), so this normally answers at once; it comes last, where the
         # write had the most time, and before this step's own checkpoint (one write at a time).
         # The iteration commits that checkpoint once every group has waited for its write.
-        t0 = time.perf_counter()
-        waited = await tasks.checkpoint_wait(run, group, written)
-        stages["checkpoint_wait"] = time.perf_counter() - t0
-    if is_checkpoint_step(config, step, end):
-        t0 = time.perf_counter()
-        saved = await tasks.checkpoint(run, group, step, checkpoint_uri(run_uri, step))
-        progress.finished("checkpoint")
-        stages["checkpoint"] = time.perf_counter() - t0
-    samples = sum(w["rollout"]["samples"] for w in waves)
-    await progress.flush()
-    return {
-        "group": group, "cursor": cursor, "waves": len(waves), "kept": kept["kept"], "dropped_equal": kept["dropped_equal"],
-        "surplus": kept["surplus"], "reason": kept["reason"], "samples": samples,
-        "prompts": sum(sizes), "carried_in": kept["carried_in"], "carried_out": kept["carried_out"],
-        "surplus_dropped": kept["surplus_dropped"], "sampling": state.to_dict(),
-        "tokens": sum(w["rollout"]["tokens"] for w in waves),
-        "rollout_engine_s": sum(w["rollout"]["seconds"] for w in waves),
-        "reward_sum": sum(w["score"]["reward_mean"] * w["rollout"]["samples"] for w in waves),
-        "accuracy_sum": sum((w["score"]["accuracy"] or 0.0) * w["rollout"]["samples"] for w in waves),
-        "judge_agreement": waves[-1]["score"]["judge_agreement"],
-        "train": trained, "sync_s": synced["seconds"], "checkpoint_files": (saved["files"] if saved else None) or [],
-        "checkpoint_stall_s": saved["stall_s"] if saved else 0.0, "checkpoint_waited": waited,
-        "stages": stages, "switches": switches,
-        # seconds the host spent on this group's commands; the rest of the step is orchestration
-        "engine_s": sum(r["host_s"] for r in (*(r for w in waves for r in w.values()), trained, synced, waited, saved) if r),
-    }
+        waited = await clock("checkpoint_wait", stages.checkpoint_wait(config, group, written))
+    if checkpointing:
+        saved = await clock("checkpoint", stages.checkpoint(config, group, step, checkpoint_uri(config.run_uri, step)))
+    await clock.progress.flush()
+    return GroupStep(group=group, waves=waves, train=trained, sync=synced, checkpoint=saved, checkpoint_waited=waited,
+                     sampling=state.to_dict(), stage_s=dict(clock.seconds), engine_s=clock.engine_s)
 
 
 def is_checkpoint_step(config: RunConfig, step: int, end: int | None = None) -> bool:
@@ -130,7 +93,7 @@ def is_checkpoint_step(config: RunConfig, step: int, end: int | None = None) -> 
 
 @flow(name="iteration", flow_run_name="iteration-{step:04d}")
 async def iteration(config: RunConfig, step: int, cursors: list[int], end: int | None = None, written: dict | None = None,
-                    sampling: list[dict] | None = None) -> dict:
+                    sampling: list[dict] | None = None) -> StepMetrics:
     """One RL step: every DP group concurrently, then commit the checkpoints that are written.
 
     ``sampling``: each group's dynamic-sampling state after the previous step (carried-over groups,
@@ -146,63 +109,23 @@ async def iteration(config: RunConfig, step: int, cursors: list[int], end: int |
     waiting = written["step"] if written else None
     groups = await asyncio.gather(*(dp_group(config, step, g, cursors[g], end, waiting, (sampling or [None] * config.dp)[g])
                                     for g in range(config.dp)))
-    shas = {g["train"]["params_sha"] for g in groups}
+    shas = {g.train.params_sha for g in groups}
     if len(shas) != 1:
         raise RuntimeError(f"step {step}: DP replicas diverged (parameter fingerprints {sorted(shas)})")
-    samples = sum(g["samples"] for g in groups)
-    seconds = time.perf_counter() - start
-    metrics = {
-        "step": step,
-        "reward": sum(g["reward_sum"] for g in groups) / samples,
-        "accuracy": sum(g["accuracy_sum"] for g in groups) / samples,
-        "kept_groups": sum(g["kept"] for g in groups),
-        "dropped_groups": sum(g["dropped_equal"] for g in groups),
-        "waves": max(g["waves"] for g in groups),
-        "samples": samples,
-        "prompts": sum(g["prompts"] for g in groups),
-        # dynamic sampling: the share of the target batch filled, kept groups taken from the previous
-        # step's carry-over, carried into the next step, and thrown away (older than max_carry_age)
-        "fill_rate": sum(g["kept"] for g in groups) / (config.sampling.target_groups * config.dp),
-        "carried_groups": sum(g["carried_in"] for g in groups),
-        "carried_over": sum(g["carried_out"] for g in groups),
-        "surplus_dropped": sum(g["surplus_dropped"] for g in groups),
-        "keep_ratio": _mean([GroupSampling.from_dict(g["sampling"]).keep_ratio for g in groups]),
-        "loss": groups[0]["train"]["loss"],
-        "rollout_tokens_per_s": sum(g["tokens"] for g in groups) / max(sum(g["rollout_engine_s"] for g in groups) / len(groups), 1e-9),
-        "train_tokens_per_s": sum(g["train"]["tokens_per_s"] for g in groups),
-        "balance_ratio": groups[0]["train"]["balance_ratio"],  # max/mean of the DP groups' train tokens (1.0: even)
-        "seconds": seconds,
-        "engine_s": max(g["engine_s"] for g in groups),
-        "overhead_s": seconds - max(g["engine_s"] for g in groups),
-        "engine_loads": max(g["train"]["engine_loads"] for g in groups),  # per host, this run: stays 1
-        **{f"{k}_s": max(g["stages"].get(k, 0.0) for g in groups)
-           for k in ("rollout", "genrm_score", "rollout_and_score", "dynamic_filter", "train_step", "sync_weights",
-                     "checkpoint_wait", "checkpoint")},
-        # placement: seconds engines took to hand the devices over before each stage (sleep/wake; 0 where nothing moves)
-        **{f"switch_{k}_s": max(g["switches"].get(k, 0.0) for g in groups)
-           for k in ("rollout", "genrm_score", "train_step", "sync_weights")},
-        "placement": config.placement.mode,
-        "checkpoint_stall_s": max(g["checkpoint_stall_s"] for g in groups),  # on the hosts: what training waited for
-        "cursors": [g["cursor"] for g in groups],
-        "sampling": [g["sampling"] for g in groups],
-        "policy_version": groups[0]["train"]["policy_version"],
-        "params_sha": groups[0]["train"]["params_sha"],  # the trained weights' fingerprint (equal on every replica)
-        "checkpoint_files": [f for g in groups for f in g["checkpoint_files"]],
-    }
+    metrics = StepMetrics.of(config, step, groups, time.perf_counter() - start)
     if written is not None:
-        commit(config, written, waited_files(written, [g["checkpoint_waited"] for g in groups]))
+        commit(config, written, waited_files(written, [g.checkpoint_waited for g in groups]))
     if is_checkpoint_step(config, step, end):
-        checkpoint = {"step": step, "uri": checkpoint_uri(config.run_uri, step), "cursors": metrics["cursors"],
-                      "sampling": metrics["sampling"], "policy_version": metrics["policy_version"]}
+        checkpoint = {"step": step, "uri": checkpoint_uri(config.run_uri, step), "cursors": metrics.cursors,
+                      "sampling": metrics.sampling, "policy_version": metrics.policy_version}
         if config.checkpoint.asynchronous:
-            metrics["pending_checkpoint"] = checkpoint
+            metrics.pending_checkpoint = checkpoint
         else:
-            commit(config, checkpoint, metrics["checkpoint_files"])
+            commit(config, checkpoint, metrics.checkpoint_files)
+    shown = metrics.model_dump(exclude={"cursors", "sampling", "checkpoint_files", "pending_checkpoint", "step_s"})
     await acreate_table_artifact(
-        key=f"{config.name}-iteration",
-        table=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in metrics.items()
-                if k not in ("cursors", "sampling", "checkpoint_files", "pending_checkpoint")}],
-        description=f"{config.name} step {step}: reward {metrics['reward']:.3f}, kept {metrics['kept_groups']} groups",
+        key=f"{config.name}-iteration", table=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in shown.items()}],
+        description=f"{config.name} step {step}: reward {metrics.reward:.3f}, kept {metrics.kept_groups} groups",
     )
     return metrics
 
@@ -221,19 +144,19 @@ def commit(config: RunConfig, checkpoint: dict, files: list[str]) -> None:
     commit_checkpoint(config.run_uri, state, files, config.checkpoint.keep_last, config.checkpoint.keep_every)
 
 
-def waited_files(checkpoint: dict, waited: list[dict]) -> list[str]:
-    """Every group's files of ``checkpoint``, from their ``checkpoint_wait`` answers."""
+def waited_files(checkpoint: dict, waited: list[CheckpointWaitResult | None]) -> list[str]:
+    """Every group's files of ``checkpoint``, from their ``checkpoint_wait`` results."""
     for group, w in enumerate(waited):
-        if w is None or w["uri"] != checkpoint["uri"] or w["files"] is None:
+        if w is None or w.uri != checkpoint["uri"] or w.files is None:
             raise RuntimeError(f"dp-{group}: waited for the write of {checkpoint['uri']}, the host reports {w}")
-    return [f for w in waited for f in w["files"]]
+    return [f for w in waited for f in w.files]
 
 
 async def finish_checkpoint(config: RunConfig, checkpoint: dict | None) -> None:
     """Wait for every group's background write of ``checkpoint`` and commit it: the end of a run."""
     if checkpoint is None:
         return
-    waited = await asyncio.gather(*(tasks.checkpoint_wait(config.name, g, checkpoint["step"]) for g in range(config.dp)))
+    waited = await asyncio.gather(*(stages.checkpoint_wait(config, g, checkpoint["step"]) for g in range(config.dp)))
     commit(config, checkpoint, waited_files(checkpoint, list(waited)))
 
 
@@ -241,9 +164,9 @@ async def heldout_accuracy(config: RunConfig, label: str) -> float | None:
     if config.data.heldout is None or config.reward.rule is None:
         return None
     uri = config.uri(config.data.heldout)
-    parts = await asyncio.gather(*(tasks.evaluate(config.name, g, uri, config.data.heldout_limit, label) for g in range(config.dp)))
-    total = sum(p["total"] for p in parts)
-    return sum(p["correct"] for p in parts) / total if total else None
+    parts = await asyncio.gather(*(stages.evaluate(config, g, uri, label) for g in range(config.dp)))
+    total = sum(p.total for p in parts)
+    return sum(p.correct for p in parts) / total if total else None
 
 
 def run_label(prefix: str):
@@ -282,10 +205,9 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
         logger.info("run %s: steps %d to %d of %d in this run (steps_per_run=%d)", config.name, first, end - 1, config.steps, config.steps_per_run)
     history = []
     async with engine_hosts(config) as hosts:  # local subprocesses, or flow runs on a GPU pool (flows/hosts.py)
-        await tasks.validate_inputs(config.name, config.model_dump())
+        await stages.validate_inputs(config)
         resume = state.checkpoint if state else None
-        await asyncio.gather(*(tasks.setup_engines(config.name, g, config.model_dump(), resume, hosts.master)
-                               for g in range(config.dp)))
+        await asyncio.gather(*(stages.setup_engines(config, g, resume, hosts.master) for g in range(config.dp)))
         if state is None:
             state = RunState(cursors=[0] * config.dp)
             state.heldout_before = await heldout_accuracy(config, "before")
@@ -298,37 +220,34 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
         for step in range(first, end):
             began = time.perf_counter()
             metrics = await iteration(config, step, cursors, end, written, sampling)
-            written = metrics.pop("pending_checkpoint", None)
-            cursors, sampling = metrics["cursors"], metrics["sampling"]
+            written, metrics.pending_checkpoint = metrics.pending_checkpoint, None
+            cursors, sampling = metrics.cursors, metrics.sampling
             history.append(metrics)
             run_progress.advance(f"{config.name}: {step + 1} of {config.steps} steps done; step {step}: reward "
-                                 f"{metrics['reward']:.3f}, rollout accuracy {_pct(metrics['accuracy'])}")
-            curves.add(metrics)
+                                 f"{metrics.reward:.3f}, rollout accuracy {_pct(metrics.accuracy)}")
+            curves.add(metrics.model_dump())
             # the step as the run pays for it: ``seconds`` is timed inside the iteration flow, so it
             # leaves out that sub-flow's own creation and state changes, and this loop's bookkeeping
-            metrics["step_s"] = time.perf_counter() - began
+            metrics.step_s = time.perf_counter() - began
             logger.info(
                 "step %d/%d reward %.3f accuracy %.3f kept %d dropped %d waves %d (%.1fs, %.1fs in engines)", step + 1, config.steps,
-                metrics["reward"], metrics["accuracy"], metrics["kept_groups"], metrics["dropped_groups"], metrics["waves"],
-                metrics["step_s"], metrics["engine_s"],
+                metrics.reward, metrics.accuracy, metrics.kept_groups, metrics.dropped_groups, metrics.waves, metrics.step_s,
+                metrics.engine_s,
             )
         await finish_checkpoint(config, written)  # this run's last checkpoint: the next run resumes there
         after = await heldout_accuracy(config, "after")
         final_uri = objectstore.join(run_uri, "final")
-        await tasks.export_policy(config.name, final_uri)
+        await stages.export_policy(config, final_uri)
     before = (RunState.load(run_uri) or state).heldout_before
     summary = {"run": config.name, "steps": config.steps, "heldout_before": before, "heldout_after": after,
-               "final_model": final_uri, "history": [{k: v for k, v in m.items() if k != "checkpoint_files"} for m in history]}
+               "final_model": final_uri,
+               "history": [m.model_dump(exclude={"checkpoint_files", "pending_checkpoint"}) for m in history]}
     await acreate_markdown_artifact(key=f"{config.name}-summary", markdown=_summary_markdown(summary),
                                     description=f"{config.name}: held-out accuracy {_pct(before)} → {_pct(after)}")
     curves.finish(after)
     await asyncio.gather(curves.flush(), run_progress.flush())
     logger.info("held-out accuracy: before RL %s, after RL %s", _pct(before), _pct(after))
     return summary
-
-
-def _mean(values: list[float | None]) -> float | None:
-    return None if any(v is None for v in values) else sum(values) / len(values)
 
 
 def _pct(x: float | None) -> str:

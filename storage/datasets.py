@@ -85,6 +85,11 @@ def write_table(uri: str, table: pa.Table, schema: pa.Schema) -> None:
     objectstore.write_bytes(uri, buf.getvalue())
 
 
+def write_rows(uri: str, rows: list[dict], schema: pa.Schema) -> None:
+    """``rows`` (dicts with the schema's fields) as one Parquet object, atomically."""
+    write_table(uri, pa.Table.from_pylist(rows, schema=schema), schema)
+
+
 def read_table(uri: str, schema: pa.Schema) -> pa.Table:
     """Read a Parquet object, or every ``.parquet`` object of a folder in name order."""
     parts = objectstore.list_files(uri, suffix=".parquet")
@@ -98,6 +103,16 @@ def read_table(uri: str, schema: pa.Schema) -> pa.Table:
             raise SchemaError(f"{part}: not a readable Parquet file ({e})") from e
         tables.append(check_schema(table, schema, part))
     return pa.concat_tables(tables)
+
+
+def part_files(uri: str) -> list[list]:
+    """``[file name, rows]`` of each part of a dataset, in the order ``read_table`` reads them."""
+    files = []
+    for part in objectstore.list_files(uri, suffix=".parquet"):
+        fs, path = objectstore.fs_for(part)
+        with fs.open(path, "rb") as f:
+            files.append([part.rsplit("/", 1)[-1], pq.ParquetFile(f).metadata.num_rows])
+    return files
 
 
 def stage_uri(run_uri: str, step: int, stage: str, group: int, wave: int | None = None) -> str:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 from concurrent.futures import ThreadPoolExecutor
 
 from prefect import get_run_logger
 
-from engines.host import HostError, client
+from engines.channel import HostError, client
+from engines.commands import Request, Result
 
 # The threads that wait for host answers. Not asyncio's default executor: it has cpu_count + 4
 # threads (6 on 2 cores), and a collective command (setup's rendezvous, train_step's all-reduce)
@@ -18,20 +18,19 @@ from engines.host import HostError, client
 _CALLS = ThreadPoolExecutor(max_workers=4096, thread_name_prefix="yattflow-host-call")
 
 
-async def call_host(run: str, group: int, command: str, **params) -> dict:
-    """Send one command to the group's host without blocking the event loop, and replay the
-    host's log lines into this task's log (so they show in the Prefect UI).
+async def call_host(run: str, group: int, request: Request) -> Result:
+    """Send ``request`` to the group's host without blocking the event loop, replay the host's
+    log lines into this task's log (so they show in the Prefect UI), and return its result.
 
     A failed command keeps its inputs: the task's log and the exception (the failed state's
-    message in the UI) name the command, the group and its parameters — URIs, step, wave,
+    message in the UI) name the stage, the group and the request's fields — URIs, step, wave,
     cursor; never sample data — followed by the host's own error."""
     logger = get_run_logger()
     try:
-        call = functools.partial(client(run, group).call, command, **params)
-        result, logs = await asyncio.get_running_loop().run_in_executor(_CALLS, call)
+        result, logs = await asyncio.get_running_loop().run_in_executor(_CALLS, client(run, group).call, request)
     except HostError as e:
-        inputs = describe_call(run, group, command, params)
-        for line in getattr(e, "logs", None) or []:
+        inputs = describe_call(run, group, request)
+        for line in e.logs:
             logger.info(line)
         logger.error("engine host command failed: %s\n%s", inputs, e)
         raise HostError(f"{inputs} failed:\n{e}") from e
@@ -40,14 +39,14 @@ async def call_host(run: str, group: int, command: str, **params) -> dict:
     return result
 
 
-def describe_call(run: str, group: int, command: str, params: dict) -> str:
+def describe_call(run: str, group: int, request: Request) -> str:
     """``'rollout' on run 'demo' dp-0 with step=3, wave=0, cursor=12, count=4, out='file://…'``."""
-    shown = ", ".join(f"{k}={_brief(k, v)}" for k, v in params.items())
-    return f"'{command}' on run '{run}' dp-{group}" + (f" with {shown}" if shown else "")
+    shown = ", ".join(f"{k}={_brief(k, v)}" for k, v in request.model_dump().items())
+    return f"'{request.stage}' on run '{run}' dp-{group}" + (f" with {shown}" if shown else "")
 
 
 def _brief(key: str, value, limit: int = 1000) -> str:
-    """A parameter as a person reads it in a log; the run config is reduced to where its data lives."""
+    """A field as a person reads it in a log; the run config is reduced to where its data lives."""
     if key == "config" and isinstance(value, dict):
         fields = {
             "name": value.get("name"), "dp": value.get("dp"),

@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:  # the product packages are not installed; tests r
 import torch  # noqa: E402
 
 from engines.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
-from engines.torch_engines import TrainBatch  # noqa: E402
+from engines.protocols import TrainBatch  # noqa: E402
 
 BOS, EOS = 1, 2
 FIRST_CHAR_ID = 4  # ids 0..3 are <pad> <s> </s> <unk>

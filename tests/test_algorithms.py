@@ -13,7 +13,8 @@ import helpers  # noqa: F401  (puts the checkout on sys.path)
 import torch
 
 from engines import algorithms
-from engines.torch_engines import TorchTrainer, TrainBatch
+from engines.protocols import TrainBatch
+from engines.torch_engines import TorchTrainer
 from helpers import max_param_diff, params_of, random_batch, save_tiny_model, with_old_logprobs
 
 

@@ -114,7 +114,7 @@ def test_imbalance():
 
 
 def test_split_bounds_match_trainbatch_split():
-    from engines.torch_engines import TrainBatch
+    from engines.protocols import TrainBatch
 
     for n in range(0, 23):
         batch = TrainBatch([[1]] * n, [[i] for i in range(n)], [[0.0]] * n, [0.0] * n)
@@ -150,7 +150,7 @@ def test_plan_moves_heavy_rows_and_keeps_rows_home_when_it_can():
 
 
 def test_presplit_gives_back_its_minibatches():
-    from engines.torch_engines import TrainBatch
+    from engines.protocols import TrainBatch
 
     parts = [TrainBatch([[1, 4]], [[5, 2]], [[0.0, 0.0]], [1.0]), TrainBatch([], [], [], []),
              TrainBatch([[1], [1, 7]], [[2], [8, 9, 2]], [[0.0], [0.0] * 3], [0.5, -0.5])]
@@ -167,7 +167,8 @@ def test_only_the_order_within_a_minibatch_changes():
     balancing the whole step at once would do) give another step."""
     import tempfile
 
-    from engines.torch_engines import TorchTrainer, TrainBatch
+    from engines.protocols import TrainBatch
+    from engines.torch_engines import TorchTrainer
     from helpers import max_param_diff, params_of, random_batch, save_tiny_model, with_old_logprobs
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -217,12 +218,14 @@ def experience_rows(batch, first_prompt_id: int) -> list[dict]:
 def host_runs(tmp_path_factory):
     """Two engine hosts; rank 0's experience is long sequences, rank 1's short. For token and
     sequence aggregation, one train step with balancing on and one off, each from the same
-    freshly loaded weights (``setup`` again); parameters come back through ``export``."""
+    freshly loaded weights (``SetupEngines`` again); parameters come back through ``ExportPolicy``."""
     import pyarrow as pa
 
-    from engines.host import LocalHosts, client
+    from engines.channel import client
+    from engines.commands import ExportPolicy, SetupEngines, TrainStep
+    from engines.host import LocalHosts
     from engines.torch_engines import TorchTrainer
-    from flows.config import RunConfig
+    from engines.config import RunConfig
     from helpers import EOS, FIRST_CHAR_ID, random_batch, save_tiny_model, with_old_logprobs
     from storage import datasets
 
@@ -243,17 +246,17 @@ def host_runs(tmp_path_factory):
         datasets.write_table(uri, pa.Table.from_pylist(experience_rows(batch, 100 * rank), schema=datasets.EXPERIENCE), datasets.EXPERIENCE)
         uris.append(uri)
 
-    def config(balance_tokens: bool, aggregation: str) -> dict:
+    def config(balance_tokens: bool, aggregation: str) -> RunConfig:
         return RunConfig(
             name=RUN, dp=2, storage={"root": str(root)}, model={"policy": "models/policy"},
             data={"prompts": "data/train", "heldout": None}, reward={"genrm_weight": 0.0, "rule_weight": 1.0}, host_timeout_s=120,
             train={"lr": LR, "minibatches": 2, "loss_aggregation": aggregation, "balance_tokens": balance_tokens},
-        ).model_dump(mode="json")
+        )
 
-    def on_both(command, params_of):
+    def on_both(request_of):
         with ThreadPoolExecutor(2) as pool:  # collectives: both hosts at once
-            futures = [pool.submit(client(RUN, g).call, command, **params_of(g)) for g in range(2)]
-            return [f.result()[0] for f in futures]
+            futures = [pool.submit(client(RUN, g).call, request_of(g)) for g in range(2)]
+            return [f.result()[0].model_dump() for f in futures]
 
     from safetensors.torch import load_file
 
@@ -261,10 +264,10 @@ def host_runs(tmp_path_factory):
     with LocalHosts(RUN, 2, 1, 180) as hosts:
         for aggregation in ("token", "sequence"):
             for on in (True, False):
-                on_both("setup", lambda g: {"config": config(on, aggregation), "master": hosts.master})
-                trained = on_both("train_step", lambda g: {"experience": uris[g]})
+                on_both(lambda g: SetupEngines(config=config(on, aggregation), master=hosts.master))
+                trained = on_both(lambda g: TrainStep(experience=uris[g]))
                 out = root / "export" / f"{aggregation}-{on}"
-                on_both("export", lambda g: {"uri": str(out)})
+                on_both(lambda g: ExportPolicy(uri=str(out)))
                 results[(aggregation, on)] = {"train": trained, "params": load_file(str(out / "model.safetensors"))}
     initial = load_file(str(root / "models" / "policy" / "model.safetensors"))
     return {"results": results, "initial": initial}

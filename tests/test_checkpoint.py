@@ -28,9 +28,11 @@ from safetensors.torch import load_file
 
 from helpers import random_batch, save_tiny_model, with_old_logprobs
 
-from engines.host import EngineHost
+from engines.checkpointing import Checkpoints
+from engines.commands import Checkpoint, CheckpointWait
 from engines.torch_engines import TorchTrainer, copy_state
-from flows.config import ConfigError, RunConfig, load_config
+from engines.worker import Worker
+from engines.config import ConfigError, RunConfig, load_config
 from storage import objectstore, runstate
 from storage.runstate import RunState
 
@@ -90,12 +92,12 @@ def test_copy_state_is_independent_keeps_ties_and_reuses_buffers():
 
 @pytest.fixture
 def host(tmp_path):
-    """An engine host with a torch trainer on a tiny model, without the rest of ``setup``."""
+    """An engine host's worker with a torch trainer on a tiny model, without the rest of ``setup_engines``."""
     torch.set_num_threads(1)
-    h = EngineHost(rank=0, world=1, threads=1)
+    h = Worker(rank=0, world=1, threads=1)
     h.config = RunConfig.model_validate({"dp": 1})
     h.trainer = TorchTrainer(save_tiny_model(tmp_path / "model"), lr=1e-2)
-    h.prompt_files = [["part-00000.parquet", 8]]
+    h.checkpoints = Checkpoints(0, "torch", [["part-00000.parquet", 8]])
     train_once(h.trainer, seed=1)  # Adam moments exist
     return h
 
@@ -128,57 +130,58 @@ def test_async_checkpoint_holds_the_state_at_save_time(host, tmp_path, monkeypat
         expected = live_state(trainer)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         entered.clear(), release.clear()
-        staged_before = host._staged
-        reply = host.checkpoint(uri)
+        staged_before = trainer._staged
+        reply = save(host, uri)
         assert reply["asynchronous"] and reply["files"] is None and reply["stall_s"] < 5
         if staged_before is not None:
-            assert all(host._staged["model"][k] is staged_before["model"][k] for k in expected["model"])
+            assert all(trainer._staged["model"][k] is staged_before["model"][k] for k in expected["model"])
         assert entered.wait(60)  # the writer runs, and is held before it serialises anything
         train_once(trainer, seed=seed)  # changes the live state in place
         torch.rand(3), random.random()
         after = live_state(trainer)
         assert not torch.equal(after["model"]["lm_head.weight"], expected["model"]["lm_head.weight"])
         release.set()
-        done = host.checkpoint_wait()
+        done = wait(host)
         assert done["uri"] == uri and done["wait_s"] >= 0 and done["write_s"] > 0
         assert {"trainer-torch/trainer.pt", "model/model.safetensors", "model/config.json", "prompts.json", "rng-0.pt"} <= set(done["files"])
         saved = read_checkpoint(uri)
         assert_same(saved["trainer"], expected)  # model, Adam moments and step counts, version: save time
         assert_same(saved["hf"], {k: v for k, v in expected["model"].items()})
         assert torch.equal(saved["rng"]["torch"], rng["torch"]) and saved["rng"]["python"] == rng["python"]
-        assert saved["prompts"] == {"files": host.prompt_files}
-        assert host.checkpoint_wait()["files"] is None  # collected once
+        assert saved["prompts"] == {"files": host.checkpoints.prompt_files}
+        assert wait(host)["files"] is None  # collected once
     # the first checkpoint's files were not touched by the second (which reused its buffers)
     assert read_checkpoint(objectstore.normalize(str(tmp_path / "ckpt-0")))["trainer"]["version"] == 1
 
 
 def test_resume_from_an_async_checkpoint_continues_exactly(host, tmp_path):
     uri = objectstore.normalize(str(tmp_path / "ckpt"))
-    host.checkpoint(uri)
-    host.checkpoint_wait()
+    save(host, uri)
+    wait(host)
     train_once(host.trainer, seed=5)
-    other = EngineHost(rank=0, world=1, threads=1)
-    other.config, other.policy = host.config, _NoGenerator()
-    other.trainer = TorchTrainer(save_tiny_model(tmp_path / "fresh", seed=9), lr=1e-2)
-    other._resume(uri)
-    train_once(other.trainer, seed=5)
-    assert_same(live_state(other.trainer), live_state(host.trainer))
+    other = TorchTrainer(save_tiny_model(tmp_path / "fresh", seed=9), lr=1e-2)
+    host.checkpoints.load(other, uri)
+    train_once(other, seed=5)
+    assert_same(live_state(other), live_state(host.trainer))
 
 
-class _NoGenerator:
-    def update_weights(self, named_tensors) -> int:
-        return len(list(named_tensors))
+def save(worker: Worker, uri: str) -> dict:
+    return worker.checkpoint(Checkpoint(uri=uri)).model_dump()
+
+
+def wait(worker: Worker) -> dict:
+    return worker.checkpoint_wait(CheckpointWait()).model_dump()
 
 
 def test_sync_checkpoint_writes_before_it_returns(host, tmp_path):
     host.config = RunConfig.model_validate({"dp": 1, "checkpoint": {"asynchronous": False}})
     uri = objectstore.normalize(str(tmp_path / "ckpt"))
     expected = live_state(host.trainer)
-    reply = host.checkpoint(uri)
+    reply = save(host, uri)
     assert not reply["asynchronous"] and "trainer-torch/trainer.pt" in reply["files"]
     assert_same(read_checkpoint(uri)["trainer"], expected)
-    assert host._staged is None  # no host-memory copy is kept in synchronous mode
-    assert host.checkpoint_wait()["files"] is None
+    assert host.trainer._staged is None  # no host-memory copy is kept in synchronous mode
+    assert wait(host)["files"] is None
 
 
 def test_a_failed_background_write_fails_checkpoint_wait(host, tmp_path, monkeypatch):
@@ -187,9 +190,9 @@ def test_a_failed_background_write_fails_checkpoint_wait(host, tmp_path, monkeyp
 
     monkeypatch.setattr(host.trainer, "save_checkpoint", broken)
     uri = objectstore.normalize(str(tmp_path / "ckpt"))
-    host.checkpoint(uri)
+    save(host, uri)
     with pytest.raises(RuntimeError, match="checkpoint write to .*ckpt failed") as failed:
-        host.checkpoint_wait()
+        wait(host)
     assert isinstance(failed.value.__cause__, OSError)
     assert not objectstore.exists(objectstore.join(uri, "MANIFEST.json"))
 
@@ -324,20 +327,18 @@ import torch
 torch.set_num_threads(1)
 from safetensors.torch import load_file
 from helpers import random_batch, with_old_logprobs
-from engines.host import EngineHost
+from engines.checkpointing import Checkpoints
+from engines.commands import Checkpoint, CheckpointWait
+from engines.config import RunConfig
 from engines.megatron_engine import MegatronTrainer
-from flows.config import RunConfig
+from engines.worker import Worker
 
 model_dir, out = sys.argv[1], sys.argv[2]
 
-class NoGenerator:
-    def update_weights(self, named_tensors):
-        return len(list(named_tensors))
-
 def host():
-    h = EngineHost(rank=0, world=1, threads=1)
+    h = Worker(rank=0, world=1, threads=1)
     h.config = RunConfig.model_validate({"dp": 1, "train": {"backend": "megatron"}})
-    h.trainer, h.policy, h.prompt_files = MegatronTrainer(model_dir, lr=1e-2), NoGenerator(), [["part-00000.parquet", 8]]
+    h.trainer, h.checkpoints = MegatronTrainer(model_dir, lr=1e-2), Checkpoints(0, "megatron", [["part-00000.parquet", 8]])
     return h
 
 def step(h, seed):
@@ -349,14 +350,14 @@ step(a, 1)
 before = {k: v.clone() for k, v in a.trainer.export_weights()}
 probe = random_batch(4, seed=9)
 probe_lp = a.trainer.logprobs(probe)
-reply = a.checkpoint("file://" + out)
+reply = a.checkpoint(Checkpoint(uri="file://" + out))
 step(a, 2)  # while model/ is written in the background
-done = a.checkpoint_wait()
+done = a.checkpoint_wait(CheckpointWait())
 hf = load_file(out + "/model/model.safetensors")
 b = host()
-b._resume("file://" + out)
+b.checkpoints.load(b.trainer, "file://" + out)
 print(json.dumps({
-    "reply": {k: reply[k] for k in ("asynchronous", "files")}, "files": done["files"],
+    "reply": {"asynchronous": reply.asynchronous, "files": reply.files}, "files": done.files,
     "hf_at_save_time": hf.keys() == before.keys() and all(torch.equal(hf[k], v) for k, v in before.items()),
     "resumed_version": b.trainer.version, "resumed_logprobs_equal": b.trainer.logprobs(probe) == probe_lp,
 }))

@@ -1,4 +1,4 @@
-"""flows/config.py: defaults, YAML file, key=value overrides, and errors that name the
+"""engines/config.py: defaults, YAML file, key=value overrides, and errors that name the
 file and the field."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 import helpers  # noqa: F401  (puts the checkout on sys.path)
 
-from flows.config import ConfigError, RunConfig, load_config
+from engines.config import ConfigError, RunConfig, load_config
 
 
 def write(tmp_path, text: str, name: str = "run.yaml"):

@@ -459,7 +459,9 @@ def test_new_prompt_files_extend_each_stream_and_reordering_is_refused(tmp_path)
     their prompts; a file that sorts before a trained one (or a changed file) stops the resume."""
     import pyarrow as pa
 
-    from engines.host import EngineHost
+    from engines.checkpointing import Checkpoints
+    from engines.worker import prompt_stream
+    from storage.datasets import part_files
 
     def part(name: str, ids: range) -> None:
         pq.write_table(pa.table({"prompt_id": list(ids), "prompt": [f"{i}+1=" for i in ids], "answer": ["x"] * len(ids)}),
@@ -468,23 +470,20 @@ def test_new_prompt_files_extend_each_stream_and_reordering_is_refused(tmp_path)
     (tmp_path / "prompts").mkdir()
     part("part-00000.parquet", range(0, 10))
     uri = f"file://{tmp_path / 'prompts'}"
-    hosts = [EngineHost(rank, 3, 1) for rank in range(3)]
-    before = [[r["prompt_id"] for r in h._load_prompts(uri)] for h in hosts]
+    before = [[r["prompt_id"] for r in prompt_stream(uri, rank, 3)] for rank in range(3)]
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
-    (checkpoint / "prompts.json").write_text(json.dumps({"files": EngineHost._prompt_files(uri)}))
+    (checkpoint / "prompts.json").write_text(json.dumps({"files": part_files(uri)}))
 
     part("part-00001.parquet", range(10, 17))
-    for h, old in zip(hosts, before):
-        stream = [r["prompt_id"] for r in h._load_prompts(uri)]
+    for rank, old in enumerate(before):
+        stream = [r["prompt_id"] for r in prompt_stream(uri, rank, 3)]
         assert stream[: len(old)] == old and len(stream) > len(old)
-        h.prompt_files = EngineHost._prompt_files(uri)
-        h._check_prompt_files(uri, f"file://{checkpoint}")  # accepted
+        Checkpoints(rank, "torch", part_files(uri)).check_prompt_files(uri, f"file://{checkpoint}")  # accepted
 
     part("extra.parquet", range(20, 23))  # sorts before part-00000: every position would shift
-    hosts[0].prompt_files = EngineHost._prompt_files(uri)
     with pytest.raises(ValueError, match=r"part file 1 \(name order\) was 'part-00000.parquet' \(10 rows\).*'extra.parquet'"):
-        hosts[0]._check_prompt_files(uri, f"file://{checkpoint}")
+        Checkpoints(0, "torch", part_files(uri)).check_prompt_files(uri, f"file://{checkpoint}")
 
 
 # ---------------------------------------------------------------------------------- yattflow server

@@ -33,7 +33,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
 
 
 def test_local_hosts_take_one_gpu_each():
-    from engines.host import HostError, local_devices
+    from engines.channel import HostError
+    from engines.host import local_devices
 
     assert local_devices(2, None, gpus=0, visible=None) == [None, None]  # the CPU: nothing to choose
     assert local_devices(1, None, gpus=8, visible=None) == [None]  # one host sees every GPU
@@ -65,7 +66,7 @@ def _record_collectives(log: list) -> None:
 
 
 def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
-    from engines.host import _all_gather_ints
+    from engines.distributed import all_gather_ints
     from engines.torch_engines import TorchTrainer
 
     torch.set_num_threads(1)
@@ -84,7 +85,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
             return [(name, "metadata" if g is meta else "default" if g is None or g is dist.group.WORLD else "other")
                     for name, g in calls]
 
-        result["gathered"] = _all_gather_ints(list(range(rank, 3 + 2 * rank)))
+        result["gathered"] = all_gather_ints(list(range(rank, 3 + 2 * rank)))
         result["balance_calls"] = groups(log)
         log.clear()
 

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engines.torch_engines import TorchTrainer, TrainBatch
+from engines.protocols import TrainBatch
+from engines.torch_engines import TorchTrainer
 from helpers import concat, dp_worker, free_port, max_param_diff, params_of, random_batch, save_tiny_model, with_old_logprobs
 
 MINIBATCHES = 2

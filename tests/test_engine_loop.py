@@ -21,7 +21,7 @@ megatron_cpu.install()
 
 from engines.megatron_engine import MegatronTrainer  # noqa: E402
 from engines.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
-from engines.torch_engines import TrainBatch  # noqa: E402
+from engines.protocols import TrainBatch  # noqa: E402
 from engines.vllm_engine import VLLMGenerator  # noqa: E402
 
 PROMPTS = ["12+7=", "3+4=", "40+2=", "9+9="]

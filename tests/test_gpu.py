@@ -178,7 +178,7 @@ def _nccl_worker(rank: int, port: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
     from engines import distributed
-    from engines.host import _all_gather_ints
+    from engines.distributed import all_gather_ints
     from engines.megatron_engine import MegatronTrainer
     from helpers import random_batch, with_old_logprobs
 
@@ -187,7 +187,7 @@ def _nccl_worker(rank: int, port: int, model_dir: str, out: str) -> None:
     distributed.init_process_groups(device, rank, 2, f"tcp://127.0.0.1:{port}", timedelta(seconds=120))
     try:
         assert dist.get_backend() == "nccl" and dist.get_backend(distributed.metadata_group()) == "gloo"
-        gathered = _all_gather_ints([rank] * (rank + 1))  # CPU tensors: NCCL would refuse them
+        gathered = all_gather_ints([rank] * (rank + 1))  # CPU tensors: NCCL would refuse them
         trainer = MegatronTrainer(model_dir, lr=1e-3, dtype="bfloat16", device=device)
         batch = random_batch(4 + rank, seed=rank)
         stats = trainer.train_step(with_old_logprobs(batch, trainer.logprobs(batch), noise=0.3, seed=rank))

@@ -37,7 +37,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2For
 
 from engines.megatron_engine import MegatronTrainer, hf_to_megatron, load_hf_state, megatron_to_hf  # noqa: E402
 from engines.tiny import build_char_tokenizer  # noqa: E402
-from engines.torch_engines import TorchGenerator, TorchTrainer, TrainBatch  # noqa: E402
+from engines.protocols import TrainBatch  # noqa: E402
+from engines.torch_engines import TorchGenerator, TorchTrainer  # noqa: E402
 from helpers import concat, free_port, random_batch, save_tiny_model, with_old_logprobs  # noqa: E402
 
 # Megatron without Apex or Transformer Engine warns at every layer it builds
@@ -351,8 +352,8 @@ def test_recomputation_reruns_the_forward_and_changes_nothing(model_dir, name):
 
 
 def test_run_config_recomputation_reaches_megatron(model_dir):
-    from engines.host import make_trainer
-    from flows.config import RunConfig
+    from engines.factory import make_trainer
+    from engines.config import RunConfig
 
     cfg = RunConfig(train={"backend": "megatron", "recompute_granularity": "full", "recompute_method": "block",
                            "recompute_num_layers": 2})
@@ -397,7 +398,7 @@ def test_sleep_releases_every_storage_and_wake_restores_it_bit_for_bit(model_dir
 def test_a_sleeping_trainer_exports_from_host_memory_and_refuses_the_rest(tmp_path, model_dir):
     """``export_weights`` and ``save_hf`` of a sleeping trainer read the host copy (bit for bit the
     awake weights; nothing is woken); what needs the live state fails with a message rather than
-    reading released memory (on an H100, ``export`` after evaluation crashed inside CUDA)."""
+    reading released memory (on an H100, ``export_policy`` after evaluation crashed inside CUDA)."""
     from engines.offload import trainer_tensors
 
     trainer = MegatronTrainer(model_dir, **HYPER, dtype="bfloat16")
@@ -419,40 +420,43 @@ def test_a_sleeping_trainer_exports_from_host_memory_and_refuses_the_rest(tmp_pa
 
 
 def test_host_stages_read_a_sleeping_trainer_or_wake_it(tmp_path, model_dir):
-    """The host's stages after evaluation put the trainer to sleep (``_take("policy")``):
-    the params fingerprint and ``export`` read its host copy and leave it asleep; ``sync_weights``
-    and ``checkpoint`` wake it. Each gives what it gives for an awake trainer."""
+    """The host's stages after evaluation put the trainer to sleep (``take("policy")``):
+    the params fingerprint and ``export_policy`` read its host copy and leave it asleep;
+    ``sync_weights`` and ``checkpoint`` wake it. Each gives what it gives for an awake trainer."""
     from safetensors.torch import load_file
 
-    from engines.host import EngineHost
-    from flows.config import RunConfig
+    from engines.checkpointing import Checkpoints
+    from engines.commands import Checkpoint, ExportPolicy, SyncWeights
+    from engines.config import RunConfig
+    from engines.worker import Worker
 
-    def host() -> EngineHost:
-        h = EngineHost(rank=0, world=1, threads=1)
+    def host() -> Worker:
+        h = Worker(rank=0, world=1, threads=1)
         h.config = RunConfig.model_validate({"dp": 1, "train": {"backend": "megatron"}, "checkpoint": {"asynchronous": False}})
-        h.trainer, h.policy, h.prompt_files = MegatronTrainer(model_dir, **HYPER), TorchGenerator(model_dir), [["part-00000.parquet", 8]]
-        h._awake = {"policy", "trainer"}  # as after setup
+        h.trainer, h.policy = MegatronTrainer(model_dir, **HYPER), TorchGenerator(model_dir)
+        h.checkpoints = Checkpoints(0, "megatron", [["part-00000.parquet", 8]])
+        h.awake = {"policy", "trainer"}  # as after setup
         return h
 
     h = host()
     h.trainer.train_step(batch_near(h.trainer, 6, seed=16))
     weights, sha = dict(h.trainer.export_weights()), h.params_sha()
 
-    h._take("policy")  # evaluation
+    h.take("policy")  # evaluation
     assert h.trainer.asleep
     assert h.params_sha() == sha and h.trainer.asleep
-    h.export(f"file://{tmp_path / 'export'}")
+    h.export_policy(ExportPolicy(uri=f"file://{tmp_path / 'export'}"))
     exported = load_file(str(tmp_path / "export" / "model.safetensors"))
     assert exported.keys() == weights.keys() and all(torch.equal(exported[k], weights[k]) for k in weights)
     assert h.trainer.asleep
 
-    assert h.sync_weights()["tensors"] == len(weights)
+    assert h.sync_weights(SyncWeights()).tensors == len(weights)
     assert not h.trainer.asleep
     assert all(torch.equal(p.detach(), weights[k]) for k, p in h.policy.model.named_parameters())
 
-    h._take("policy")
+    h.take("policy")
     assert h.trainer.asleep
-    assert h.checkpoint(f"file://{tmp_path / 'ckpt'}")["files"]
+    assert h.checkpoint(Checkpoint(uri=f"file://{tmp_path / 'ckpt'}")).files
     assert not h.trainer.asleep
     resumed = host()
     resumed.trainer.load_checkpoint(str(tmp_path / "ckpt" / "trainer-megatron"))
@@ -504,7 +508,7 @@ assert "megatron_cpu" in sys.modules, "sitecustomize did not run"
 import torch
 torch.set_num_threads(1)
 from engines.megatron_engine import MegatronTrainer
-from engines.torch_engines import TrainBatch
+from engines.protocols import TrainBatch
 trainer = MegatronTrainer(sys.argv[1], lr=1e-3)
 batch = TrainBatch([[1, 5, 6], [1, 7]], [[8, 9, 2], [2]], [[-3.0, -3.0, -3.0], [-3.0]], [1.0, -1.0])
 print(json.dumps({"stats": trainer.train_step(batch), "version": trainer.version}))

@@ -29,7 +29,8 @@ import torch
 import torch.multiprocessing as mp
 
 from engines import algorithms
-from engines.torch_engines import TorchTrainer, TrainBatch, micro_batches
+from engines.protocols import TrainBatch
+from engines.torch_engines import TorchTrainer, micro_batches
 from helpers import concat, dp_worker, free_port, max_param_diff, params_of, random_batch, save_tiny_model, with_old_logprobs
 
 LR = 1e-2

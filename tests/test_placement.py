@@ -91,15 +91,23 @@ def host(prepared):
     """An engine host (rank 0 of 1) in this process, its engines loaded from the prepared store."""
     import torch
 
-    from engines.host import EngineHost
-    from flows.config import load_config
+    from engines.commands import SetupEngines
+    from engines.config import load_config
+    from engines.worker import Worker
 
     torch.set_num_threads(1)
     config = load_config(None, TINY + [f"storage.root={prepared}", "name=place-host", "dp=1",
                                        "placement.stream_chunk=1", "placement.queue_size=1"])
-    h = EngineHost(rank=0, world=1, threads=1)
-    h.setup(config.model_dump())
+    h = Worker(rank=0, world=1, threads=1)
+    h.setup_engines(SetupEngines(config=config))
     return h
+
+
+def rollout_and_score(host, step: int, wave: int, cursor: int, count: int, rollouts: Path, scored: Path):
+    from engines.commands import RolloutAndScore
+
+    return host.rollout_and_score(RolloutAndScore(step=step, wave=wave, cursor=cursor, count=count,
+                                                  rollouts_out=str(rollouts), scored_out=str(scored)))
 
 
 def test_judge_scores_chunks_while_the_wave_is_still_generating(host, tmp_path):
@@ -118,15 +126,17 @@ def test_judge_scores_chunks_while_the_wave_is_still_generating(host, tmp_path):
                 events.append((_role, "end", time.perf_counter()))
 
         engine.generate = timed
-    both = host.rollout_and_score(3, 0, 0, 4, str(tmp_path / "r1"), str(tmp_path / "s1"))
+    both = rollout_and_score(host, 3, 0, 0, 4, tmp_path / "r1", tmp_path / "s1")
     first_judge = min(t for role, what, t in events if role == "judge" and what == "start")
     last_policy = max(t for role, what, t in events if role == "policy" and what == "end")
     assert first_judge < last_policy, "the judge waited for the whole wave"
     assert sum(1 for role, what, _ in events if role == "policy" and what == "start") == 4  # 4 chunks of 1 prompt
-    assert both["rollout"]["samples"] == 16 and both["rollout"]["cursor"] == 4
+    assert both.rollout.samples == 16 and both.rollout.cursor == 4
 
-    host.rollout(3, 0, 0, 4, str(tmp_path / "r2"))
-    host.score(str(tmp_path / "r2"), str(tmp_path / "s2"))
+    from engines.commands import GenRMScore, Rollout
+
+    host.rollout(Rollout(step=3, wave=0, cursor=0, count=4, out=str(tmp_path / "r2")))
+    host.genrm_score(GenRMScore(rollouts=str(tmp_path / "r2"), out=str(tmp_path / "s2")))
     for a, b in (("r1", "r2"), ("s1", "s2")):
         assert pq.read_table(tmp_path / a).to_pylist() == pq.read_table(tmp_path / b).to_pylist()
 
@@ -140,7 +150,7 @@ def test_a_failing_judge_fails_the_command_without_hanging(host, tmp_path):
 
     def call():
         try:
-            host.rollout_and_score(0, 0, 0, 4, str(tmp_path / "r"), str(tmp_path / "s"))
+            rollout_and_score(host, 0, 0, 0, 4, tmp_path / "r", tmp_path / "s")
         except Exception as e:  # noqa: BLE001
             result["error"] = e
 
@@ -160,20 +170,22 @@ def test_partial_judge_is_a_process_and_its_death_fails_the_wave(prepared, tmp_p
 
     import torch
 
-    from engines.host import EngineHost, JudgeProcess
-    from flows.config import load_config
+    from engines.commands import SetupEngines
+    from engines.config import load_config
+    from engines.factory import JudgeProcess
+    from engines.worker import Worker
 
     torch.set_num_threads(1)
     config = load_config(None, TINY + [f"storage.root={prepared}", "name=place-proc", "dp=1", "placement.mode=partial",
                                        "placement.stream_chunk=2"])
-    host = EngineHost(rank=0, world=1, threads=1)
-    host.setup(config.model_dump())
+    host = Worker(rank=0, world=1, threads=1)
+    host.setup_engines(SetupEngines(config=config))
     assert isinstance(host.judge, JudgeProcess) and host.judge.process.pid != os.getpid()
-    both = host.rollout_and_score(0, 0, 0, 4, str(tmp_path / "r"), str(tmp_path / "s"))
-    assert both["score"]["reward_mean"] is not None and pq.read_table(tmp_path / "s").num_rows == 16
+    both = rollout_and_score(host, 0, 0, 0, 4, tmp_path / "r", tmp_path / "s")
+    assert both.score.reward_mean is not None and pq.read_table(tmp_path / "s").num_rows == 16
     host.judge.process.kill()
     host.judge.process.join(timeout=10)
     with pytest.raises(RuntimeError, match="GenRM judge failed") as err:
-        host.rollout_and_score(0, 1, 4, 4, str(tmp_path / "r1"), str(tmp_path / "s1"))
+        rollout_and_score(host, 0, 1, 4, 4, tmp_path / "r1", tmp_path / "s1")
     assert "judge process is gone" in str(err.value.__cause__)
     host.judge.close()

@@ -2,7 +2,7 @@
 carried over to the next step, and the state for both committed with each checkpoint.
 
 - the wave-size rule and the keep-ratio estimate (``engines/sampling.py``);
-- the engine host's ``filter`` with carry-over (no engines needed: hand-made scored files);
+- the engine host's ``dynamic_filter`` with carry-over (no engines needed: hand-made scored files);
 - a real run (Prefect server, engine hosts, dp=2): carried groups are trained in the next step,
   never twice; a run resumed from an earlier checkpoint takes that checkpoint's carry-over and
   keep-ratio estimate and redoes exactly the same batches; no prompt is drawn or trained twice.
@@ -19,9 +19,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engines.host import EngineHost
+from engines.commands import DynamicFilter
+from engines.worker import Worker
 from engines.sampling import GroupSampling, plan_wave, wave_size
-from flows.config import ConfigError, RunConfig, load_config
+from engines.config import ConfigError, RunConfig, load_config
 from storage import datasets, objectstore
 from storage.runstate import RunState
 
@@ -137,15 +138,15 @@ class Store:
         return list(dict.fromkeys(datasets.read_table(uri, schema).column("prompt_id").to_pylist()))
 
 
-def filter_host(**sampling) -> EngineHost:
-    host = EngineHost(rank=0, world=1, threads=1)
+def filter_host(**sampling) -> Worker:
+    host = Worker(rank=0, world=1, threads=1)
     host.config = RunConfig.model_validate({"dp": 1, "sampling": sampling})
     return host
 
 
-def run_filter(host: EngineHost, store: Store, step: int, scored: list[str], target: int, carry_in: str | None) -> dict:
-    return host.filter(scored, store.uri(step, "experience"), target, step=step, carry_in=carry_in,
-                       carry_out=store.uri(step, "carry"))
+def run_filter(host: Worker, store: Store, step: int, scored: list[str], target: int, carry_in: str | None) -> dict:
+    return host.dynamic_filter(DynamicFilter(step=step, scored=scored, out=store.uri(step, "experience"), target_groups=target,
+                                             carry_in=carry_in, carry_out=store.uri(step, "carry"))).model_dump()
 
 
 MIXED, EQUAL = [1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]

@@ -226,7 +226,7 @@ def test_image_column_survives_every_stage_schema(tmp_path):
 
     rollouts = rollouts_table(4).to_pylist()
     for r, p in zip(rollouts, prompts):
-        r["image"] = p.get("image")  # as EngineHost.rollout does
+        r["image"] = p.get("image")  # as Worker.rollout does
     datasets.write_table(uri("rollouts"), pa.Table.from_pylist(rollouts, schema=ROLLOUTS), ROLLOUTS)
     rows = datasets.read_table(uri("rollouts"), ROLLOUTS).to_pylist()
     for r in rows:

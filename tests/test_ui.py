@@ -255,11 +255,13 @@ def test_curves_markdown_stays_small_on_long_runs():
 
 
 def test_describe_call_names_inputs_not_data():
+    from engines.commands import DynamicFilter, SetupEngines
+    from engines.config import RunConfig
     from tasks._host import describe_call
 
-    config = {"name": "demo", "dp": 2, "storage": {"root": "s3://b/p"}, "data": {"prompts": "data/train"},
-              "model": {"policy": "models/p", "judge": "models/j"}, "train": {"lr": 1e-5}}
-    text = describe_call("demo", 1, "setup", {"config": config, "resume": None})
-    assert text == ("'setup' on run 'demo' dp-1 with config={name: 'demo', dp: 2, storage.root: 's3://b/p', "
-                    "data.prompts: 'data/train', model.policy: 'models/p', model.judge: 'models/j'}, resume=None")
-    assert "chars)" in describe_call("demo", 0, "filter", {"scored": ["s3://x/" + "y" * 100] * 20})
+    config = RunConfig(name="demo", dp=2, storage={"root": "s3://b/p"}, model={"policy": "models/p", "judge": "models/j"})
+    text = describe_call("demo", 1, SetupEngines(config=config))
+    assert text == ("'setup_engines' on run 'demo' dp-1 with config={name: 'demo', dp: 2, storage.root: 's3://b/p', "
+                    "data.prompts: 'data/train', model.policy: 'models/p', model.judge: 'models/j'}, resume=None, master=None")
+    request = DynamicFilter(step=0, scored=["s3://x/" + "y" * 100] * 20, out="s3://x/e", target_groups=4)
+    assert "chars)" in describe_call("demo", 0, request)

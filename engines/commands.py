@@ -1,0 +1,284 @@
+"""The command contract between a DP group's controller and its engine host: one typed request
+and one typed result per stage, each stage named once (its request's ``stage``).
+
+A task builds a request, ``engines/channel.py`` carries it as JSON (never pickles: the host is a
+way into a process that holds the model), the host's ``Worker`` dispatches on its type
+(``Worker.handle``) and the task gets the typed result back. Requests hold URIs, positions and
+parameters, never sample data; results hold small metrics.
+
+Adding a stage: a request and its result here, a handler on ``engines.worker.Worker``, a task
+in ``tasks/stages.py``, a call in the flow.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from engines.config import RunConfig
+
+
+class Result(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host_s: float = 0.0  # seconds the host spent on the command (the channel sets it): the rest is orchestration
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    stage: ClassVar[str]  # the stage's one name: on the wire, in logs and in error messages
+    result: ClassVar[type[Result]]
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        REQUESTS[cls.stage] = cls
+
+
+REQUESTS: dict[str, type[Request]] = {}  # stage name -> request type: how the host decodes a message
+
+
+# --------------------------------------------------------------------------- before the first step
+
+
+class ValidateInputsResult(Result):
+    rows: dict[str, int]  # config field (data.prompts, data.heldout) -> prompts found
+
+
+class ValidateInputs(Request):
+    """Check prompts and model folders before any engine loads (no device time spent)."""
+
+    stage = "validate_inputs"
+    result = ValidateInputsResult
+    config: RunConfig
+
+
+class SetupEnginesResult(Result):
+    seconds: float
+    policy_version: int
+    stream_length: int  # prompts in this group's stream
+
+
+class SetupEngines(Request):
+    """Join the DP group (rendezvous at ``master``, rank 0's "host:port"), load the engines, resume."""
+
+    stage = "setup_engines"
+    result = SetupEnginesResult
+    config: RunConfig
+    resume: str | None = None  # a committed checkpoint's URI
+    master: str | None = None
+
+
+# --------------------------------------------------------------------------- one RL step
+
+
+class RolloutResult(Result):
+    uri: str
+    cursor: int  # the group's stream position after this wave
+    prompts: int  # prompts drawn (G samples each)
+    samples: int
+    tokens: int
+    truncated: int
+    seconds: float
+    switch_s: float = 0.0  # placement: seconds the engines took to hand the devices over
+
+
+class Rollout(Request):
+    """Sample G responses for the next ``count`` prompts of the group's stream from ``cursor``."""
+
+    stage = "rollout"
+    result = RolloutResult
+    step: int
+    wave: int
+    cursor: int
+    count: int
+    out: str
+
+
+class GenRMScoreResult(Result):
+    uri: str
+    reward_mean: float
+    accuracy: float | None  # mean rule reward (None: no rule)
+    judge_agreement: float | None  # share of samples where the judge's verdict equals the rule
+    unparsed_verdicts: int
+    seconds: float
+    switch_s: float = 0.0
+
+
+class GenRMScore(Request):
+    """Reward every rollout: the judge's verdict, the rule, the overlong penalty."""
+
+    stage = "genrm_score"
+    result = GenRMScoreResult
+    rollouts: str
+    out: str
+
+
+class RolloutAndScoreResult(Result):
+    rollout: RolloutResult
+    score: GenRMScoreResult  # its ``seconds``: the judge busy
+    seconds: float
+    generate_s: float
+    judge_busy_s: float
+    judge_tail_s: float  # judge still scoring after the last chunk was generated
+    queue_wait_s: float  # generator blocked on a full queue
+    switch_s: float = 0.0
+
+
+class RolloutAndScore(Request):
+    """Partial colocation: ``Rollout`` and ``GenRMScore`` of one wave at once, chunks streaming to the judge."""
+
+    stage = "rollout_and_score"
+    result = RolloutAndScoreResult
+    step: int
+    wave: int
+    cursor: int
+    count: int
+    rollouts_out: str
+    scored_out: str
+
+
+class DynamicFilterResult(Result):
+    uri: str
+    kept: int  # groups in this step's batch
+    dropped_equal: int  # groups whose rewards were all equal
+    new_kept: int  # groups kept from the last wave (the keep-ratio estimate's input)
+    enough: bool  # the target was reached
+    reason: str
+    carried_in: int  # groups of earlier steps in this batch
+    surplus: int  # kept groups beyond the target ...
+    carried_out: int  # ... carried into the next step ...
+    surplus_dropped: int  # ... or dropped
+    carry: str | None  # the carry-over dataset, if anything is carried
+
+
+class DynamicFilter(Request):
+    """DAPO dynamic sampling: keep groups whose rewards differ (``carry_in`` first), up to the target."""
+
+    stage = "dynamic_filter"
+    result = DynamicFilterResult
+    step: int
+    scored: list[str]  # this step's waves so far
+    out: str
+    target_groups: int
+    carry_in: str | None = None
+    carry_out: str | None = None
+
+
+class TrainStepResult(Result):
+    loss: float
+    clip_fraction: float
+    tokens: float  # response tokens this rank trained on
+    grad_norm: float
+    seconds: float
+    tokens_per_s: float
+    sequences: int
+    policy_version: int
+    params_sha: str  # fingerprint of the trained weights: equal on every replica
+    engine_loads: int  # times this host loaded its models (once per run is the point of a host)
+    switch_s: float = 0.0
+    # DP token balancing (engines/balance.py)
+    tokens_before_balance: float
+    sequences_before_balance: int
+    rows_received: int
+    balance_ratio: float  # max/mean of the groups' tokens after balancing (1.0: even)
+    balance_ratio_before: float
+    balance_s: float
+
+
+class TrainStep(Request):
+    """One GRPO/DAPO update on the group's experience; gradients all-reduced across every group."""
+
+    stage = "train_step"
+    result = TrainStepResult
+    experience: str
+
+
+class SyncWeightsResult(Result):
+    tensors: int
+    seconds: float
+    switch_s: float = 0.0
+
+
+class SyncWeights(Request):
+    """Trainer → rollout engine, by Hugging Face parameter name."""
+
+    stage = "sync_weights"
+    result = SyncWeightsResult
+
+
+class CheckpointResult(Result):
+    files: list[str] | None  # None: still being written (asynchronous; CheckpointWait answers them)
+    asynchronous: bool
+    stall_s: float  # how long training waited
+    seconds: float
+
+
+class Checkpoint(Request):
+    """Write this rank's share of a checkpoint; the controller commits the manifest."""
+
+    stage = "checkpoint"
+    result = CheckpointResult
+    uri: str
+
+
+class CheckpointWaitResult(Result):
+    uri: str | None  # None: no write was started since the last wait
+    files: list[str] | None
+    write_s: float
+    wait_s: float
+
+
+class CheckpointWait(Request):
+    """Wait for the background checkpoint write; its files."""
+
+    stage = "checkpoint_wait"
+    result = CheckpointWaitResult
+
+
+# --------------------------------------------------------------------------- around the run
+
+
+class EvaluateResult(Result):
+    correct: float  # sum of the rule reward under greedy decoding
+    total: int
+
+
+class Evaluate(Request):
+    """Greedy decoding of this rank's share of the first ``limit`` held-out prompts, scored by the rule."""
+
+    stage = "evaluate"
+    result = EvaluateResult
+    uri: str
+    limit: int
+
+
+class ExportPolicyResult(Result):
+    uri: str
+
+
+class ExportPolicy(Request):
+    """Write the current policy as a Hugging Face folder (rank 0)."""
+
+    stage = "export_policy"
+    result = ExportPolicyResult
+    uri: str
+
+
+class PingResult(Result):
+    pid: int
+    rank: int
+
+
+class Ping(Request):
+    stage = "ping"
+    result = PingResult
+
+
+class Shutdown(Request):
+    """Answered by the channel itself: the host exits."""
+
+    stage = "shutdown"
+    result = Result

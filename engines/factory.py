@@ -1,0 +1,149 @@
+"""Engines from the run config: the trainer and generators a config names (torch, vLLM,
+Megatron-Core, timing stubs), and partial colocation's judge in a process of its own.
+
+Engine modules are imported only when built: a host loads the backends its config names, no
+more (transformers alone is ~100 MB per host; vLLM and Megatron-Core far more).
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import threading
+import traceback
+
+from engines.config import RunConfig
+from engines.protocols import Generation, Generator, Trainer
+
+
+def make_trainer(cfg: RunConfig, model_dir: str, device=None) -> Trainer:
+    """The train engine the config names, on the policy's Hugging Face folder, on ``device``
+    (None: ``engines.distributed.default_device()``)."""
+    t = cfg.train
+    kwargs = dict(
+        lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+        temperature=cfg.rollout.temperature, reference=t.kl_coef > 0, dtype=cfg.model.dtype,
+    )
+    if t.backend == "stub":  # timing stub for scale benchmarks, not training (engines/stub.py)
+        from engines.stub import TimingStubTrainer
+
+        return TimingStubTrainer(model_dir, seconds_per_token=t.stub_seconds_per_token)
+    if t.backend == "megatron":
+        from engines.megatron_engine import MegatronTrainer
+
+        return MegatronTrainer(model_dir, tensor_parallel=t.tensor_parallel, distributed_optimizer=t.distributed_optimizer,
+                               recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
+                               recompute_num_layers=t.recompute_num_layers, recompute_modules=t.recompute_modules,
+                               device=device, **kwargs)
+    from engines.torch_engines import TorchTrainer
+
+    return TorchTrainer(model_dir, device=device, **kwargs)
+
+
+def make_generator(backend: str, model_dir: str, cfg: RunConfig, threads: int, device=None) -> Generator:
+    """A generation engine (policy rollout or GenRM judge) of the named backend."""
+    if backend == "stub":  # timing stub for scale benchmarks, not training (engines/stub.py)
+        from engines.stub import TimingStubGenerator
+
+        return TimingStubGenerator(model_dir, cfg.rollout.stub_seconds_per_token, (cfg.judge.good, cfg.judge.bad))
+    if backend == "vllm":
+        from engines.vllm_engine import VLLMGenerator
+
+        # threads: in a DP host vLLM runs in its own process, which does not inherit torch's setting
+        return VLLMGenerator(model_dir, dtype=cfg.model.dtype, seed=cfg.seed, threads=threads)
+    from engines.torch_engines import TorchGenerator
+
+    return TorchGenerator(model_dir, dtype=cfg.model.dtype, device=device)
+
+
+def make_judge(cfg: RunConfig, model_dir: str, threads: int, device=None) -> Generator:
+    """The GenRM judge: under partial colocation in a process of its own, resident beside the
+    rollout engine on its share of the devices; else a generator like the policy's."""
+    if cfg.placement.mode == "partial":
+        return JudgeProcess(cfg, model_dir, cfg.placement.judge_threads or max(1, threads // 2), cfg.placement.judge_devices)
+    return make_generator(cfg.judge.backend, model_dir, cfg, threads, device)
+
+
+class JudgeProcess:
+    """Partial colocation's GenRM judge: a generator of its own in a child process, with its own
+    share of the group's devices (CUDA: ``placement.judge_devices`` of the host's visible ones;
+    CPU: ``placement.judge_threads`` torch threads), so that it computes beside the rollout engine
+    (in another process, neither waits for the other's Python: no GIL between them).
+
+    A ``Generator``: each method is the child's generator's, called over a pipe to the host's own
+    child (never the network), one at a time. The child exits when the pipe closes (and with the
+    host's process group)."""
+
+    def __init__(self, cfg: RunConfig, model_dir: str, threads: int, devices: list[int] | None = None):
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited torch or CUDA state
+        self._conn, child = ctx.Pipe()
+        env = {}
+        if devices is not None:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            ids = visible.split(",") if visible else [str(i) for i in range(max(devices) + 1)]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in devices)
+        self._lock = threading.Lock()
+        self.process = ctx.Process(target=_judge_process, args=(child, cfg.model_dump(), model_dir, threads, env),
+                                   name="genrm-judge", daemon=True)
+        self.process.start()
+        child.close()
+        self._call("ping")  # loaded: fail at setup, not in the first wave
+
+    def _call(self, method: str, *args, **kwargs):
+        with self._lock:
+            try:
+                self._conn.send((method, args, kwargs))
+                ok, value = self._conn.recv()
+            except (EOFError, OSError) as e:
+                raise RuntimeError(f"the GenRM judge process is gone (exit code {self.process.exitcode})") from e
+        if not ok:
+            raise RuntimeError(f"the GenRM judge process failed in '{method}':\n{value}")
+        return value
+
+    def generate(self, prompts: list[str], **kwargs) -> list[Generation]:
+        return self._call("generate", prompts, **kwargs)
+
+    def update_weights(self, named_tensors) -> int:
+        return self._call("update_weights", list(named_tensors))
+
+    def sleep(self) -> None:
+        self._call("sleep")
+
+    def wake(self) -> None:
+        self._call("wake")
+
+    def close(self) -> None:
+        self._conn.close()
+        self.process.join(timeout=10)
+
+
+def _judge_process(conn, config: dict, model_dir: str, threads: int, env: dict) -> None:
+    """The judge's child process: load the generator, then answer calls until the pipe closes."""
+    os.environ.update(env)  # before torch (and CUDA) load
+    import torch
+
+    torch.set_num_threads(threads)
+    cfg = RunConfig.model_validate(config)
+    try:
+        judge = make_generator(cfg.judge.backend, model_dir, cfg, threads)
+    except Exception:  # noqa: BLE001 - answered to the first call
+        judge, error = None, traceback.format_exc()
+    while True:
+        try:
+            method, args, kwargs = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if judge is None:
+                raise RuntimeError(f"the judge did not load:\n{error}")
+            value = None if method == "ping" else getattr(judge, method)(*args, **kwargs)
+            conn.send((True, value))
+        except Exception:  # noqa: BLE001 - sent back to the host's command
+            conn.send((False, traceback.format_exc()))
+
+
+def import_function(spec: str):
+    """``module:function`` (a reward rule), imported."""
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)

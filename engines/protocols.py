@@ -1,0 +1,115 @@
+"""What an engine is: the two interfaces the stage work calls, and the data that crosses them.
+
+A *generator* samples completions (the policy's rollout engine, the GenRM judge); a *trainer*
+updates the policy. torch (transformers), vLLM, Megatron-Core and the timing stubs implement
+them (``engines/factory.py`` builds the one a config names). Weights cross between the two
+with Hugging Face parameter names; models come in and go out as Hugging Face folders.
+
+``sleep`` / ``wake`` are placement (``engines/worker.py``, ``Worker.take``): under full
+colocation each engine gives the group's devices back before the next one takes them. An
+engine with nothing to release (torch engines, vLLM on a CPU) implements them as no-ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Literal, Protocol, runtime_checkable
+
+
+@dataclass
+class Generation:
+    """One sampled completion of ``prompts[prompt_index]``."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response: str
+    logprobs: list[float]  # per response token, under the sampling temperature
+    truncated: bool  # hit max_new_tokens before end-of-sequence
+
+
+@dataclass
+class TrainBatch:
+    """Sequences for one optimizer step on this DP rank (may be empty)."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    old_logprobs: list[list[float]]
+    advantages: list[float]
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def split(self, parts: int) -> list["TrainBatch"]:
+        """``parts`` minibatches of near-equal size; some may be empty (a rank with little data
+        still joins every collective)."""
+        bounds = [round(i * len(self) / parts) for i in range(parts + 1)]
+        return [
+            TrainBatch(*(field[bounds[i] : bounds[i + 1]] for field in (self.prompt_ids, self.response_ids, self.old_logprobs, self.advantages)))
+            for i in range(parts)
+        ]
+
+
+@dataclass
+class FrozenCheckpoint:
+    """A trainer's checkpoint as it was when taken (``Trainer.freeze_checkpoint``).
+
+    ``write()`` puts the trainer's files into the folder it was frozen for and returns their
+    names; after a ``copy=True`` freeze it reads only host-memory copies, so it may run on
+    another thread while training goes on. ``hf_weights``: the policy's Hugging Face-named
+    tensors as they were (host copies, rank 0 of a copying freeze), or None to read the live ones."""
+
+    write: Callable[[], list[str]]
+    hf_weights: dict[str, Any] | None = None
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """Samples completions with per-token log-probabilities."""
+
+    def generate(self, prompts: list[str], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
+                 max_new_tokens: int = 16, seed: int = 0, greedy: bool = False) -> list[Generation]:
+        """``n`` samples per prompt, prompt-major; ``greedy``: argmax decoding (``seed`` unused)."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int:
+        """Load Hugging Face-named tensors; the count loaded."""
+
+    def sleep(self) -> None:
+        """Give the devices back (weights to host memory, KV cache dropped)."""
+
+    def wake(self) -> None:
+        """Take the devices again, as before ``sleep``."""
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """Updates the policy; every DP rank's trainer joins the same collectives."""
+
+    version: int  # optimizer updates so far (the policy version rollouts are tagged with)
+
+    def logprobs(self, batch: TrainBatch) -> list[list[float]]:
+        """Each response token's log-probability under the current weights."""
+
+    def train_step(self, batch: TrainBatch, minibatches: int = 1, aggregation: Literal["token", "sequence"] = "token",
+                   clip_low: float = 0.2, clip_high: float = 0.28, kl_coef: float = 0.0,
+                   micro_batch_tokens: int | None = None) -> dict[str, float]:
+        """One rollout batch → ``minibatches`` optimizer steps; ``loss``, ``clip_fraction``, ``tokens``, ``grad_norm``."""
+
+    def export_weights(self) -> Iterator[tuple[str, Any]]:
+        """Hugging Face-named tensors (from the host copy while asleep)."""
+
+    def save_hf(self, local_dir: str, tensors: dict[str, Any] | None = None) -> None:
+        """The policy as a Hugging Face folder; ``tensors``: weights taken earlier instead of the live ones."""
+
+    def freeze_checkpoint(self, local_dir: str, copy: bool, hf_weights: bool) -> FrozenCheckpoint:
+        """Take this rank's checkpoint share now, to be written into ``local_dir`` (see
+        ``FrozenCheckpoint``); ``hf_weights``: also keep the policy's weights (rank 0)."""
+
+    def load_checkpoint(self, local_dir: str) -> None:
+        """Restore from a whole checkpoint folder (every rank's files)."""
+
+    def sleep(self) -> int | None:
+        """Give the devices back: weights, gradients and optimizer state to host memory."""
+
+    def wake(self) -> int | None:
+        """Everything ``sleep`` moved, back on the devices."""

@@ -1,0 +1,422 @@
+"""The stage work of one DP group: what its engine host does with its engines.
+
+``Worker`` reads top to bottom like one RL step: validate_inputs → setup_engines → rollout →
+genrm_score (or rollout_and_score, partial colocation) → dynamic_filter → train_step →
+sync_weights → checkpoint, then evaluate and export_policy around the run. Each stage takes its
+``engines.commands`` request and answers its result; ``Worker.handle`` dispatches a request to
+its stage by type. Every stage reads its inputs from object storage and writes its outputs there
+atomically; requests and results carry URIs and metrics, never sample data.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import queue
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engines import balance, distributed, factory, validation
+from engines.algorithms import group_advantages, overlong_penalty
+from engines.checkpointing import Checkpoints
+from engines.commands import (Checkpoint, CheckpointResult, CheckpointWait, CheckpointWaitResult, DynamicFilter,
+                              DynamicFilterResult, Evaluate, EvaluateResult, ExportPolicy, ExportPolicyResult, GenRMScore,
+                              GenRMScoreResult, Ping, PingResult, Request, Result, Rollout, RolloutAndScore,
+                              RolloutAndScoreResult, RolloutResult, SetupEngines, SetupEnginesResult, SyncWeights,
+                              SyncWeightsResult, TrainStep, TrainStepResult, ValidateInputs, ValidateInputsResult)
+from engines.config import RunConfig
+from engines.protocols import Generator, Trainer
+from storage import datasets, objectstore
+
+log = logging.getLogger("yattflow.host")
+
+
+def stable_seed(*parts) -> int:
+    """A seed derived from (run seed, step, group, wave, ...): the same on every retry or resume."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
+
+
+def prompt_stream(uri: str, rank: int, world: int) -> list[dict]:
+    """DP group ``rank``'s prompts: rows ``rank, rank+world, ...`` of every part file in name order.
+
+    New part files that sort after the existing ones only extend each stream, so the cursors of a
+    resumed run keep pointing at the same prompts and go on to the new ones
+    (``Checkpoints.check_prompt_files`` refuses anything else)."""
+    return datasets.read_table(uri, datasets.PROMPTS).to_pylist()[rank::world]
+
+
+class Worker:
+    """The engines of one DP group (rank ``rank`` of ``world``) and the stage work done with them."""
+
+    def __init__(self, rank: int, world: int, threads: int):
+        self.rank, self.world, self.threads = rank, world, threads
+        self.config: RunConfig | None = None
+        self.policy: Generator | None = None  # the rollout engine
+        self.judge: Generator | None = None  # the GenRM (None: no judge)
+        self.trainer: Trainer | None = None
+        self.rule = None  # the reward rule, ``reward.rule`` imported
+        self.prompts: list[dict] = []  # this group's stream of prompts (rows rank, rank+world, ...)
+        self.checkpoints: Checkpoints | None = None
+        self.engine_loads = 0  # times this host loaded its models: once per run is the point of a host
+        self.awake: set[str] = set()  # the engines holding the group's devices (see ``take``)
+
+    @functools.singledispatchmethod
+    def handle(self, request: Request) -> Result:
+        raise TypeError(f"the engine host has no stage for {type(request).__name__}")
+
+    # -- before the first step -----------------------------------------------------------
+
+    @handle.register
+    def validate_inputs(self, request: ValidateInputs) -> ValidateInputsResult:
+        return ValidateInputsResult(rows=validation.validate_inputs(request.config))
+
+    @handle.register
+    def setup_engines(self, request: SetupEngines) -> SetupEnginesResult:
+        """Join the DP group, load the engines once for the whole run, resume if asked."""
+        start = time.perf_counter()
+        cfg = self.config = request.config
+        torch.set_num_threads(self.threads)
+        prompts_uri = cfg.uri(cfg.data.prompts)
+        self.checkpoints = Checkpoints(self.rank, cfg.train.backend, datasets.part_files(prompts_uri))
+        if request.resume:
+            self.checkpoints.check_prompt_files(prompts_uri, request.resume)  # before any engine loads
+        # the timing stub trains nothing on a device: its one all-reduce is of a CPU tensor
+        device = torch.device("cpu") if cfg.train.backend == "stub" else distributed.default_device()
+        if self.world > 1 and not dist.is_initialized():
+            distributed.init_process_groups(device, self.rank, self.world, f"tcp://{request.master}" if request.master else None,
+                                            timedelta(seconds=cfg.host_timeout_s))
+        policy_dir = objectstore.local_folder(cfg.uri(cfg.model.policy))
+        self.trainer = factory.make_trainer(cfg, policy_dir, device)
+        self.policy = factory.make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads, device)
+        if cfg.reward.genrm_weight > 0:
+            self.judge = factory.make_judge(cfg, objectstore.local_folder(cfg.uri(cfg.model.judge)), self.threads, device)
+        self.rule = factory.import_function(cfg.reward.rule) if cfg.reward.rule else None
+        self.awake = {"policy", "judge", "trainer"}  # all loaded, all on the devices
+        self.engine_loads += 1
+        self.prompts = prompt_stream(prompts_uri, self.rank, self.world)
+        if request.resume:
+            self.checkpoints.load(self.trainer, request.resume)
+            self.sync_weights(SyncWeights())
+            log.info("dp-%d: resumed from %s (policy version %d, parameters %s)", self.rank, request.resume,
+                     self.trainer.version, self.params_sha())
+        log.info("dp-%d: engines (rollout=%s judge=%s train=%s) loaded in %.2fs, policy version %d", self.rank,
+                 cfg.rollout.backend, cfg.judge.backend, cfg.train.backend, time.perf_counter() - start, self.trainer.version)
+        return SetupEnginesResult(seconds=time.perf_counter() - start, policy_version=self.trainer.version,
+                                  stream_length=len(self.prompts))
+
+    # -- one RL step ---------------------------------------------------------------------
+
+    @handle.register
+    def rollout(self, request: Rollout) -> RolloutResult:
+        """Sample G responses for the next ``count`` prompts of this group's stream.
+
+        Generated in chunks of ``placement.stream_chunk`` prompts, chunk k seeded by (seed, step,
+        group, wave, k): the samples are the same whether the chunks run back to back here (full
+        colocation) or stream to the judge in ``rollout_and_score`` (partial)."""
+        start = time.perf_counter()
+        switch = self.take("policy")
+        batch = self._wave_prompts(request.cursor, request.count)
+        rows = [r for k, chunk in enumerate(self._chunks(batch)) for r in self._generate_chunk(request.step, request.wave, k, chunk)]
+        datasets.write_rows(request.out, rows, datasets.ROLLOUTS)
+        return self._rollout_result(request, rows, time.perf_counter() - start, switch)
+
+    @handle.register
+    def genrm_score(self, request: GenRMScore) -> GenRMScoreResult:
+        """Reward = genrm_weight * judge verdict + rule_weight * rule + overlong penalty.
+
+        The judge scores the rollout's chunks one by one (the same batches as in
+        ``rollout_and_score``, so its batched greedy verdicts are the same in both placement modes)."""
+        start = time.perf_counter()
+        switch = self.take("judge")  # full colocation: the rollout engine sleeps, the judge takes the devices
+        rows = datasets.read_table(request.rollouts, datasets.ROLLOUTS).to_pylist()
+        samples = self._chunks(rows, self.config.placement.stream_chunk * self.config.rollout.samples_per_prompt)
+        scored = [r for chunk in samples for r in self._score_chunk(chunk)]
+        datasets.write_rows(request.out, scored, datasets.SCORED)
+        return self._score_result(request.out, scored, time.perf_counter() - start, switch)
+
+    @handle.register
+    def rollout_and_score(self, request: RolloutAndScore) -> RolloutAndScoreResult:
+        """Partial colocation: ``rollout`` and ``genrm_score`` of one wave at once, same outputs.
+
+        The rollout engine and the judge are both resident. This thread generates the wave chunk
+        by chunk and puts every finished chunk on a bounded queue (``placement.queue_size``; a full
+        queue makes the generator wait); a feeder thread hands the chunks as they come to the judge
+        (``factory.JudgeProcess``: a process on its own share of the devices, so neither engine
+        waits for the other's Python) and collects the scores while the rest of the wave is still
+        generating. On a CPU the group's threads are split between the two."""
+        cfg, r = self.config, request
+        start = time.perf_counter()
+        switch = self.take("policy", "judge")
+        finished: queue.Queue = queue.Queue(maxsize=cfg.placement.queue_size)
+        scored: list[list[dict]] = []
+        judge = {"busy_s": 0.0, "error": None}
+        judge_threads = cfg.placement.judge_threads or max(1, self.threads // 2)
+
+        def judge_loop() -> None:
+            torch.set_num_threads(judge_threads)  # an in-process judge's share of the cores
+            while (rows := finished.get()) is not None:
+                if judge["error"] is not None:
+                    continue  # keep draining: the generator never blocks on a failed judge
+                t = time.perf_counter()
+                try:
+                    scored.append(self._score_chunk(rows))
+                except BaseException as e:  # noqa: BLE001 - re-raised on the command's thread
+                    judge["error"] = e
+                judge["busy_s"] += time.perf_counter() - t
+
+        thread = threading.Thread(target=judge_loop, name=f"genrm-judge-dp{self.rank}", daemon=True)
+        thread.start()
+        rows, blocked, complete = [], 0.0, False
+        torch.set_num_threads(max(1, self.threads - judge_threads))
+        try:
+            for k, chunk in enumerate(self._chunks(self._wave_prompts(r.cursor, r.count))):
+                generated = self._generate_chunk(r.step, r.wave, k, chunk)
+                rows += generated
+                t = time.perf_counter()
+                finished.put(generated)
+                blocked += time.perf_counter() - t
+                if judge["error"] is not None:
+                    break  # the wave fails: stop generating
+            else:
+                complete = True
+        finally:
+            finished.put(None)
+            torch.set_num_threads(self.threads)
+        generate_s = time.perf_counter() - start
+        if complete:
+            datasets.write_rows(r.rollouts_out, rows, datasets.ROLLOUTS)  # while the judge scores the tail
+        thread.join()
+        if judge["error"] is not None:
+            raise RuntimeError(f"dp-{self.rank}: the GenRM judge failed in wave {r.wave}") from judge["error"]
+        flat = [row for chunk in scored for row in chunk]
+        datasets.write_rows(r.scored_out, flat, datasets.SCORED)
+        seconds = time.perf_counter() - start
+        log.info("dp-%d rollout_and_score wave %d: %.2fs (generating %.2fs, judge busy %.2fs, judge after the last chunk "
+                 "%.2fs, generator waited on the queue %.2fs)", self.rank, r.wave, seconds, generate_s, judge["busy_s"],
+                 seconds - generate_s, blocked)
+        return RolloutAndScoreResult(
+            rollout=self._rollout_result(Rollout(step=r.step, wave=r.wave, cursor=r.cursor, count=r.count, out=r.rollouts_out),
+                                         rows, generate_s, switch),
+            score=self._score_result(r.scored_out, flat, judge["busy_s"], 0.0),
+            seconds=seconds, generate_s=generate_s, judge_busy_s=judge["busy_s"], judge_tail_s=seconds - generate_s,
+            queue_wait_s=blocked, switch_s=switch)
+
+    @handle.register
+    def dynamic_filter(self, request: DynamicFilter) -> DynamicFilterResult:
+        """DAPO dynamic sampling: keep prompt groups whose rewards differ, up to the target.
+
+        ``request.scored``: this step's waves so far. Groups carried over from earlier steps
+        (``carry_in``, the previous step's ``carry_out``) come first, oldest first, then this
+        step's waves in order; the first ``target_groups`` are written to ``out`` with their
+        advantages. The kept groups beyond the target are written to ``carry_out`` (schema
+        ``CARRY``: with the step that generated them) if they will be at most
+        ``sampling.max_carry_age`` steps old in the next step, and dropped otherwise;
+        ``carry_out`` is removed when nothing is carried, so a retried or resumed filter leaves
+        exactly its own answer."""
+        cfg, r = self.config, request
+        max_age = cfg.sampling.max_carry_age
+        carried: dict[tuple[int, int, int], list[dict]] = defaultdict(list)  # (step, wave, prompt_id): rows
+        if r.carry_in:
+            for row in datasets.read_table(r.carry_in, datasets.CARRY).to_pylist():
+                carried[(row["step"], row["wave"], row["prompt_id"])].append(row)
+        too_old = [key for key in carried if r.step - key[0] > max_age]  # only if max_carry_age was lowered
+        for key in too_old:
+            del carried[key]
+        kept, equal, new_kept = [], 0, 0
+        for i, uri in enumerate(r.scored):
+            groups: dict[tuple[int, int], list[dict]] = defaultdict(list)
+            for row in datasets.read_table(uri, datasets.SCORED).to_pylist():
+                groups[(row["wave"], row["prompt_id"])].append(row | {"step": r.step})
+            for rows in groups.values():
+                if cfg.sampling.filter_equal_rewards and len({row["reward"] for row in rows}) == 1:
+                    equal += 1
+                else:
+                    kept.append(rows)
+                    new_kept += i == len(r.scored) - 1
+        candidates = list(carried.values()) + kept
+        train, rest = candidates[: r.target_groups], candidates[r.target_groups :]
+        carry = [rows for rows in rest if r.step + 1 - rows[0]["step"] <= max_age] if r.carry_out is not None else []
+        flat = [row for rows in train for row in rows]
+        advantages = group_advantages([row["reward"] for row in flat],
+                                      [hash((row["step"], row["wave"], row["prompt_id"])) for row in flat], cfg.train.advantage_scale)
+        datasets.write_rows(r.out, [row | {"advantage": a} for row, a in zip(flat, advantages)], datasets.EXPERIENCE)
+        if carry:
+            datasets.write_rows(r.carry_out, [row for rows in carry for row in rows], datasets.CARRY)
+        elif r.carry_out is not None:
+            objectstore.remove(r.carry_out)
+        used = min(len(carried), r.target_groups)
+        enough = len(train) >= r.target_groups
+        reason = "target reached" if enough else f"{len(train)}/{r.target_groups} groups kept, {equal} had equal rewards"
+        if used:
+            reason += f" ({used} carried over from earlier steps)"
+        return DynamicFilterResult(
+            uri=r.out, kept=len(train), dropped_equal=equal, new_kept=new_kept, enough=enough, reason=reason, carried_in=used,
+            surplus=len(rest), carried_out=len(carry), surplus_dropped=len(rest) - len(carry) + len(too_old),
+            carry=r.carry_out if carry else None)
+
+    @handle.register
+    def train_step(self, request: TrainStep) -> TrainStepResult:
+        """One GRPO/DAPO update; gradients are all-reduced across every DP group.
+
+        With ``train.balance_tokens`` the groups first even out their work
+        (``engines.balance.balanced_batch``); the update is the same without it, up to float
+        summation order."""
+        t = self.config.train
+        start = time.perf_counter()
+        switch = self.take("trainer")  # training takes the group's devices (both placement modes)
+        rows = datasets.read_table(request.experience, datasets.EXPERIENCE).to_pylist()
+        batch, balanced = balance.balanced_batch(self.rank, self.world, request.experience, rows, t.minibatches, t.balance_tokens)
+        metrics = self.trainer.train_step(batch, minibatches=t.minibatches, aggregation=t.loss_aggregation, clip_low=t.clip_low,
+                                          clip_high=t.clip_high, kl_coef=t.kl_coef, micro_batch_tokens=t.micro_batch_tokens)
+        seconds = time.perf_counter() - start
+        return TrainStepResult(**metrics, **balanced, seconds=seconds, tokens_per_s=metrics["tokens"] / seconds if seconds else 0.0,
+                               sequences=len(batch), policy_version=self.trainer.version, params_sha=self.params_sha(),
+                               switch_s=switch, engine_loads=self.engine_loads)
+
+    @handle.register
+    def sync_weights(self, request: SyncWeights) -> SyncWeightsResult:
+        """Trainer → rollout engine, by Hugging Face parameter name."""
+        start = time.perf_counter()
+        switch = self.take("policy", "trainer")  # a sleeping vLLM engine cannot load weights
+        count = self.policy.update_weights(self.trainer.export_weights())
+        return SyncWeightsResult(tensors=count, seconds=time.perf_counter() - start, switch_s=switch)
+
+    @handle.register
+    def checkpoint(self, request: Checkpoint) -> CheckpointResult:
+        """This rank's share of a checkpoint (``engines/checkpointing.py``), written in the
+        background with ``checkpoint.asynchronous``; the controller commits the manifest."""
+        self.take(*self.awake | {"trainer"})  # awake after sync_weights anyway; a sleeping trainer is never read
+        return self.checkpoints.save(self.trainer, request.uri, self.config.checkpoint.asynchronous)
+
+    @handle.register
+    def checkpoint_wait(self, request: CheckpointWait) -> CheckpointWaitResult:
+        return self.checkpoints.wait()
+
+    # -- around the run ------------------------------------------------------------------
+
+    @handle.register
+    def evaluate(self, request: Evaluate) -> EvaluateResult:
+        """Greedy decoding of this rank's share of held-out prompts, scored by the reward rule."""
+        rows = datasets.read_table(request.uri, datasets.PROMPTS).slice(0, request.limit).to_pylist()[self.rank :: self.world]
+        if not rows or self.rule is None:
+            return EvaluateResult(correct=0.0, total=0)
+        self.take("policy")
+        outs = self.policy.generate([r["prompt"] for r in rows], greedy=True, max_new_tokens=self.config.rollout.max_new_tokens)
+        correct = sum(float(self.rule(rows[o.prompt_index]["prompt"], o.response, rows[o.prompt_index]["answer"])) for o in outs)
+        return EvaluateResult(correct=correct, total=len(rows))
+
+    @handle.register
+    def export_policy(self, request: ExportPolicy) -> ExportPolicyResult:
+        """The current policy as a Hugging Face folder (MANIFEST.json last). A sleeping trainer
+        is not woken: its weights are read from its host copy."""
+        if self.rank == 0:
+            with tempfile.TemporaryDirectory() as tmp:
+                self.trainer.save_hf(tmp)
+                objectstore.upload_folder(tmp, request.uri)
+        return ExportPolicyResult(uri=request.uri)
+
+    @handle.register
+    def ping(self, request: Ping) -> PingResult:
+        return PingResult(pid=os.getpid(), rank=self.rank)
+
+    # -- placement -----------------------------------------------------------------------
+
+    def take(self, *engines: str) -> float:
+        """Make ``engines`` (of "policy", "judge", "trainer") the ones holding the group's devices:
+        the others release them first (``sleep``: vLLM offloads its weights and drops its KV
+        cache; the Megatron trainer moves weights, gradients and optimizer state to host memory,
+        ``engines/offload.py``), then these wake. Answers the seconds the switch took.
+
+        Full colocation switches at every stage (rollout → score → train → sync); partial keeps
+        policy and judge resident together through ``rollout_and_score``, and training still
+        takes the devices alone. Stages that only read the trainer's weights (``export_policy``,
+        ``params_sha``) read a sleeping trainer's host copy."""
+        start = time.perf_counter()
+        engines_by_name = {"policy": self.policy, "judge": self.judge, "trainer": self.trainer}
+        for name in sorted(self.awake - set(engines)):
+            if engines_by_name[name] is not None:
+                engines_by_name[name].sleep()
+            self.awake.discard(name)
+        for name in engines:
+            if name not in self.awake and engines_by_name[name] is not None:
+                engines_by_name[name].wake()
+            self.awake.add(name)
+        return time.perf_counter() - start
+
+    # -- the pieces both placement modes share (same chunks, same seeds, same judge batches) --
+
+    def _wave_prompts(self, cursor: int, count: int) -> list[dict]:
+        batch = [self.prompts[(cursor + i) % len(self.prompts)] for i in range(count)]
+        if (cursor + count - 1) // len(self.prompts) > cursor // len(self.prompts):
+            log.warning("dp-%d: all %d prompts of this group's stream trained; starting it again (another epoch)", self.rank, len(self.prompts))
+        return batch
+
+    def _chunks(self, batch: list, size: int | None = None) -> list[list]:
+        """``batch`` in pieces of ``size`` (default ``placement.stream_chunk``: prompts per chunk)."""
+        size = size or self.config.placement.stream_chunk
+        return [batch[i : i + size] for i in range(0, len(batch), size)]
+
+    def _generate_chunk(self, step: int, wave: int, k: int, chunk: list[dict]) -> list[dict]:
+        """Rollout rows of chunk ``k`` of a wave: G samples per prompt, prompt-major."""
+        ro = self.config.rollout
+        gens = self.policy.generate([row["prompt"] for row in chunk], n=ro.samples_per_prompt, temperature=ro.temperature,
+                                    top_p=ro.top_p, max_new_tokens=ro.max_new_tokens,
+                                    seed=stable_seed(self.config.seed, step, self.rank, wave, k))
+        return [{
+            "prompt_id": chunk[g.prompt_index]["prompt_id"], "sample_index": j % ro.samples_per_prompt,
+            "policy_version": self.trainer.version, "wave": wave, "prompt": chunk[g.prompt_index]["prompt"],
+            "answer": chunk[g.prompt_index]["answer"],
+            "image": chunk[g.prompt_index].get("image"),  # carried, not read: the engines here are text-only
+            "prompt_ids": g.prompt_ids, "response": g.response, "response_ids": g.response_ids,
+            "logprobs": g.logprobs, "truncated": g.truncated,
+        } for j, g in enumerate(gens)]
+
+    def _score_chunk(self, rows: list[dict]) -> list[dict]:
+        """``rows`` with their verdicts and rewards (new dicts: the rollout rows are left as they are)."""
+        cfg = self.config
+        verdicts = [None] * len(rows)
+        if self.judge is not None and rows:
+            judge_prompts = [cfg.judge.template.format(prompt=r["prompt"], response=r["response"], answer=r["answer"] or "") for r in rows]
+            verdicts = [o.response.strip() for o in self.judge.generate(judge_prompts, greedy=True, max_new_tokens=cfg.judge.max_new_tokens)]
+        out = []
+        for r, verdict in zip(rows, verdicts):
+            genrm = None if verdict is None else float(verdict.startswith(cfg.judge.good))
+            rule = float(self.rule(r["prompt"], r["response"], r["answer"])) if self.rule else None
+            reward = cfg.reward.genrm_weight * (genrm or 0.0) + (cfg.reward.rule_weight * rule if rule is not None else 0.0)
+            reward += overlong_penalty(len(r["response_ids"]), cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
+            out.append(r | {"judge_text": verdict, "genrm_reward": genrm, "rule_reward": rule, "reward": reward})
+        return out
+
+    def _rollout_result(self, r: Rollout, rows: list[dict], seconds: float, switch: float) -> RolloutResult:
+        tokens = sum(len(row["response_ids"]) for row in rows)
+        log.info("dp-%d rollout wave %d: %d prompts x %d samples, %d tokens in %.2fs", self.rank, r.wave, r.count,
+                 self.config.rollout.samples_per_prompt, tokens, seconds)
+        return RolloutResult(uri=r.out, cursor=r.cursor + r.count, prompts=r.count, samples=len(rows), tokens=tokens, seconds=seconds,
+                             truncated=sum(row["truncated"] for row in rows), switch_s=switch)
+
+    def _score_result(self, uri: str, rows: list[dict], seconds: float, switch: float) -> GenRMScoreResult:
+        good, bad = self.config.judge.good, self.config.judge.bad
+        unparsed = sum(r["judge_text"] is not None and not r["judge_text"].startswith((good, bad)) for r in rows)
+        known = [r for r in rows if r["genrm_reward"] is not None and r["rule_reward"] is not None and r["answer"] is not None]
+        rules = [r["rule_reward"] for r in rows if r["rule_reward"] is not None]
+        return GenRMScoreResult(
+            uri=uri, reward_mean=sum(r["reward"] for r in rows) / max(len(rows), 1),
+            accuracy=sum(rules) / len(rules) if rules else None,
+            judge_agreement=sum(r["genrm_reward"] == r["rule_reward"] for r in known) / len(known) if known else None,
+            unparsed_verdicts=unparsed, seconds=seconds, switch_s=switch)
+
+    def params_sha(self) -> str:
+        """Fingerprint of the trainer's parameters: equal on every replica after a step."""
+        h = hashlib.sha256()
+        for _, p in self.trainer.export_weights():
+            # the raw bytes, whatever the device and dtype (numpy has no bfloat16)
+            h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:16]

@@ -1,0 +1,93 @@
+"""The command contract between controller and engine host (``engines/commands.py``): each stage
+named once, one handler per request type, engines behind explicit protocols, and requests that
+travel as JSON to a real host process and come back as typed results or errors."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+
+import pytest
+
+from engines.commands import REQUESTS, Ping, PingResult, Request, Shutdown, SyncWeights
+from engines.protocols import Generator, Trainer
+from engines.worker import Worker
+from tasks import stages
+
+
+def handlers() -> dict:
+    return {kind: fn for kind, fn in Worker.__dict__["handle"].dispatcher.registry.items() if kind is not object}
+
+
+def test_every_stage_has_one_request_one_handler_and_one_task_of_its_name():
+    assert set(handlers()) == set(REQUESTS.values()) - {Shutdown}  # the channel answers Shutdown itself
+    for stage, kind in REQUESTS.items():
+        assert issubclass(kind, Request) and kind.stage == stage
+        if kind is Shutdown:
+            continue
+        assert handlers()[kind].__name__ == stage, f"{kind.__name__} is handled by {handlers()[kind].__name__}"
+        if kind is not Ping:
+            assert inspect.iscoroutinefunction(getattr(stages, stage).fn), f"no Prefect task named {stage}"
+
+
+def _members(protocol) -> list[str]:
+    return [name for name, value in vars(protocol).items() if inspect.isfunction(value) and not name.startswith("_")]
+
+
+def _accepts(method, protocol_method) -> bool:
+    """``method`` takes every parameter of ``protocol_method`` by name (or takes ``**kwargs``)."""
+    params = inspect.signature(method).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return True
+    return set(inspect.signature(protocol_method).parameters) <= set(params)
+
+
+def _engine_classes():
+    from engines.factory import JudgeProcess
+    from engines.stub import TimingStubGenerator, TimingStubTrainer
+    from engines.torch_engines import TorchGenerator, TorchTrainer
+    from engines.vllm_engine import VLLMGenerator
+
+    generators, trainers = [TorchGenerator, VLLMGenerator, TimingStubGenerator, JudgeProcess], [TorchTrainer, TimingStubTrainer]
+    try:
+        from engines.megatron_engine import MegatronTrainer
+    except ImportError:  # megatron-core not installed (make install without make engines)
+        pass
+    else:
+        trainers.append(MegatronTrainer)
+    return [(Generator, c) for c in generators] + [(Trainer, c) for c in trainers]
+
+
+@pytest.mark.parametrize("protocol, engine", _engine_classes(), ids=lambda x: x.__name__)
+def test_engines_implement_their_protocol(protocol, engine):
+    for name in _members(protocol):
+        method = getattr(engine, name, None)
+        assert callable(method), f"{engine.__name__} has no {protocol.__name__}.{name}"
+        assert _accepts(method, getattr(protocol, name)), \
+            f"{engine.__name__}.{name}{inspect.signature(method)} does not take {protocol.__name__}.{name}'s parameters"
+
+
+def test_requests_travel_as_json_to_a_real_host_and_errors_come_back_named():
+    """A real host process: a typed result comes back; an unknown stage, a field of the wrong type
+    and a stage that fails inside the host each come back as an error naming what was wrong, and
+    the host still answers afterwards."""
+    from engines.channel import HostError, client
+    from engines.host import LocalHosts
+
+    with LocalHosts("commands-test", 1, 1, 120):
+        host = client("commands-test", 0)
+        pong = host.call(Ping())[0]
+        assert isinstance(pong, PingResult) and pong.pid != os.getpid() and pong.rank == 0 and pong.host_s >= 0
+
+        def raw(message: dict) -> dict:
+            host._conn.send_bytes(json.dumps(message).encode())
+            return json.loads(host._conn.recv_bytes())
+
+        assert "unknown stage 'score'" in raw({"stage": "score", "fields": {}})["error"]
+        wrong = raw({"stage": "rollout", "fields": {"step": "three", "wave": 0, "cursor": 0, "count": 4, "out": "x"}})["error"]
+        assert "ValidationError" in wrong and "step" in wrong
+        with pytest.raises(HostError, match="'sync_weights' failed in the engine host") as failed:
+            host.call(SyncWeights())  # no engines loaded: nothing was set up
+        assert "Traceback" in str(failed.value)
+        assert host.call(Ping())[0].pid == pong.pid
