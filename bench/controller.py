@@ -129,7 +129,9 @@ class Meter:
             self.first_iteration_rss = snap["rss"]
         return snap
 
-    def end(self, step: int, before: dict, metrics: dict) -> None:
+    def end(self, step: int, before: dict, metrics) -> None:
+        """``metrics``: the step's (yattflow's ``StepMetrics``, the single controller's dict)."""
+        metrics = metrics if isinstance(metrics, dict) else metrics.model_dump()
         after = self.snapshot()
         delta = {k: after[k] - before[k] for k in before if k not in ("rss",)}
         self.steps.append({"step": step, "seconds": delta.pop("t"), "rss_after": after["rss"], **delta,

@@ -96,6 +96,7 @@ class Worker:
         policy_dir = objectstore.local_folder(cfg.uri(cfg.model.policy))
         self.trainer = factory.make_trainer(cfg, policy_dir, device)
         self.policy = factory.make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads, device)
+        self.judge = None
         if cfg.reward.genrm_weight > 0:
             self.judge = factory.make_judge(cfg, objectstore.local_folder(cfg.uri(cfg.model.judge)), self.threads, device)
         self.rule = factory.import_function(cfg.reward.rule) if cfg.reward.rule else None
