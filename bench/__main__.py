@@ -16,7 +16,7 @@ appear once it returns ``rows``.
 
 What is "baseline" differs per module (see each module's docstring): raw ``LLM.generate``
 (rollout), the SQLite Prefect server against PostgreSQL (overhead), unbalanced DP groups
-(balance), a synchronous checkpoint (checkpoint), fixed waves (sampling), full colocation (placement), a single controller
+(balance), a synchronous checkpoint (checkpoint), Prefect's own server on SQLite (embedded), fixed waves (sampling), full colocation (placement), a single controller
 that gathers and scatters every stage's data (controller), the SQLite server against PostgreSQL at 1-64 DP
 groups with timing-stub engines, and Prefect's floor beside each (scale), Prefect's default server against
 one with a batched task-run recorder (floor). ``megatron_gpu`` needs CUDA and is
@@ -43,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-ORDER = ["rollout", "balance", "checkpoint", "sampling", "placement", "controller", "overhead", "floor", "scale", "megatron_gpu"]
+ORDER = ["rollout", "balance", "checkpoint", "sampling", "placement", "controller", "embedded", "overhead", "floor", "scale",
+         "megatron_gpu"]
 # run on their own only: seeds is the demo ten times over (~40 min), a learning check, not a speed figure
 APART = {"seeds"}
 QUICK = {
@@ -53,6 +54,7 @@ QUICK = {
     "sampling": "--steps 8",
     "placement": "--repeats 1 --full-threads 1",
     "controller": "--steps 2",
+    "embedded": "--steps 10",
     "overhead": "--scaling '' --steps 4",
     "floor": "--dps 4 --repeats 1",
     "scale": "--dps 1,4,16 --steps 3 --real-steps 3",

@@ -1,6 +1,7 @@
 """``yattflow``: the command line.
 
-In-process (Prefect's local ephemeral API, or the server ``PREFECT_API_URL`` names):
+In-process (on the server ``PREFECT_API_URL`` names, else on a temporary local server started for
+the command and stopped after it, on Prefect's default SQLite database):
 
     yattflow prepare [-c run.yaml] [key=value ...]   build the demo's datasets and tiny models
     yattflow train   [-c run.yaml] [key=value ...]   run (or resume) RL training
@@ -21,9 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -37,6 +41,7 @@ POOL_TEMPLATES = {PROCESS_POOL: ("process", ROOT / "deployments" / "process-gpu.
                   K8S_POOL: ("kubernetes", ROOT / "deployments" / "kubernetes-gpu.json")}
 TRAIN_DEPLOYMENT = "train/yattflow"
 DEFAULT_PORT = 4200
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when its parent dies
 # Settings `yattflow server` starts Prefect's server with (the environment overrides each). By
 # default the server's task-run recorder writes every task-run event in a transaction of its own;
 # batched, task states reach the database within half a second, and Prefect's own cost per DP
@@ -62,6 +67,60 @@ def main(argv: list[str] | None = None) -> int:
     return _in_process(argv)
 
 
+def _prefect_server(port: int, env: dict, log, host: str = "127.0.0.1") -> subprocess.Popen:
+    """``prefect server start`` with immediate SQLite write transactions (``flows/prefect_server.py``)
+    on ``host:port``, its output to ``log``. It ends with this process: a parent that dies (even of
+    SIGKILL) takes its server with it (Linux)."""
+
+    def die_with_parent() -> None:
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except OSError:  # not Linux: the server outlives a killed parent, as Prefect's own would
+            pass
+
+    return subprocess.Popen([sys.executable, "-m", "flows.prefect_server", "server", "start", "--host", host, "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+
+
+@contextlib.contextmanager
+def _local_api():
+    """The Prefect API for an in-process command: ``PREFECT_API_URL`` when one is set (environment or
+    profile), else a temporary server on a free loopback port for this command alone (no UI; its
+    log: ``$PREFECT_HOME/yattflow-temporary-server.log``)."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    if settings.api.url:
+        yield settings.api.url
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/api"
+    log_path = Path(settings.home) / "yattflow-temporary-server.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = _prefect_server(port, {**SERVER_SETTINGS, **os.environ, "PREFECT_UI_ENABLED": "0"}, log)
+    try:
+        deadline = time.time() + 120
+        while not _healthy(url):
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"the temporary Prefect server did not start; see {log_path}")
+            time.sleep(0.25)
+        with _use_api(url):
+            try:
+                yield url
+            finally:  # the last log lines and events, while the server still listens
+                from prefect.events.worker import EventsWorker
+                from prefect.logging.handlers import APILogWorker
+
+                APILogWorker.drain_all(timeout=5)
+                EventsWorker.drain_all(timeout=5)
+    finally:
+        _stop(proc, "the temporary Prefect server")
+        os.environ.pop("PREFECT_API_URL", None)
+
+
 def _in_process(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="yattflow", description="RLHF training where every RL iteration is a Prefect flow.",
@@ -83,13 +142,14 @@ def _in_process(argv: list[str]) -> int:
     from flows.training import train
 
     start = time.perf_counter()
-    if args.command in ("prepare", "demo"):
-        prepare(config_file=args.config, overrides=args.overrides)
-    if args.command in ("train", "demo"):
-        summary = asyncio.run(train(config_file=args.config, overrides=args.overrides))
-        pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
-        print(f"\nrun '{config.name}': held-out exact-match accuracy {pct(summary['heldout_before'])} (SFT) "
-              f"→ {pct(summary['heldout_after'])} (after {config.steps} RL steps); final policy: {summary['final_model']}")
+    with _local_api():
+        if args.command in ("prepare", "demo"):
+            prepare(config_file=args.config, overrides=args.overrides)
+        if args.command in ("train", "demo"):
+            summary = asyncio.run(train(config_file=args.config, overrides=args.overrides))
+            pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+            print(f"\nrun '{config.name}': held-out exact-match accuracy {pct(summary['heldout_before'])} (SFT) "
+                  f"→ {pct(summary['heldout_after'])} (after {config.steps} RL steps); final policy: {summary['final_model']}")
     print(f"yattflow {args.command}: done in {time.perf_counter() - start:.0f}s")
     return 0
 
@@ -192,8 +252,7 @@ def server(argv: list[str]) -> int:
     procs: list[tuple[subprocess.Popen, str]] = []
     try:
         with open(log_path, "ab") as log:
-            srv = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                    "--port", str(args.port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+            srv = _prefect_server(args.port, env, log)
         procs.append((srv, "server"))
         deadline = time.time() + 120
         while not _healthy(api_url):

@@ -524,3 +524,46 @@ def test_yattflow_server_starts_server_and_worker_and_ctrl_c_stops_both(tmp_path
     assert not any(Path(f"/proc/{k}").exists() for k in kids)
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{api}/health", timeout=2)
+
+
+def test_train_without_a_server_runs_on_a_temporary_one_whose_sqlite_writes_never_fail(prepared, tmp_path):
+    """No PREFECT_API_URL: ``yattflow train`` starts a temporary Prefect server on SQLite for the
+    command (``flows/prefect_server.py``) and stops it after. Its write transactions are
+    immediate, so concurrent writers (the next iteration's sub-flow, the task-run recorder, two DP
+    groups) wait their turn: the server never answers "database is locked" (with Prefect's
+    deferred transactions it did at almost every step, and the client waited 2 s each time)."""
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
+        "PREFECT_HOME": str(home), "PREFECT_API_LOG_RETRYABLE_ERRORS": "true"}
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "train", *TINY, f"storage.root={prepared}", "name=temporary-server",
+                           "steps=4", "dp=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "step 4/4" in done.stdout + done.stderr
+    server_log = (home / "yattflow-temporary-server.log").read_text()
+    assert "Server stopped!" in server_log, server_log[-2000:]  # the run used the temporary server ...
+    assert "retryable exception" not in server_log and "database is locked" not in server_log, server_log[-3000:]
+    # ... and it is gone
+    assert not subprocess.run(["pgrep", "-f", f"flows.prefect_server.*{home}"], capture_output=True).stdout
+
+
+def test_a_killed_cli_takes_its_temporary_server_with_it(tmp_path):
+    """kill -9 of ``yattflow`` leaves no Prefect server behind: the server gets SIGTERM when its parent dies."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", f"storage.root={tmp_path / 'store'}", "name=killed"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, server = time.time() + 120, None
+        while server is None:
+            assert proc.poll() is None and time.time() < deadline
+            kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+            server = next((k for k in kids if b"flows.prefect_server" in Path(f"/proc/{k}/cmdline").read_bytes()), None)
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.time() + 30
+    while Path(f"/proc/{server}").exists() and b"zombie" not in subprocess.run(
+            ["ps", "-o", "stat=", "-p", server], capture_output=True).stdout.lower() and time.time() < deadline:
+        time.sleep(0.2)
+    state = subprocess.run(["ps", "-o", "stat=", "-p", server], capture_output=True, text=True).stdout.strip()
+    assert state in ("", "Z"), f"the temporary server {server} outlived its killed parent (state {state})"
