@@ -1,7 +1,8 @@
 """``yattflow``: the command line.
 
 In-process (on the server ``PREFECT_API_URL`` names, else on a temporary local server started for
-the command and stopped after it, on Prefect's default SQLite database):
+the command and stopped after it, on Prefect's default SQLite database). Ctrl-C or SIGTERM stop a
+run, saying the step it stopped at and its last checkpoint; the same command continues it:
 
     yattflow prepare [-c run.yaml] [key=value ...]   build the demo's datasets and tiny models
     yattflow train   [-c run.yaml] [key=value ...]   run (or resume) RL training
@@ -141,17 +142,41 @@ def _in_process(argv: list[str]) -> int:
     from flows.prepare import prepare
     from flows.training import train
 
+    def terminated(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminated)  # SIGTERM stops a run as Ctrl-C does
     start = time.perf_counter()
-    with _local_api():
-        if args.command in ("prepare", "demo"):
-            prepare(config_file=args.config, overrides=args.overrides)
-        if args.command in ("train", "demo"):
-            summary = asyncio.run(train(config_file=args.config, overrides=args.overrides))
-            pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
-            print(f"\nrun '{config.name}': held-out exact-match accuracy {pct(summary['heldout_before'])} (SFT) "
-                  f"→ {pct(summary['heldout_after'])} (after {config.steps} RL steps); final policy: {summary['final_model']}")
+    try:
+        with _local_api():
+            if args.command in ("prepare", "demo"):
+                prepare(config_file=args.config, overrides=args.overrides)
+            if args.command in ("train", "demo"):
+                summary = asyncio.run(train(config_file=args.config, overrides=args.overrides))
+                pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+                print(f"\nrun '{config.name}': held-out exact-match accuracy {pct(summary['heldout_before'])} (SFT) "
+                      f"→ {pct(summary['heldout_after'])} (after {config.steps} RL steps); final policy: {summary['final_model']}")
+    except KeyboardInterrupt:
+        print(f"\nyattflow {args.command}: {where_it_stopped(config)}", file=sys.stderr, flush=True)
+        return 130
     print(f"yattflow {args.command}: done in {time.perf_counter() - start:.0f}s")
     return 0
+
+
+def where_it_stopped(config) -> str:
+    """``stopped at step N of S; last checkpoint: step M; …`` from the run's committed state (steps 1-based)."""
+    from storage import objectstore
+    from storage.runstate import RunState
+
+    state = RunState.load(config.run_uri)
+    if state is None:
+        return f"stopped before run '{config.name}' took its first step; run the same command to start it"
+    curves = objectstore.join(config.run_uri, "curves.json")
+    points = objectstore.read_json(curves).get("points", []) if objectstore.exists(curves) else []
+    finished = max((p["step"] + 1 for p in points), default=0)
+    checkpoint = f"step {state.step + 1}" if state.step >= 0 else "none yet (it starts from step 1)"
+    return (f"stopped at step {min(finished + 1, config.steps)} of {config.steps}; last checkpoint: {checkpoint}; "
+            "run the same command to continue")
 
 
 # --------------------------------------------------------------------------- Prefect server side

@@ -567,3 +567,35 @@ def test_a_killed_cli_takes_its_temporary_server_with_it(tmp_path):
         time.sleep(0.2)
     state = subprocess.run(["ps", "-o", "stat=", "-p", server], capture_output=True, text=True).stdout.strip()
     assert state in ("", "Z"), f"the temporary server {server} outlived its killed parent (state {state})"
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_stopping_a_run_says_where_it_stands_and_leaves_nothing_running(prepared, stop):
+    """Ctrl-C or SIGTERM in the middle of a run: no traceback, a line saying the step it stopped
+    at and the last committed checkpoint (as state.json has it), and no engine host left."""
+    import psutil
+
+    from storage.runstate import RunState
+
+    name = f"stopped-{stop.name.lower()}"
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *TINY, f"storage.root={prepared}", f"name={name}",
+                             "steps=30", "dp=2", "checkpoint.every=2"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    out, deadline = [], time.time() + 300
+    for line in proc.stdout:
+        out.append(line)
+        if "step 3/30" in line or time.time() > deadline:
+            break
+    hosts = [p for p in psutil.Process(proc.pid).children(recursive=True) if "engines.host" in " ".join(p.cmdline())]
+    assert len(hosts) == 2, "".join(out[-30:])
+    proc.send_signal(stop)
+    out += proc.stdout.readlines()
+    assert proc.wait(timeout=120) == 130, "".join(out[-30:])
+    text = "".join(out)
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    state = RunState.load(f"file://{prepared}/runs/{name}")
+    stopped = re.search(r"stopped at step (\d+) of 30; last checkpoint: step (\d+); run the same command to continue", text)
+    assert stopped, text[-2000:]
+    assert int(stopped.group(1)) >= 4 and int(stopped.group(2)) == state.step + 1 >= 2
+    psutil.wait_procs(hosts, timeout=15)
+    assert not [h for h in hosts if h.is_running() and h.status() != psutil.STATUS_ZOMBIE]
