@@ -34,7 +34,7 @@ PATHS = {
     "best": {"OMP_NUM_THREADS": "2"},
     "default": {"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"},
 }
-RESULT = re.compile(r"accuracy ([\d.]+)% \(SFT\) → ([\d.]+)%")
+RESULT = re.compile(r"([\d.]+)% before RL → ([\d.]+)% after")
 SFT_STEPS = re.compile(r"policy model: held-out exact match [\d.]+% after (\d+) SFT steps")
 JUDGE = re.compile(r"judge model: held-out verdict accuracy ([\d.]+)% after (\d+) SFT steps")
 

@@ -242,12 +242,13 @@ class CheckpointWait(Request):
 
 
 class EvaluateResult(Result):
-    correct: float  # sum of the rule reward under greedy decoding
+    score_sum: float  # the sum over this rank's prompts of the held-out metric (``heldout_metric``)
     total: int
 
 
 class Evaluate(Request):
-    """Greedy decoding of this rank's share of the first ``limit`` held-out prompts, scored by the rule."""
+    """Greedy decoding of this rank's share of the first ``limit`` held-out prompts, scored by the
+    reward rule, or by the judge's verdict (1 for ``judge.good``) when there is no rule."""
 
     stage = "evaluate"
     result = EvaluateResult

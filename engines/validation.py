@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engines import rewards
 from storage import datasets, objectstore
 
 
@@ -35,13 +36,16 @@ def check_model_folder(field: str, uri: str, backend: str = "torch") -> str:
 
 
 def validate_inputs(config) -> dict:
-    """Model folders load; prompts match the schema, are non-empty, fit ``max_prompt_tokens``
-    and have unique ids."""
+    """Model folders load; the reward rule imports, takes (prompt, response, answer) and returns a
+    number; the judge's verdict words are tokens its tokenizer knows; prompts match the schema,
+    are non-empty, fit ``max_prompt_tokens``, have unique ids and the answers the rewards read."""
     policy = check_model_folder("model.policy", config.uri(config.model.policy), config.rollout.backend)
-    if config.reward.genrm_weight > 0:
-        check_model_folder("model.judge", config.uri(config.model.judge), config.judge.backend)
     from transformers import AutoTokenizer
 
+    if config.reward.genrm_weight > 0:
+        check_verdict_words(config, AutoTokenizer.from_pretrained(check_model_folder("model.judge", config.uri(config.model.judge),
+                                                                                     config.judge.backend)))
+    rule = rewards.load_rule(config.reward.rule) if config.reward.rule else None
     tokenizer = AutoTokenizer.from_pretrained(policy)
     counts = {}
     for field, path in (("data.prompts", config.data.prompts), ("data.heldout", config.data.heldout)):
@@ -66,5 +70,50 @@ def validate_inputs(config) -> dict:
                     f"{uri}: field 'prompt' is {length} tokens (prompt_id {pid}); "
                     f"the limit is data.max_prompt_tokens={config.data.max_prompt_tokens}"
                 )
+        check_answers(config, field, uri, table, rule)
         counts[field] = len(table)
     return counts
+
+
+def answers_needed_by(config, rule: rewards.Rule | None) -> list[str]:
+    """The configured rewards that read a prompt's reference answer."""
+    needed = [f"reward.rule {rule.spec} (its third parameter, answer, has no default)"] if rule and rule.needs_answer else []
+    if config.reward.genrm_weight > 0 and "{answer}" in config.judge.template:
+        needed.append("judge.template (it has an {answer} field)")
+    return needed
+
+
+def check_answers(config, field: str, uri: str, table, rule: rewards.Rule | None) -> None:
+    """Every prompt has the answer the rewards read, and the rule scores the first one as a number
+    (the reference answer as the response): a rule that cannot fails here, before any engine loads."""
+    needed = answers_needed_by(config, rule)
+    answers = table.column("answer")
+    if needed and answers.null_count:
+        missing = [pid for pid, a in zip(table.column("prompt_id").to_pylist(), answers.to_pylist()) if a is None]
+        raise InputError(
+            f"{uri} ({field}): field 'answer' is missing or null in {len(missing)} of {len(table)} rows (first prompt_id "
+            f"{missing[0]}), and {' and '.join(needed)} read(s) it: add an 'answer' column, or give the rule a default "
+            "(answer=None) if it does not need one"
+        )
+    if rule is not None:
+        first = table.slice(0, 1).to_pylist()[0]
+        try:
+            rule(first["prompt"], first["answer"] or "", first["answer"], first["prompt_id"])
+        except rewards.RewardRuleError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's function, reported by name
+            raise InputError(f"reward.rule {rule.spec} raised {type(e).__name__}: {e} on prompt_id {first['prompt_id']} of "
+                             f"{uri} (called with its reference answer as the response)") from e
+
+
+def check_verdict_words(config, tokenizer) -> None:
+    """``judge.good`` and ``judge.bad`` are spelled with tokens the judge's tokenizer knows: a word
+    it maps to the unknown token can never be generated, so every verdict would score 0."""
+    for name in ("good", "bad"):
+        word = getattr(config.judge, name)
+        ids = tokenizer(word, add_special_tokens=False)["input_ids"]
+        if not ids or (tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids):
+            raise InputError(
+                f"judge.{name}: the judge's tokenizer ({config.uri(config.model.judge)}) cannot spell '{word}' "
+                f"(token ids {ids}, unknown token {tokenizer.unk_token_id}): choose a verdict word it knows"
+            )

@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engines import balance, distributed, factory, validation
+from engines import balance, distributed, factory, rewards, validation
 from engines.algorithms import group_advantages, overlong_penalty
 from engines.checkpointing import Checkpoints
 from engines.commands import (Checkpoint, CheckpointResult, CheckpointWait, CheckpointWaitResult, DynamicFilter,
@@ -62,7 +62,7 @@ class Worker:
         self.policy: Generator | None = None  # the rollout engine
         self.judge: Generator | None = None  # the GenRM (None: no judge)
         self.trainer: Trainer | None = None
-        self.rule = None  # the reward rule, ``reward.rule`` imported
+        self.rule: rewards.Rule | None = None  # ``reward.rule``, imported
         self.prompts: list[dict] = []  # this group's stream of prompts (rows rank, rank+world, ...)
         self.checkpoints: Checkpoints | None = None
         self.engine_loads = 0  # times this host loaded its models: once per run is the point of a host
@@ -99,7 +99,7 @@ class Worker:
         self.judge = None
         if cfg.reward.genrm_weight > 0:
             self.judge = factory.make_judge(cfg, objectstore.local_folder(cfg.uri(cfg.model.judge)), self.threads, device)
-        self.rule = factory.import_function(cfg.reward.rule) if cfg.reward.rule else None
+        self.rule = rewards.load_rule(cfg.reward.rule) if cfg.reward.rule else None
         self.awake = {"policy", "judge", "trainer"}  # all loaded, all on the devices
         self.engine_loads += 1
         self.prompts = prompt_stream(prompts_uri, self.rank, self.world)
@@ -305,14 +305,20 @@ class Worker:
 
     @handle.register
     def evaluate(self, request: Evaluate) -> EvaluateResult:
-        """Greedy decoding of this rank's share of held-out prompts, scored by the reward rule."""
+        """Greedy decoding of this rank's share of held-out prompts, scored by the reward rule, or
+        by the judge's verdict when there is no rule (``flows.training.heldout_metric`` names it)."""
         rows = datasets.read_table(request.uri, datasets.PROMPTS).slice(0, request.limit).to_pylist()[self.rank :: self.world]
-        if not rows or self.rule is None:
-            return EvaluateResult(correct=0.0, total=0)
+        if not rows:
+            return EvaluateResult(score_sum=0.0, total=0)
         self.take("policy")
         outs = self.policy.generate([r["prompt"] for r in rows], greedy=True, max_new_tokens=self.config.rollout.max_new_tokens)
-        correct = sum(float(self.rule(rows[o.prompt_index]["prompt"], o.response, rows[o.prompt_index]["answer"])) for o in outs)
-        return EvaluateResult(correct=correct, total=len(rows))
+        answered = [rows[o.prompt_index] | {"response": o.response} for o in outs]
+        if self.rule is not None:
+            scores = [self.rule(r["prompt"], r["response"], r["answer"], r["prompt_id"]) for r in answered]
+        else:
+            self.take("judge")
+            scores = [float(v.startswith(self.config.judge.good)) for v in self._verdicts(answered)]
+        return EvaluateResult(score_sum=sum(scores), total=len(rows))
 
     @handle.register
     def export_policy(self, request: ExportPolicy) -> ExportPolicyResult:
@@ -380,17 +386,20 @@ class Worker:
             "logprobs": g.logprobs, "truncated": g.truncated,
         } for j, g in enumerate(gens)]
 
+    def _verdicts(self, rows: list[dict]) -> list[str]:
+        """The judge's greedy verdict on each row's response (``judge.template``)."""
+        cfg = self.config.judge
+        prompts = [cfg.template.format(prompt=r["prompt"], response=r["response"], answer=r["answer"] or "") for r in rows]
+        return [o.response.strip() for o in self.judge.generate(prompts, greedy=True, max_new_tokens=cfg.max_new_tokens)]
+
     def _score_chunk(self, rows: list[dict]) -> list[dict]:
         """``rows`` with their verdicts and rewards (new dicts: the rollout rows are left as they are)."""
         cfg = self.config
-        verdicts = [None] * len(rows)
-        if self.judge is not None and rows:
-            judge_prompts = [cfg.judge.template.format(prompt=r["prompt"], response=r["response"], answer=r["answer"] or "") for r in rows]
-            verdicts = [o.response.strip() for o in self.judge.generate(judge_prompts, greedy=True, max_new_tokens=cfg.judge.max_new_tokens)]
+        verdicts = self._verdicts(rows) if self.judge is not None and rows else [None] * len(rows)
         out = []
         for r, verdict in zip(rows, verdicts):
             genrm = None if verdict is None else float(verdict.startswith(cfg.judge.good))
-            rule = float(self.rule(r["prompt"], r["response"], r["answer"])) if self.rule else None
+            rule = self.rule(r["prompt"], r["response"], r["answer"], r["prompt_id"]) if self.rule else None
             reward = cfg.reward.genrm_weight * (genrm or 0.0) + (cfg.reward.rule_weight * rule if rule is not None else 0.0)
             reward += overlong_penalty(len(r["response_ids"]), cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
             out.append(r | {"judge_text": verdict, "genrm_reward": genrm, "rule_reward": rule, "reward": reward})

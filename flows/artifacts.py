@@ -26,7 +26,7 @@ from prefect.client.schemas.actions import ArtifactUpdate
 
 from storage import objectstore
 
-CURVE_FIELDS = ("step", "reward", "accuracy", "kept_groups", "dropped_groups", "waves", "loss", "seconds")
+CURVE_FIELDS = ("step", "reward", "accuracy", "kept_groups", "dropped_groups", "waves", "loss", "seconds", "heldout")
 SPARKS = "▁▂▃▄▅▆▇█"
 EIGHTHS = " ▏▎▍▌▋▊▉"
 
@@ -130,9 +130,11 @@ class Curves(LiveArtifact):
     """``{run}-curves``: reward and accuracy per step, redrawn after every step. The points live
     in ``runs/{run}/curves.json`` so that a resumed run draws its earlier steps too."""
 
-    def __init__(self, run: str, run_uri: str, steps: int, first_step: int, heldout_before: float | None):
+    def __init__(self, run: str, run_uri: str, steps: int, first_step: int, heldout_before: float | None,
+                 heldout_metric: str | None = None):
         super().__init__(f"{run}-curves")
         self.run, self.uri, self.steps, self.heldout_before = run, objectstore.join(run_uri, "curves.json"), steps, heldout_before
+        self.heldout_metric = heldout_metric
         points = objectstore.read_json(self.uri).get("points", []) if objectstore.exists(self.uri) else []
         self.points = [p for p in points if p["step"] < first_step]  # a resume redoes the later ones
         self._draw()
@@ -150,7 +152,7 @@ class Curves(LiveArtifact):
         self._draw(heldout_after)
 
     def _draw(self, heldout_after: float | None = None) -> None:
-        self.show(curves_markdown(self.run, self.points, self.steps, self.heldout_before, heldout_after),
+        self.show(curves_markdown(self.run, self.points, self.steps, self.heldout_before, heldout_after, self.heldout_metric),
                   f"{self.run}: reward and accuracy per step ({len(self.points)} of {self.steps} steps)")
 
 
@@ -181,16 +183,17 @@ def _pct(x: float | None) -> str:
 
 
 def curves_markdown(run: str, points: list[dict], steps: int, heldout_before: float | None,
-                    heldout_after: float | None = None, rows: int = 40) -> str:
+                    heldout_after: float | None = None, heldout_metric: str | None = None, rows: int = 40) -> str:
     done = len(points)
     heldout = (f"**{_pct(heldout_before)} → {_pct(heldout_after)}** (before → after RL)" if heldout_after is not None
                else f"**{_pct(heldout_before)}** before RL (after RL: measured when the run ends)")
-    lines = [f"# Run `{run}`: reward and accuracy, {done} of {steps} steps", "", f"Held-out exact match: {heldout}", ""]
+    heldout = f"Held-out {heldout_metric}: {heldout}" if heldout_metric else "No held-out evaluation (data.heldout is not set)"
+    lines = [f"# Run `{run}`: reward and accuracy, {done} of {steps} steps", "", heldout, ""]
     if not points:
         return "\n".join(lines + ["No step has finished yet."])
     first, last = points[0]["step"], points[-1]["step"]
     lines += [f"| per step | first | latest | min | max | step {first} → {last} |", "|---|---:|---:|---:|---:|---|"]
-    series = [("reward (mean)", "reward", lambda v: f"{v:.3f}"), ("rollout accuracy", "accuracy", _pct),
+    series = [("reward (mean)", "reward", lambda v: f"{v:.3f}"), ("rollout accuracy", "accuracy", _pct), ("held-out", "heldout", _pct),
               ("groups kept", "kept_groups", lambda v: f"{v:g}"), ("loss", "loss", lambda v: f"{v:.4f}"),
               ("seconds", "seconds", lambda v: f"{v:.2f}")]
     for label, key, fmt in series:

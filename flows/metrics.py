@@ -122,6 +122,10 @@ class StepMetrics(BaseModel):
     params_sha: str  # the trained weights' fingerprint (equal on every replica)
     checkpoint_files: list[str]
     pending_checkpoint: dict | None = None  # an asynchronous checkpoint still being written (committed next step)
+    # eval.every: the held-out metric of this step's policy (policy_version), and the checkpoint
+    # that holds those weights (None: not a checkpoint step)
+    heldout: float | None = None
+    heldout_checkpoint: str | None = None
     step_s: float | None = None  # the step as the train flow pays for it (set there)
 
     @classmethod

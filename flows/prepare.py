@@ -4,8 +4,9 @@ Nothing can be downloaded here, so ``prepare`` makes what a user would otherwise
 the config at: Arrow prompt datasets (train and held-out) and two Hugging Face folders —
 the policy, warm-started by SFT on a sloppy teacher's demonstrations, and a generative
 reward model, trained by SFT to write ``correct``/``wrong`` for a candidate answer given
-the reference. Each output is skipped when it is already committed, so ``prepare`` is
-cheap to run again.
+the reference. Each output is skipped when it is already committed (its MANIFEST.json), so
+``prepare`` is cheap to run again; an output folder that holds anything else is somebody's data
+or model, and ``prepare`` stops, naming it, rather than write over it.
 """
 
 from __future__ import annotations
@@ -25,13 +26,33 @@ from flows.training import run_label
 from storage import datasets, objectstore
 
 
+class WouldOverwrite(RuntimeError):
+    """An output of ``prepare`` is a folder it did not make: it is never overwritten."""
+
+
+def needs_building(uri: str, field: str) -> bool:
+    """Whether ``prepare`` should build its output ``uri`` (the config field ``field``): yes when
+    nothing is there, no when ``prepare`` (or any yattflow upload) committed it already (its
+    MANIFEST.json). Anything else is somebody's data or model, and ``prepare`` stops, naming it."""
+    if objectstore.exists(objectstore.join(uri, "MANIFEST.json")):
+        return False
+    if objectstore.exists(uri) and objectstore.list_files(uri):
+        raise WouldOverwrite(
+            f"{field}: {uri} already holds files that prepare did not write (it has no MANIFEST.json), and prepare never "
+            f"overwrites them: point {field} at a new folder (e.g. {field}=models/my-prepared), or move that folder away"
+        )
+    return True
+
+
 def _write_prompts(uri: str, problems: list[tuple[str, str]], first_id: int) -> None:
     table = pa.table({
         "prompt_id": pa.array(range(first_id, first_id + len(problems)), pa.int64()),
         "prompt": [p for p, _ in problems],
         "answer": [a for _, a in problems],
     })
-    datasets.write_table(objectstore.join(uri, "part-00000.parquet"), table, datasets.PROMPTS)
+    with tempfile.TemporaryDirectory() as tmp:
+        datasets.write_table(objectstore.join(tmp, "part-00000.parquet"), table, datasets.PROMPTS)
+        objectstore.upload_folder(tmp, uri)  # MANIFEST.json last: committed, and prepare's own
 
 
 def _problems(config: RunConfig) -> tuple[list, list]:
@@ -44,9 +65,12 @@ def _problems(config: RunConfig) -> tuple[list, list]:
 @task(cache_policy=NO_CACHE, task_run_name="make prompt datasets")
 def make_datasets(config: RunConfig) -> dict:
     train, heldout = _problems(config)
-    for path, problems, first in ((config.data.prompts, train, 0), (config.data.heldout, heldout, 10_000_000)):
+    for field, path, problems, first in (("data.prompts", config.data.prompts, train, 0),
+                                         ("data.heldout", config.data.heldout, heldout, 10_000_000)):
+        if path is None:
+            continue
         uri = config.uri(path)
-        if not objectstore.exists(objectstore.join(uri, "part-00000.parquet")):
+        if needs_building(uri, field):
             _write_prompts(uri, problems, first)
     return {"train": len(train), "heldout": len(heldout)}
 
@@ -63,8 +87,9 @@ def sft_model(config: RunConfig, role: str) -> dict:
     carry mistake learned); the judge until its held-out verdicts are right. Both results
     are then the same on every CPU, whatever its floating-point kernels."""
     logger = get_run_logger()
+    field = "model.policy" if role == "policy" else "model.judge"
     uri = config.uri(config.model.policy if role == "policy" else config.model.judge)
-    if objectstore.exists(objectstore.join(uri, "MANIFEST.json")):
+    if not needs_building(uri, field):
         logger.info("%s model already at %s", role, uri)
         return {"uri": uri, "skipped": True}
     p = config.prepare
@@ -117,6 +142,11 @@ def heldout_accuracy(model_dir: str, problems: list[tuple[str, str]]) -> float:
 def prepare(config_file: str | None = None, overrides: list[str] | None = None) -> dict:
     config = load_config(config_file, overrides or [])
     objectstore.check_reachable(config.uri(""))
+    outputs = {"data.prompts": config.data.prompts, "data.heldout": config.data.heldout,
+               "model.policy": config.model.policy, "model.judge": config.model.judge}
+    for field, path in outputs.items():  # refuse somebody's folder before writing anything
+        if path is not None:
+            needs_building(config.uri(path), field)
     counts = make_datasets(config)
     # One after the other: torch's global RNG seeds each model's initialisation, and two
     # threads drawing from it at once would make the demo irreproducible.

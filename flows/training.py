@@ -160,13 +160,46 @@ async def finish_checkpoint(config: RunConfig, checkpoint: dict | None) -> None:
     commit(config, checkpoint, waited_files(checkpoint, list(waited)))
 
 
-async def heldout_accuracy(config: RunConfig, label: str) -> float | None:
-    if config.data.heldout is None or config.reward.rule is None:
+class NothingToLearn(RuntimeError):
+    """``sampling.max_empty_steps`` steps in a row kept no prompt group: every reward was equal."""
+
+
+def check_empty_steps(config: RunConfig, metrics: StepMetrics, empty_steps: int) -> None:
+    """Warn about a step that kept no prompt group, naming the likely causes; stop the run after
+    ``sampling.max_empty_steps`` of them in a row."""
+    rule = (f"reward.rule {config.reward.rule}" if config.reward.rule and config.reward.rule_weight > 0 else None)
+    causes = [f"the 'answer' column of {config.data.prompts} (data.prompts) is missing or not what {rule} compares with"
+              if rule else None,
+              f"{rule} returns the same value for every response" if rule else None,
+              f"the judge ({config.model.judge}) gives every response the same verdict" if config.reward.genrm_weight > 0 else None,
+              "the task is too hard (every sample wrong) or too easy (every sample right) for the policy"]
+    message = (f"step {metrics.step + 1} kept no prompt group: all {metrics.dropped_groups} groups of "
+               f"{config.rollout.samples_per_prompt} samples had equal rewards (mean reward {metrics.reward:.3f}), so there was "
+               f"nothing to learn from ({empty_steps} such step(s) in a row). Likely causes: "
+               + "; ".join(c for c in causes if c))
+    limit = config.sampling.max_empty_steps
+    if limit is not None and empty_steps >= limit:
+        raise NothingToLearn(f"{message}. Stopped after sampling.max_empty_steps={limit} such steps; the last committed "
+                             "checkpoint is kept, and the same command continues from it once the cause is fixed")
+    get_run_logger().warning(message)
+
+
+def heldout_metric(config: RunConfig) -> str | None:
+    """What the held-out figure is (greedy decoding of ``data.heldout``): the mean rule reward,
+    or without a rule the share of the judge's ``judge.good`` verdicts; None: no held-out set."""
+    if config.data.heldout is None:
+        return None
+    return f"mean {config.reward.rule} reward" if config.reward.rule else f"judge '{config.judge.good}' rate"
+
+
+async def heldout_score(config: RunConfig, label: str) -> float | None:
+    """The held-out metric of the current policy (``heldout_metric``), computed in floating point."""
+    if config.data.heldout is None:
         return None
     uri = config.uri(config.data.heldout)
     parts = await asyncio.gather(*(stages.evaluate(config, g, uri, label) for g in range(config.dp)))
     total = sum(p.total for p in parts)
-    return sum(p.correct for p in parts) / total if total else None
+    return sum(p.score_sum for p in parts) / total if total else None
 
 
 def run_label(prefix: str):
@@ -203,24 +236,33 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
         logger.info("run %s already finished %d/%d steps", config.name, first, config.steps)
     elif end < config.steps:
         logger.info("run %s: steps %d to %d of %d in this run (steps_per_run=%d)", config.name, first, end - 1, config.steps, config.steps_per_run)
-    history = []
+    history, metric = [], heldout_metric(config)
     async with engine_hosts(config) as hosts:  # local subprocesses, or flow runs on a GPU pool (flows/hosts.py)
         await stages.validate_inputs(config)
         resume = state.checkpoint if state else None
         await asyncio.gather(*(stages.setup_engines(config, g, resume, hosts.master) for g in range(config.dp)))
         if state is None:
             state = RunState(cursors=[0] * config.dp)
-            state.heldout_before = await heldout_accuracy(config, "before")
+            state.heldout_before = await heldout_score(config, "before")
             state.save(run_uri)  # step -1, no checkpoint: a resume starts from the beginning
-            logger.info("held-out accuracy before RL: %s", _pct(state.heldout_before))
+            if metric:
+                logger.info("held-out %s before RL: %s", metric, _pct(state.heldout_before))
+            else:
+                logger.info("held-out evaluation: off (data.heldout is not set)")
         cursors, sampling = state.cursors, state.sampling or None
         run_progress = Progress(f"{config.name}-progress", config.steps, done=first).start(f"{config.name}: {first} of {config.steps} steps done")
-        curves = Curves(config.name, run_uri, config.steps, first, state.heldout_before)
+        curves = Curves(config.name, run_uri, config.steps, first, state.heldout_before, metric)
         written = None  # the last asynchronous checkpoint, still being written (committed by the next iteration)
+        empty_steps = 0  # steps in a row that kept no prompt group
         for step in range(first, end):
             began = time.perf_counter()
             metrics = await iteration(config, step, cursors, end, written, sampling)
             written, metrics.pending_checkpoint = metrics.pending_checkpoint, None
+            if metric and config.eval.every and (step + 1) % config.eval.every == 0:
+                metrics.heldout = await heldout_score(config, f"step {step}")
+                metrics.heldout_checkpoint = checkpoint_uri(run_uri, step) if is_checkpoint_step(config, step, end) else None
+                logger.info("held-out %s after step %d (policy version %d%s): %s", metric, step + 1, metrics.policy_version,
+                            f", checkpoint {metrics.heldout_checkpoint}" if metrics.heldout_checkpoint else "", _pct(metrics.heldout))
             cursors, sampling = metrics.cursors, metrics.sampling
             history.append(metrics)
             run_progress.advance(f"{config.name}: {step + 1} of {config.steps} steps done; step {step}: reward "
@@ -234,19 +276,23 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
                 metrics.reward, metrics.accuracy, metrics.kept_groups, metrics.dropped_groups, metrics.waves, metrics.step_s,
                 metrics.engine_s,
             )
+            empty_steps = empty_steps + 1 if metrics.kept_groups == 0 else 0
+            if empty_steps:
+                check_empty_steps(config, metrics, empty_steps)
         await finish_checkpoint(config, written)  # this run's last checkpoint: the next run resumes there
-        after = await heldout_accuracy(config, "after")
+        after = await heldout_score(config, "after")
         final_uri = objectstore.join(run_uri, "final")
         await stages.export_policy(config, final_uri)
     before = (RunState.load(run_uri) or state).heldout_before
-    summary = {"run": config.name, "steps": config.steps, "heldout_before": before, "heldout_after": after,
+    summary = {"run": config.name, "steps": config.steps, "heldout_metric": metric, "heldout_before": before, "heldout_after": after,
                "final_model": final_uri,
                "history": [m.model_dump(exclude={"checkpoint_files", "pending_checkpoint"}) for m in history]}
     await acreate_markdown_artifact(key=f"{config.name}-summary", markdown=_summary_markdown(summary),
-                                    description=f"{config.name}: held-out accuracy {_pct(before)} → {_pct(after)}")
+                                    description=f"{config.name}: held-out {metric or 'evaluation off'}: {_pct(before)} → {_pct(after)}")
     curves.finish(after)
     await asyncio.gather(curves.flush(), run_progress.flush())
-    logger.info("held-out accuracy: before RL %s, after RL %s", _pct(before), _pct(after))
+    if metric:
+        logger.info("held-out %s: before RL %s, after RL %s", metric, _pct(before), _pct(after))
     return summary
 
 
@@ -256,7 +302,8 @@ def _pct(x: float | None) -> str:
 
 def _summary_markdown(summary: dict) -> str:
     lines = [f"# Run `{summary['run']}`", "",
-             f"Held-out exact-match accuracy: **{_pct(summary['heldout_before'])} → {_pct(summary['heldout_after'])}**", "",
+             f"Held-out {summary['heldout_metric'] or 'evaluation: off (data.heldout is not set)'}: "
+             f"**{_pct(summary['heldout_before'])} → {_pct(summary['heldout_after'])}**", "",
              "| step | reward | accuracy | kept | dropped | waves | seconds |", "|---|---|---|---|---|---|---|"]
     for m in summary["history"]:
         lines.append(f"| {m['step']} | {m['reward']:.3f} | {m['accuracy']:.3f} | {m['kept_groups']} | {m['dropped_groups']} | {m['waves']} | {m['seconds']:.2f} |")

@@ -4,6 +4,7 @@ file and the field."""
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -73,7 +74,7 @@ def test_overrides_are_dotted_and_yaml_typed(tmp_path):
             "reward.rule=null",  # None
             "reward.genrm_weight=2",
             "storage.root=s3://bucket/prefix",  # a string with ':' and '/'
-            "judge.template='{prompt}={answer}'",  # quoted YAML; only the first '=' splits
+            "judge.template='{prompt}={response}'",  # quoted YAML; only the first '=' splits
         ],
     )
     assert config.train.lr == 0.05
@@ -84,7 +85,7 @@ def test_overrides_are_dotted_and_yaml_typed(tmp_path):
     assert config.reward.rule is None
     assert config.reward.genrm_weight == 2.0
     assert config.storage.root == "s3://bucket/prefix"
-    assert config.judge.template == "{prompt}={answer}"
+    assert config.judge.template == "{prompt}={response}"
 
 
 def test_override_without_file():
@@ -218,3 +219,31 @@ def test_recomputation_is_megatron_only_and_checked():
         load_config(None, ["train.backend=megatron", "train.recompute_modules=[everything]"])
     with pytest.raises(ConfigError, match="'train.recompute_num_layers'"):
         load_config(None, ["train.backend=megatron", "train.recompute_num_layers=0"])
+
+
+def test_every_field_is_described_and_listed_by_each_commands_help():
+    """``yattflow train --help`` (and prepare's, demo's) lists every config field with its default
+    and description: a field without a description is a defect."""
+    import subprocess
+    import sys
+
+    from pydantic import BaseModel
+
+    from engines.config import describe_fields
+
+    def leaves(section, prefix=""):
+        for name, field in section.model_fields.items():
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                yield from leaves(field.annotation, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}", field
+
+    undescribed = [key for key, field in leaves(RunConfig) if not (field.description or "").strip()]
+    assert not undescribed, f"fields without a description: {undescribed}"
+    listed = "\n".join(describe_fields())
+    for command in ("train", "prepare", "demo"):
+        out = subprocess.run([sys.executable, "-m", "flows.cli", command, "--help"], capture_output=True, text=True, timeout=60,
+                             cwd=Path(__file__).resolve().parent.parent)
+        assert out.returncode == 0 and f"usage: yattflow {command}" in out.stdout and listed in out.stdout
+    for key, _ in leaves(RunConfig):
+        assert f"\n  {key} = " in "\n" + listed, key

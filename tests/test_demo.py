@@ -36,7 +36,7 @@ def run_demo(root: Path, *overrides: str, env: dict | None = None) -> tuple[floa
         cwd=ROOT, capture_output=True, text=True, timeout=1500, env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    match = re.search(r"accuracy ([\d.]+)% \(SFT\) → ([\d.]+)%", out.stdout)
+    match = re.search(r"([\d.]+)% before RL → ([\d.]+)% after", out.stdout)
     assert match, out.stdout[-2000:]
     return float(match.group(1)), float(match.group(2))
 

@@ -172,7 +172,7 @@ def test_ui_shows_every_step_and_the_curves(prepared, browser):
     browser.click("uitest-curves").wait_for("reward and accuracy, 2 of 2 steps", "Rollout accuracy per step")
     browser.shot("6-curves.png")
     text = browser.text()
-    assert "Held-out exact match" in text and "reward (mean)" in text
+    assert "Held-out mean engines.arithmetic:exact_match reward" in text and "reward (mean)" in text
     assert any(c in text for c in "▁▂▃▄▅▆▇") and "█" in text, "no chart on the curves page"
 
 
@@ -245,7 +245,7 @@ def test_curves_markdown_stays_small_on_long_runs():
 
     points = [{"step": i, "reward": -0.5 + i / 500, "accuracy": i / 500, "kept_groups": 4, "loss": 0.1, "seconds": 2.0}
               for i in range(500)]
-    md = curves_markdown("long", points, 1000, 0.3)
+    md = curves_markdown("long", points, 1000, 0.3, heldout_metric="mean rule reward")
     assert "500 of 1000 steps" in md and "**30.0%** before RL" in md
     sparks = [line.split("`")[1] for line in md.splitlines() if line.startswith("| reward (mean)")]
     assert len(sparks[0]) == 60 and sparks[0][0] == "▁" and sparks[0][-1] == "█"

@@ -1,0 +1,95 @@
+"""The reward rule: a user's function ``rule(prompt, response, answer) -> number``.
+
+``reward.rule`` names it as ``module:function`` (the module must be importable by the engine
+hosts: on their ``PYTHONPATH`` or in their working directory) or as ``path/to/file.py:function``
+(a path relative to the working directory; the file's folder is put on ``sys.path`` so that it
+can import its neighbours). ``load_rule`` imports it and checks how it can be called before any
+engine loads; every value it returns is checked as it is used, so that a rule returning a string
+fails naming itself, the prompt and the value instead of deep inside the reward sum.
+
+A rule that does not need the reference answer says so with a default (``answer=None``): then
+a prompts file without an ``answer`` column is fine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+
+class RewardRuleError(ValueError):
+    """The reward rule cannot be imported or called, or returned something other than a number."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    spec: str  # as configured: reward.rule
+    function: Callable
+    needs_answer: bool  # the function's third parameter has no default
+
+    def __call__(self, prompt: str, response: str, answer: str | None, prompt_id: int) -> float:
+        value = self.function(prompt, response, answer)
+        if isinstance(value, numbers.Real) and math.isfinite(value):
+            return float(value)
+        raise RewardRuleError(
+            f"reward.rule {self.spec} returned {value!r} ({type(value).__name__}) for prompt_id {prompt_id}: "
+            "a reward rule must return a finite number (int, float or bool)"
+        )
+
+
+def load_rule(spec: str) -> Rule:
+    """Import ``module:function`` or ``file.py:function`` and check that it takes (prompt, response, answer)."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise RewardRuleError(f"reward.rule: '{spec}' is neither 'module:function' nor 'path/to/file.py:function'")
+    if where.endswith(".py") or "/" in where:
+        module = _import_file(spec, Path(where))
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise RewardRuleError(
+                f"reward.rule: cannot import module '{where}' ({type(e).__name__}: {e}); the engine hosts import it, so it "
+                f"must be on their PYTHONPATH (working directory {Path.cwd()}), or give the file: "
+                f"reward.rule=path/to/{where.replace('.', '/')}.py:{name}"
+            ) from e
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise RewardRuleError(f"reward.rule: {where} has no function '{name}'")
+    try:
+        signature = inspect.signature(function)
+        signature.bind("prompt", "response", "answer")
+    except TypeError as e:
+        raise RewardRuleError(
+            f"reward.rule {spec}: a rule is called as {name}(prompt, response, answer), but it takes {signature} ({e})"
+        ) from e
+    except ValueError:  # a builtin without a signature: take it as it is
+        return Rule(spec, function, needs_answer=True)
+    try:
+        signature.bind("prompt", "response")
+        needs_answer = False
+    except TypeError:
+        needs_answer = True
+    return Rule(spec, function, needs_answer)
+
+
+def _import_file(spec: str, path: Path):
+    if not path.is_file():
+        raise RewardRuleError(f"reward.rule {spec}: no file {path.resolve()}")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)  # as `python file.py` would: the rule may import its neighbours
+    module_spec = importlib.util.spec_from_file_location(f"yattflow_rule_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's file is reported by name
+        raise RewardRuleError(f"reward.rule {spec}: importing {path} failed ({type(e).__name__}: {e})") from e
+    return module
