@@ -4,7 +4,7 @@ Nothing can be downloaded here, so ``prepare`` makes what a user would otherwise
 the config at: Arrow prompt datasets (train and held-out) and two Hugging Face folders —
 the policy, warm-started by SFT on a sloppy teacher's demonstrations, and a generative
 reward model, trained by SFT to write ``correct``/``wrong`` for a candidate answer given
-the reference. Each output is skipped when it is already committed (its MANIFEST.json), so
+the reference. Each output is skipped when it is already committed (its manifest), so
 ``prepare`` is cheap to run again; an output folder that holds anything else is somebody's data
 or model, and ``prepare`` stops, naming it, rather than write over it.
 """
@@ -30,16 +30,23 @@ class WouldOverwrite(RuntimeError):
     """An output of ``prepare`` is a folder it did not make: it is never overwritten."""
 
 
+# A dataset's commit marker: with a leading underscore, which Parquet readers (pyarrow, pandas,
+# Spark) skip, so the folder still reads as a dataset outside yattflow too.
+DATASET_MANIFEST = "_MANIFEST.json"
+
+
 def needs_building(uri: str, field: str) -> bool:
     """Whether ``prepare`` should build its output ``uri`` (the config field ``field``): yes when
-    nothing is there, no when ``prepare`` (or any yattflow upload) committed it already (its
-    MANIFEST.json). Anything else is somebody's data or model, and ``prepare`` stops, naming it."""
-    if objectstore.exists(objectstore.join(uri, "MANIFEST.json")):
+    nothing is there, no when ``prepare`` (or any yattflow upload) committed it already (a model's
+    MANIFEST.json, a dataset's _MANIFEST.json). Anything else is somebody's data or model, and
+    ``prepare`` stops, naming it."""
+    if any(objectstore.exists(objectstore.join(uri, marker)) for marker in ("MANIFEST.json", DATASET_MANIFEST)):
         return False
     if objectstore.exists(uri) and objectstore.list_files(uri):
         raise WouldOverwrite(
-            f"{field}: {uri} already holds files that prepare did not write (it has no MANIFEST.json), and prepare never "
-            f"overwrites them: point {field} at a new folder (e.g. {field}=models/my-prepared), or move that folder away"
+            f"{field}: {uri} already holds files that prepare did not write (it has no MANIFEST.json or "
+            f"{DATASET_MANIFEST}), and prepare never overwrites them: point {field} at a new folder (e.g. "
+            f"{field}=models/my-prepared), or move that folder away"
         )
     return True
 
@@ -50,9 +57,8 @@ def _write_prompts(uri: str, problems: list[tuple[str, str]], first_id: int) -> 
         "prompt": [p for p, _ in problems],
         "answer": [a for _, a in problems],
     })
-    with tempfile.TemporaryDirectory() as tmp:
-        datasets.write_table(objectstore.join(tmp, "part-00000.parquet"), table, datasets.PROMPTS)
-        objectstore.upload_folder(tmp, uri)  # MANIFEST.json last: committed, and prepare's own
+    datasets.write_table(objectstore.join(uri, "part-00000.parquet"), table, datasets.PROMPTS)
+    objectstore.write_json(objectstore.join(uri, DATASET_MANIFEST), {"files": ["part-00000.parquet"]})  # last: committed
 
 
 def _problems(config: RunConfig) -> tuple[list, list]:
