@@ -346,7 +346,9 @@ def test_deployed_hosts_end_with_their_training_run(prepared, deployed, worker, 
         final = wait_final(host.id, timeout=120).state
         on_its_own = final.is_failed() and any(reason in final.message for reason in (
             "exited with code 3", "the training run ended"))  # the connection dropped / the run's state is final
-        assert on_its_own or (how == "cancel" and final.is_completed()), final
+        # a cancel: the run shuts its hosts down on its way out (Completed), unless Prefect's own
+        # cancellation of the cancelled run's child runs reaches a host first (Cancelled; seen in CI)
+        assert on_its_own or (how == "cancel" and (final.is_completed() or final.is_cancelled())), final
     deadline = time.time() + 30
     while any(Path(f"/proc/{pid}").exists() for pid in pids):
         assert time.time() < deadline, f"engine host processes {pids} outlived their run"
