@@ -178,22 +178,23 @@ def bar(value: float | None, lo: float, hi: float, width: int = 20) -> str:
     return "█" * (eighths // 8) + (EIGHTHS[eighths % 8] if eighths % 8 else "")
 
 
-def _pct(x: float | None) -> str:
+def percent(x: float | None) -> str:
+    """``31.2%``, or ``n/a`` for a figure not measured."""
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
 def curves_markdown(run: str, points: list[dict], steps: int, heldout_before: float | None,
                     heldout_after: float | None = None, heldout_metric: str | None = None, rows: int = 40) -> str:
     done = len(points)
-    heldout = (f"**{_pct(heldout_before)} → {_pct(heldout_after)}** (before → after RL)" if heldout_after is not None
-               else f"**{_pct(heldout_before)}** before RL (after RL: measured when the run ends)")
+    heldout = (f"**{percent(heldout_before)} → {percent(heldout_after)}** (before → after RL)" if heldout_after is not None
+               else f"**{percent(heldout_before)}** before RL (after RL: measured when the run ends)")
     heldout = f"Held-out {heldout_metric}: {heldout}" if heldout_metric else "No held-out evaluation (data.heldout is not set)"
     lines = [f"# Run `{run}`: reward and accuracy, {done} of {steps} steps", "", heldout, ""]
     if not points:
         return "\n".join(lines + ["No step has finished yet."])
     first, last = points[0]["step"], points[-1]["step"]
     lines += [f"| per step | first | latest | min | max | step {first} → {last} |", "|---|---:|---:|---:|---:|---|"]
-    series = [("reward (mean)", "reward", lambda v: f"{v:.3f}"), ("rollout accuracy", "accuracy", _pct), ("held-out", "heldout", _pct),
+    series = [("reward (mean)", "reward", lambda v: f"{v:.3f}"), ("rollout accuracy", "accuracy", percent), ("held-out", "heldout", percent),
               ("groups kept", "kept_groups", lambda v: f"{v:g}"), ("loss", "loss", lambda v: f"{v:.4f}"),
               ("seconds", "seconds", lambda v: f"{v:.2f}")]
     for label, key, fmt in series:
@@ -208,7 +209,7 @@ def curves_markdown(run: str, points: list[dict], steps: int, heldout_before: fl
     latest = f", the latest {rows} steps" if len(points) > rows else ""
     # one chart per metric, bars last on each line: block characters are not always one cell wide
     for title, key, fmt, (a, b) in (("Reward (mean)", "reward", lambda v: f"{v:.3f}", (lo, hi)),
-                                    ("Rollout accuracy", "accuracy", _pct, (0.0, 1.0))):
+                                    ("Rollout accuracy", "accuracy", percent, (0.0, 1.0))):
         lines += ["", f"{title} per step{latest}, bars from {fmt(a)} to {fmt(b)}:", "", "```text", f"{'step':>6}  {key:>8}"]
         lines += [f"{p['step']:>6}  {fmt(p[key]) if p.get(key) is not None else 'n/a':>8}  {bar(p.get(key), a, b)}" for p in shown]
         lines.append("```")

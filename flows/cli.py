@@ -182,9 +182,10 @@ def _heldout_line(summary: dict) -> str:
     """``held-out mean engines.arithmetic:exact_match reward: 31.2% before RL → 63.2% after 40 RL steps``."""
     if summary["heldout_metric"] is None:
         return "no held-out evaluation (data.heldout is not set)"
-    pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
-    return (f"held-out {summary['heldout_metric']}: {pct(summary['heldout_before'])} before RL → "
-            f"{pct(summary['heldout_after'])} after {summary['steps']} RL steps")
+    from flows.artifacts import percent
+
+    return (f"held-out {summary['heldout_metric']}: {percent(summary['heldout_before'])} before RL → "
+            f"{percent(summary['heldout_after'])} after {summary['steps']} RL steps")
 
 
 def failure_cause(error: BaseException) -> str:

@@ -25,7 +25,7 @@ from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 from engines.commands import CheckpointWaitResult
 from engines.config import RunConfig, load_config
 from engines.sampling import GroupSampling, plan_wave
-from flows.artifacts import Curves, Progress, StepProgress
+from flows.artifacts import Curves, Progress, StepProgress, percent
 from flows.hosts import engine_hosts
 from flows.metrics import GroupStep, StageClock, StepMetrics, Wave
 from storage import objectstore
@@ -167,16 +167,17 @@ class NothingToLearn(RuntimeError):
 def check_empty_steps(config: RunConfig, metrics: StepMetrics, empty_steps: int) -> None:
     """Warn about a step that kept no prompt group, naming the likely causes; stop the run after
     ``sampling.max_empty_steps`` of them in a row."""
-    rule = (f"reward.rule {config.reward.rule}" if config.reward.rule and config.reward.rule_weight > 0 else None)
-    causes = [f"the 'answer' column of {config.data.prompts} (data.prompts) is missing or not what {rule} compares with"
-              if rule else None,
-              f"{rule} returns the same value for every response" if rule else None,
-              f"the judge ({config.model.judge}) gives every response the same verdict" if config.reward.genrm_weight > 0 else None,
-              "the task is too hard (every sample wrong) or too easy (every sample right) for the policy"]
+    causes = []
+    if config.reward.rule and config.reward.rule_weight > 0:
+        rule = f"reward.rule {config.reward.rule}"
+        causes += [f"the 'answer' column of {config.data.prompts} (data.prompts) is missing or not what {rule} compares with",
+                   f"{rule} returns the same value for every response"]
+    if config.reward.genrm_weight > 0:
+        causes.append(f"the judge ({config.model.judge}) gives every response the same verdict")
+    causes.append("the task is too hard (every sample wrong) or too easy (every sample right) for the policy")
     message = (f"step {metrics.step + 1} kept no prompt group: all {metrics.dropped_groups} groups of "
                f"{config.rollout.samples_per_prompt} samples had equal rewards (mean reward {metrics.reward:.3f}), so there was "
-               f"nothing to learn from ({empty_steps} such step(s) in a row). Likely causes: "
-               + "; ".join(c for c in causes if c))
+               f"nothing to learn from ({empty_steps} such step(s) in a row). Likely causes: " + "; ".join(causes))
     limit = config.sampling.max_empty_steps
     if limit is not None and empty_steps >= limit:
         raise NothingToLearn(f"{message}. Stopped after sampling.max_empty_steps={limit} such steps; the last committed "
@@ -246,7 +247,7 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
             state.heldout_before = await heldout_score(config, "before")
             state.save(run_uri)  # step -1, no checkpoint: a resume starts from the beginning
             if metric:
-                logger.info("held-out %s before RL: %s", metric, _pct(state.heldout_before))
+                logger.info("held-out %s before RL: %s", metric, percent(state.heldout_before))
             else:
                 logger.info("held-out evaluation: off (data.heldout is not set)")
         cursors, sampling = state.cursors, state.sampling or None
@@ -262,11 +263,11 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
                 metrics.heldout = await heldout_score(config, f"step {step}")
                 metrics.heldout_checkpoint = checkpoint_uri(run_uri, step) if is_checkpoint_step(config, step, end) else None
                 logger.info("held-out %s after step %d (policy version %d%s): %s", metric, step + 1, metrics.policy_version,
-                            f", checkpoint {metrics.heldout_checkpoint}" if metrics.heldout_checkpoint else "", _pct(metrics.heldout))
+                            f", checkpoint {metrics.heldout_checkpoint}" if metrics.heldout_checkpoint else "", percent(metrics.heldout))
             cursors, sampling = metrics.cursors, metrics.sampling
             history.append(metrics)
             run_progress.advance(f"{config.name}: {step + 1} of {config.steps} steps done; step {step}: reward "
-                                 f"{metrics.reward:.3f}, rollout accuracy {_pct(metrics.accuracy)}")
+                                 f"{metrics.reward:.3f}, rollout accuracy {percent(metrics.accuracy)}")
             curves.add(metrics.model_dump())
             # the step as the run pays for it: ``seconds`` is timed inside the iteration flow, so it
             # leaves out that sub-flow's own creation and state changes, and this loop's bookkeeping
@@ -288,22 +289,19 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
                "final_model": final_uri,
                "history": [m.model_dump(exclude={"checkpoint_files", "pending_checkpoint"}) for m in history]}
     await acreate_markdown_artifact(key=f"{config.name}-summary", markdown=_summary_markdown(summary),
-                                    description=f"{config.name}: held-out {metric or 'evaluation off'}: {_pct(before)} → {_pct(after)}")
+                                    description=f"{config.name}: held-out {metric or 'evaluation off'}: {percent(before)} → {percent(after)}")
     curves.finish(after)
     await asyncio.gather(curves.flush(), run_progress.flush())
     if metric:
-        logger.info("held-out %s: before RL %s, after RL %s", metric, _pct(before), _pct(after))
+        logger.info("held-out %s: before RL %s, after RL %s", metric, percent(before), percent(after))
     return summary
 
-
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
 def _summary_markdown(summary: dict) -> str:
     lines = [f"# Run `{summary['run']}`", "",
              f"Held-out {summary['heldout_metric'] or 'evaluation: off (data.heldout is not set)'}: "
-             f"**{_pct(summary['heldout_before'])} → {_pct(summary['heldout_after'])}**", "",
+             f"**{percent(summary['heldout_before'])} → {percent(summary['heldout_after'])}**", "",
              "| step | reward | accuracy | kept | dropped | waves | seconds |", "|---|---|---|---|---|---|---|"]
     for m in summary["history"]:
         lines.append(f"| {m['step']} | {m['reward']:.3f} | {m['accuracy']:.3f} | {m['kept_groups']} | {m['dropped_groups']} | {m['waves']} | {m['seconds']:.2f} |")
