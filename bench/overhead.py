@@ -55,8 +55,8 @@ from tests.postgres import PostgresCluster, PrefectServer, run_flow_subprocess  
 
 # tests/conftest.py TINY: small enough to prepare in about a minute, every stage does real work
 TINY = [
-    "prepare.train_prompts=600", "prepare.heldout_prompts=40", "prepare.hidden_size=32", "prepare.layers=1",
-    "prepare.sft_max_steps=150", "prepare.sft_target=0", "prepare.judge_target=0", "prepare.sft_check_every=150", "data.heldout_limit=40",
+    "prepare.train_prompts=600", "prepare.heldout_prompts=40", "sft.hidden_size=32", "sft.layers=1",
+    "sft.max_steps=150", "prepare.sft_target=0", "prepare.judge_target=0", "sft.check_every=150", "data.heldout_limit=40",
     "sampling.prompts_per_wave=4", "sampling.target_groups=2", "rollout.samples_per_prompt=4",
 ]
 BACKENDS = ("sqlite", "postgresql")

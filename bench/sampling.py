@@ -45,8 +45,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per engine process
 
 # tests/conftest.py TINY, the part that shapes the prepared data and models
 PREPARE = [
-    "prepare.train_prompts=600", "prepare.heldout_prompts=40", "prepare.hidden_size=32", "prepare.layers=1",
-    "prepare.sft_max_steps=150", "prepare.sft_target=0", "prepare.judge_target=0", "prepare.sft_check_every=150",
+    "prepare.train_prompts=600", "prepare.heldout_prompts=40", "sft.hidden_size=32", "sft.layers=1",
+    "sft.max_steps=150", "prepare.sft_target=0", "prepare.judge_target=0", "sft.check_every=150",
 ]
 WORKLOADS = {
     # the demo's reward: the tiny GenRM judge's verdict (a noisy judge: many groups get mixed rewards)

@@ -67,9 +67,29 @@ def policy_loss_terms(
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     loss = -torch.minimum(unclipped, clipped)
     if ref_logprobs is not None and kl_coef > 0:
-        log_ratio = ref_logprobs - logprobs
-        loss = loss + kl_coef * (torch.exp(log_ratio) - log_ratio - 1.0)
+        loss = loss + kl_coef * kl_k3(logprobs, ref_logprobs)
     return loss, (clipped < unclipped).float()
+
+
+def kl_k3(logprobs: torch.Tensor, other_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(p || other) from tokens sampled from p (``logprobs`` are p's):
+    r - log r - 1 with r = other / p; unbiased, never negative."""
+    log_ratio = other_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+STEP_STATISTICS = ("entropy", "kl_rollout", "kl_reference")  # what step_statistics sums, in order
+
+
+def step_statistics(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
+                    ref_logprobs: torch.Tensor | None = None) -> torch.Tensor:
+    """Sums over the response tokens of one pass, for the step's metrics: [entropy, KL to the
+    rollout policy, KL to the reference]. Entropy is the sampled-token estimate (-log p of the tokens
+    the rollout policy drew, at its temperature); the KLs are k3 estimates, KL(rollout || current)
+    and KL(current || reference) (0 without a reference)."""
+    new = logprobs.detach()
+    kl_reference = (kl_k3(new, ref_logprobs) * mask).sum() if ref_logprobs is not None else new.new_zeros(())
+    return torch.stack([-(old_logprobs * mask).sum(), (kl_k3(old_logprobs, new) * mask).sum(), kl_reference])
 
 
 def token_weights(mask: torch.Tensor, aggregation: Literal["token", "sequence"], total: float) -> torch.Tensor:

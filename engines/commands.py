@@ -169,7 +169,11 @@ class DynamicFilter(Request):
 
 class TrainStepResult(Result):
     loss: float
-    clip_fraction: float
+    clip_fraction: float  # this group's trained tokens whose ratio was clipped (share)
+    # per trained token of this group (engines.algorithms.step_statistics); the stub reports 0
+    entropy: float = 0.0
+    kl_rollout: float = 0.0
+    kl_reference: float = 0.0
     tokens: float  # response tokens this rank trained on
     grad_norm: float
     seconds: float

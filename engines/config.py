@@ -31,7 +31,10 @@ class StorageConfig(Section):
 
 
 class PrepareConfig(Section):
-    """The demo's data and models, built locally by the ``prepare`` flow."""
+    """The demo's data and models, built locally by the ``prepare`` flow: its two tiny models are
+    trained by ``yattflow sft`` (the ``sft`` section gives their shape, batch size, check interval and
+    step limit, and the policy's learning rate and initialisation; these fields hold what the judge
+    does differently)."""
 
     train_prompts: int = Field(8000, gt=0, description="Training prompts to generate.")
     heldout_prompts: int = Field(500, gt=0, description="Held-out prompts (never trained on) for accuracy.")
@@ -44,18 +47,6 @@ class PrepareConfig(Section):
             "Near 0.5 greedy decoding flips between the two on a knife edge."
         ),
     )
-    hidden_size: int = Field(64, gt=0, description="Tiny Llama hidden size.")
-    layers: int = Field(2, gt=0, description="Tiny Llama layer count.")
-    heads: int = Field(
-        2, gt=0, description="Attention heads; head size = hidden_size / heads (vLLM's CPU attention needs 32 or more)."
-    )
-    kv_heads: int = Field(1, gt=0, description="Key/value heads (grouped-query attention when fewer than heads).")
-    policy_init_std: float = Field(
-        0.1, gt=0, description=(
-            "Standard deviation of the tiny policy's initial weights. Larger than Llama's 0.02: attention starts less "
-            "uniform and the policy SFT leaves its loss plateau in 400-800 steps instead of 1000-2500."
-        ),
-    )
     judge_init_std: float = Field(
         0.05, gt=0, description=(
             "Standard deviation of the tiny GenRM's initial weights. At Llama's 0.02 some seeds settle on comparing one "
@@ -65,22 +56,76 @@ class PrepareConfig(Section):
     sft_target: float = Field(
         0.95, ge=0, le=1, description=(
             "The policy SFT runs until this fraction of held-out prompts get the teacher's most likely answer under "
-            "greedy decoding (checked every sft_check_every steps); 0 stops at the first check."
+            "greedy decoding (checked every sft.check_every steps); 0 stops at the first check."
         ),
     )
     judge_target: float = Field(
         0.97, ge=0, le=1, description="The GenRM SFT runs until this fraction of held-out verdicts are right; 0 stops at the first check."
     )
-    sft_max_steps: int = Field(
-        6000, gt=0, description="Most SFT steps for either model; `prepare` fails, saying so, if the target is not reached by then."
-    )
-    sft_check_every: int = Field(100, gt=0, description="SFT steps between held-out checks.")
-    sft_lr: float = Field(2e-3, gt=0, description="Policy SFT learning rate (constant after a 100-step warm-up).")
     judge_sft_lr: float = Field(
         1e-3, gt=0, description="GenRM SFT learning rate (constant after a 100-step warm-up); at 2e-3 its verdicts "
         "collapsed to one answer on some seeds after reaching 96%."
     )
-    sft_batch_size: int = Field(64, gt=0, description="SFT batch size.")
+
+
+class SFTConfig(Section):
+    """``yattflow sft``: supervised fine-tuning of a causal LM on prompts and the completions to learn."""
+
+    data: str | None = Field(
+        None, description="Training examples: a Parquet file or folder with the prompt_field and response_field "
+        "columns (required by `yattflow sft`).",
+    )
+    heldout: str | None = Field(
+        None, description="Held-out examples (never trained on; columns prompt_field and heldout_field): greedy exact "
+        "match on them is logged every check_every steps, and `target` is measured on them. None: the training loss only.",
+    )
+    prompt_field: str = Field("prompt", description="Column of the prompts.")
+    response_field: str = Field(
+        "response", description="Column of the completions to learn: e.g. 'response', or 'answer' to learn the "
+        "reference answers of an RL prompts file.",
+    )
+    heldout_field: str | None = Field(
+        None, description="Column of the held-out completions, e.g. 'answer' to check against an RL held-out prompts "
+        "file (data.heldout). None: response_field.",
+    )
+    base: str | None = Field(
+        None, description="Hugging Face causal-LM folder to start from (local, file:// or s3://). None: a tiny Llama "
+        "from scratch (hidden_size, layers, heads, kv_heads, init_std) with a character tokenizer over the data's characters.",
+    )
+    output: str = Field(
+        "models/sft", description="The Hugging Face folder written (model and tokenizer, committed by its MANIFEST.json "
+        "last); a folder that already holds anything else is never written over.",
+    )
+    max_steps: int = Field(
+        6000, gt=0, description="Most SFT steps. A run stopped before them (Ctrl-C, a crash, or target not reached) "
+        "continues from its last check when run again with the same run name (state: runs/<name>/sft).",
+    )
+    target: float | None = Field(
+        None, ge=0, le=1, description="Stop once held-out exact match reaches this (needs heldout); a run that has not "
+        "reached it after max_steps fails and writes no model (raise max_steps and run again: it continues). None: "
+        "train max_steps steps.",
+    )
+    check_every: int = Field(100, gt=0, description="SFT steps between held-out checks (and saves of the resume state).")
+    batch_size: int = Field(64, gt=0, description="Examples per SFT step.")
+    lr: float = Field(2e-3, gt=0, description="AdamW learning rate (constant after a 100-step linear warm-up).")
+    hidden_size: int = Field(64, gt=0, description="From scratch: hidden size of the tiny Llama.")
+    layers: int = Field(2, gt=0, description="From scratch: transformer layers.")
+    heads: int = Field(
+        2, gt=0, description="From scratch: attention heads; head size = hidden_size / heads (vLLM's CPU attention "
+        "needs 32 or more)."
+    )
+    kv_heads: int = Field(1, gt=0, description="From scratch: key/value heads (grouped-query attention when fewer than heads).")
+    init_std: float = Field(
+        0.1, gt=0, description="From scratch: standard deviation of the initial weights. Larger than Llama's 0.02: "
+        "attention starts less uniform, and the demo's policy leaves its loss plateau in 400-800 SFT steps instead of "
+        "1000-2500.",
+    )
+
+    @model_validator(mode="after")
+    def _target_needs_heldout(self):
+        if self.target is not None and self.heldout is None:
+            raise ValueError("sft.target needs sft.heldout: exact match is measured on held-out examples")
+        return self
 
 
 class ModelConfig(Section):
@@ -415,6 +460,7 @@ class RunConfig(Section):
     host_timeout_s: float = Field(600.0, gt=0, description="A host command (or collective) taking longer fails the task.")
     storage: StorageConfig = Field(default_factory=StorageConfig)
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)

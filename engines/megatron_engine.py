@@ -523,6 +523,7 @@ class MegatronTrainer:
         for all but the last pass), one all-reduce and optimizer step per minibatch."""
         self._require_awake("train_step")
         totals = {"loss": 0.0, "clip_fraction": 0.0, "tokens": 0.0, "grad_norm": 0.0}
+        stats = torch.zeros(3, dtype=torch.float64, device=self.device)  # entropy, kl_rollout, kl_reference (token sums)
         self.model.train()
         for part in batch.split(minibatches):
             self.model.zero_grad_buffer()
@@ -548,6 +549,7 @@ class MegatronTrainer:
                     loss.backward()  # accumulates into the DDP grad buffer (main_grad)
                 loss_sum += loss.detach()
                 clipped_sum += (clipped * resp).sum()
+                stats += algorithms.step_statistics(logprobs, old, resp, ref)
             loss_value = loss_sum.item()
             totals["clip_fraction"] += clipped_sum.item()
             finalize_model_grads([self.model])  # the DP all-reduce (a sum: see calculate_per_token_loss)
@@ -557,7 +559,7 @@ class MegatronTrainer:
             totals["grad_norm"] = float(grad_norm)
         self.version += 1
         totals["clip_fraction"] /= max(totals["tokens"], 1.0)
-        return totals
+        return totals | dict(zip(algorithms.STEP_STATISTICS, (stats / max(totals["tokens"], 1.0)).tolist()))
 
     # --- placement ---------------------------------------------------------------------
 

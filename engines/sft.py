@@ -6,6 +6,10 @@ plateau for a while before it finds the pattern, and how long depends on the see
 the CPU's floating-point kernels: a fixed step count lands on either side of that
 transition by luck. So every ``check_every`` steps the model answers held-out prompts
 greedily, and training stops once ``target`` of the answers are the expected ones.
+
+At each check the whole training state (weights, optimizer, schedule, random streams) is
+handed to ``save``; given back as ``resume``, training continues exactly as if it had not
+stopped. ``flows/sft.py`` keeps that state on object storage and writes the finished model.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ import time
 from typing import Callable
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engines.tiny import build_char_tokenizer, build_tiny_llama
 
 
 def sft(
@@ -22,27 +29,41 @@ def sft(
     tokenizer,
     pairs: list[tuple[str, str]],
     check: list[tuple[str, str]],
-    target: float = 0.95,
+    target: float | None = 0.95,
     max_steps: int = 6000,
     check_every: int = 100,
     batch_size: int = 64,
     lr: float = 2e-3,
     seed: int = 0,
     log: Callable[[str], None] = print,
+    resume: dict | None = None,
+    save: Callable[[dict], None] | None = None,
 ) -> dict:
     """Train ``model`` on (prompt, completion) pairs until its greedy completions of the
     ``check`` prompts equal their expected completions for a ``target`` fraction of them,
-    or ``max_steps`` pass. The loss covers completion tokens (and end-of-sequence) only.
+    or ``max_steps`` pass (``target`` None, or no ``check`` pairs: ``max_steps``, exactly).
+    The loss covers completion tokens (and end-of-sequence) only.
     The learning rate warms up linearly over the first 100 steps, then stays constant:
-    a decay tied to a step budget would cool the model before it had converged."""
+    a decay tied to a step budget would cool the model before it had converged, and a run
+    continued with a larger ``max_steps`` follows the same schedule."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / 100, 1.0))
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     encoded = [(tokenizer(p)["input_ids"], tokenizer(c, add_special_tokens=False)["input_ids"] + [eos]) for p, c in pairs]
-    answer_tokens = max(len(c) for _, c in encoded)
-    start, loss_ema, matched, step, converged = time.perf_counter(), None, 0.0, 0, False
+    expected = [tokenizer(c, add_special_tokens=False)["input_ids"] + [eos] for _, c in check]
+    answer_tokens = max(len(c) for c in [c for _, c in encoded] + expected)  # the longest completion, and its end
+    start, loss_ema, matched, step, converged = time.perf_counter(), None, None, 0, False
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        opt.load_state_dict(resume["optimizer"])
+        sched.load_state_dict(resume["schedule"])
+        rng.setstate(resume["python_rng"])
+        torch.set_rng_state(resume["torch_rng"])
+        step, loss_ema, matched = resume["step"], resume["loss"], resume["exact_match"]
+        converged = target is not None and matched is not None and matched >= target
+        log(f"sft: continuing from step {step} (held-out exact match {_pct(matched)})")
     while step < max_steps and not converged:
         model.train()
         chunk = rng.sample(encoded, min(batch_size, len(encoded)))
@@ -63,18 +84,47 @@ def sft(
         step += 1
         loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
         if step % check_every == 0 or step == max_steps:
-            matched = exact_match(model, tokenizer, check, answer_tokens)
-            converged = matched >= target
-            log(f"sft step {step} loss {loss_ema:.4f} held-out exact match {100 * matched:.1f}% ({time.perf_counter() - start:.0f}s)")
+            if check:
+                matched = exact_match(model, tokenizer, check, answer_tokens)
+                converged = target is not None and matched >= target
+            log(f"sft step {step}/{max_steps} loss {loss_ema:.4f} held-out exact match {_pct(matched)} "
+                f"({time.perf_counter() - start:.0f}s)")
+            if save is not None:
+                save({"model": model.state_dict(), "optimizer": opt.state_dict(), "schedule": sched.state_dict(),
+                      "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "step": step, "loss": loss_ema,
+                      "exact_match": matched})
     model.eval()
     return {"steps": step, "converged": converged, "exact_match": matched, "loss": loss_ema, "seconds": time.perf_counter() - start}
+
+
+def _pct(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f}%"
+
+
+def start_model(base_dir: str | None, texts: list[str], seed: int, hidden_size: int = 64, num_layers: int = 2,
+                num_heads: int = 2, num_kv_heads: int = 1, init_std: float = 0.1):
+    """The model and tokenizer SFT starts from: the Hugging Face folder ``base_dir``, or (None) a
+    tiny Llama drawn with ``seed`` and a character tokenizer that spells every character of
+    ``texts``, with room for sequences twice the longest of them."""
+    if base_dir is not None:
+        tokenizer = AutoTokenizer.from_pretrained(base_dir)
+        if tokenizer.pad_token is None:  # many causal LMs ship without one; padding is masked out anyway
+            tokenizer.pad_token = tokenizer.eos_token
+        return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), tokenizer
+    tokenizer = build_char_tokenizer(set().union(*texts))
+    longest = max(len(t) for t in texts) + 2  # begin and end of sequence
+    max_positions = max(64, 1 << (2 * longest - 1).bit_length())
+    model = build_tiny_llama(len(tokenizer), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                             num_kv_heads=num_kv_heads, max_positions=max_positions, seed=seed, init_std=init_std)
+    return model, tokenizer
 
 
 @torch.no_grad()
 def exact_match(model, tokenizer, expected: list[tuple[str, str]], max_new_tokens: int, batch_size: int = 256) -> float:
     """The fraction of prompts whose greedy completion is exactly the expected one."""
     model.eval()
-    hits = 0
+    hits, side = 0, tokenizer.padding_side
+    tokenizer.padding_side = "left"  # generation continues each prompt from its last token
     for i in range(0, len(expected), batch_size):
         rows = expected[i : i + batch_size]
         # input ids and mask only: some tokenizers add token_type_ids, which generate() refuses
@@ -84,5 +134,6 @@ def exact_match(model, tokenizer, expected: list[tuple[str, str]], max_new_token
             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         )
         answers = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-        hits += sum(a.strip() == c for a, (_, c) in zip(answers, rows))
+        hits += sum(a.strip() == c.strip() for a, (_, c) in zip(answers, rows))
+    tokenizer.padding_side = side
     return hits / len(expected)

@@ -9,6 +9,7 @@ user can point the config at any Hugging Face folder instead.
 from __future__ import annotations
 
 import string
+from typing import Iterable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, processors
@@ -18,9 +19,11 @@ SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = string.digits + string.ascii_lowercase + " +-*=?:.,"
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer: BPE with no merges splits text into characters."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARACTERS))}
+def build_char_tokenizer(characters: Iterable[str] = ()) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer (BPE with no merges splits text into characters) over digits,
+    lowercase letters and some punctuation, and any other ``characters``, in sorted order after them."""
+    extra = sorted(set(characters) - set(CHARACTERS))
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARACTERS) + extra)}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     core.decoder = decoders.Fuse()  # characters join without spaces
     core.post_processor = processors.TemplateProcessing(

@@ -291,6 +291,7 @@ class TorchTrainer:
         DP-global counts, so the update is the one-pass update (up to float summation order)
         while the compute follows tokens rather than rows x longest row. None: one pass."""
         totals = {"loss": 0.0, "clip_fraction": 0.0, "tokens": 0.0, "grad_norm": 0.0}
+        stats = torch.zeros(3, dtype=torch.float64)  # entropy, kl_rollout, kl_reference (token sums)
         for part in batch.split(minibatches):
             self.optimizer.zero_grad(set_to_none=True)
             local_tokens = float(sum(len(r) for r in part.response_ids))
@@ -312,6 +313,7 @@ class TorchTrainer:
                 loss.backward()  # accumulates into .grad
                 loss_value += loss.item()
                 totals["clip_fraction"] += (clipped * resp).sum().item()
+                stats += algorithms.step_statistics(logprobs, old, resp, ref).cpu()
             self._all_reduce_grads()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
             self.optimizer.step()
@@ -320,7 +322,7 @@ class TorchTrainer:
             totals["grad_norm"] = float(grad_norm)
         self.version += 1
         totals["clip_fraction"] /= max(totals["tokens"], 1.0)
-        return totals
+        return totals | dict(zip(algorithms.STEP_STATISTICS, (stats / max(totals["tokens"], 1.0)).tolist()))
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Hugging Face-named tensors, for a generator's ``update_weights``."""

@@ -4,6 +4,7 @@ In-process (on the server ``PREFECT_API_URL`` names, else on a temporary local s
 the command and stopped after it, on Prefect's default SQLite database). Ctrl-C or SIGTERM stop a
 run, saying the step it stopped at and its last checkpoint; the same command continues it:
 
+    yattflow sft     [-c run.yaml] [key=value ...]   supervised fine-tuning on your Parquet (or resume it)
     yattflow prepare [-c run.yaml] [key=value ...]   build the demo's datasets and tiny models
     yattflow train   [-c run.yaml] [key=value ...]   run (or resume) RL training
     yattflow demo    [-c run.yaml] [key=value ...]   prepare, then train, then print accuracy
@@ -123,6 +124,9 @@ def _local_api():
 
 
 IN_PROCESS = {
+    "sft": "Supervised fine-tuning of a Hugging Face causal LM (sft.base), or of a tiny model built from scratch, on a "
+           "Parquet of prompts and completions (sft.data), into a new model folder (sft.output); the same run name "
+           "continues a stopped run from its last check.",
     "prepare": "Build the demo's prompt datasets and its two tiny SFT'd models (policy and GenRM) where the config "
                "points; skips what it built before, and never writes over a folder it did not make.",
     "train": "Run RL training, or resume it: the same run name continues from its last committed checkpoint.",
@@ -153,6 +157,7 @@ def _in_process(argv: list[str]) -> int:
         print(f"yattflow: {e}", file=sys.stderr)
         return 2
     from flows.prepare import prepare
+    from flows.sft import sft
     from flows.training import train
 
     def terminated(*_):
@@ -162,16 +167,20 @@ def _in_process(argv: list[str]) -> int:
     start = time.perf_counter()
     try:
         with _local_api():
+            if args.command == "sft":
+                result = sft(config_file=args.config, overrides=args.overrides)
+                print(f"\nsft '{config.name}': {_sft_line(result)}")
             if args.command in ("prepare", "demo"):
                 prepare(config_file=args.config, overrides=args.overrides)
             if args.command in ("train", "demo"):
                 summary = asyncio.run(train(config_file=args.config, overrides=args.overrides))
                 print(f"\nrun '{config.name}': {_heldout_line(summary)}; final policy: {summary['final_model']}")
     except KeyboardInterrupt:
-        print(f"\nyattflow {args.command}: {where_it_stopped(config)}", file=sys.stderr, flush=True)
+        where = where_sft_stopped(config) if args.command == "sft" else where_it_stopped(config)
+        print(f"\nyattflow {args.command}: {where}", file=sys.stderr, flush=True)
         return 130
     except Exception as e:  # noqa: BLE001 - the traceback is in the log above; the cause goes last, alone
-        stopped = f"; {where_it_stopped(config)}" if args.command != "prepare" else ""
+        stopped = f"; {where_it_stopped(config)}" if args.command in ("train", "demo") else ""
         print(f"\nyattflow {args.command}: failed: {failure_cause(e)}{stopped}", file=sys.stderr, flush=True)
         return 1
     print(f"yattflow {args.command}: done in {time.perf_counter() - start:.0f}s")
@@ -186,6 +195,27 @@ def _heldout_line(summary: dict) -> str:
 
     return (f"held-out {summary['heldout_metric']}: {percent(summary['heldout_before'])} before RL → "
             f"{percent(summary['heldout_after'])} after {summary['steps']} RL steps")
+
+
+def _sft_line(result: dict) -> str:
+    """``held-out exact match 95.0% after 700 steps; model: file:///…/models/mine-sft``."""
+    if result.get("skipped"):
+        return f"a model is already committed at {result['uri']} (nothing trained)"
+    from flows.artifacts import percent
+
+    heldout = "" if result["exact_match"] is None else f"held-out exact match {percent(result['exact_match'])}, "
+    return f"{heldout}loss {result['loss']:.4f} after {result['steps']} steps; model: {result['uri']}"
+
+
+def where_sft_stopped(config) -> str:
+    """``stopped; resume state: step M; …`` from the SFT run's progress.json."""
+    from flows.sft import state_file
+    from storage import objectstore
+
+    progress = state_file(config).rsplit("/", 1)[0] + "/progress.json"
+    if not objectstore.exists(progress):
+        return f"stopped before the first check (sft.check_every={config.sft.check_every}); the same command starts over"
+    return f"stopped; resume state: step {objectstore.read_json(progress)['step']}; run the same command to continue"
 
 
 def failure_cause(error: BaseException) -> str:

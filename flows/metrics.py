@@ -94,6 +94,13 @@ class StepMetrics(BaseModel):
     surplus_dropped: int
     keep_ratio: float | None
     loss: float
+    # trainer statistics per trained token, over every group (engines.algorithms.step_statistics)
+    clip_fraction: float
+    entropy: float
+    kl_rollout: float
+    kl_reference: float
+    grad_norm: float
+    response_tokens: float  # mean response length over every sample drawn
     rollout_tokens_per_s: float
     train_tokens_per_s: float
     balance_ratio: float  # max/mean of the DP groups' train tokens (1.0: even)
@@ -148,6 +155,10 @@ class StepMetrics(BaseModel):
             surplus_dropped=sum(g.kept.surplus_dropped for g in groups),
             keep_ratio=_mean([GroupSampling.from_dict(g.sampling).keep_ratio for g in groups]),
             loss=first.loss,
+            **{k: _token_mean([(getattr(g.train, k), g.train.tokens) for g in groups])
+               for k in ("clip_fraction", "entropy", "kl_rollout", "kl_reference")},
+            grad_norm=first.grad_norm,
+            response_tokens=sum(w.rollout.tokens for g in groups for w in g.waves) / samples,
             rollout_tokens_per_s=sum(w.rollout.tokens for g in groups for w in g.waves)
             / max(sum(w.rollout.seconds for g in groups for w in g.waves) / len(groups), 1e-9),
             train_tokens_per_s=sum(g.train.tokens_per_s for g in groups),
@@ -164,6 +175,12 @@ class StepMetrics(BaseModel):
             params_sha=first.params_sha,
             checkpoint_files=[f for g in groups if g.checkpoint for f in g.checkpoint.files or []],
         )
+
+
+def _token_mean(values: list[tuple[float, float]]) -> float:
+    """The groups' per-token figures weighted by their tokens."""
+    tokens = sum(t for _, t in values)
+    return sum(v * t for v, t in values) / tokens if tokens else 0.0
 
 
 def _mean(values: list[float | None]) -> float | None:

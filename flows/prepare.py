@@ -1,64 +1,49 @@
 """Prepare the demo: prompt datasets, a tokenizer and two tiny models, all built locally.
 
 Nothing can be downloaded here, so ``prepare`` makes what a user would otherwise point
-the config at: Arrow prompt datasets (train and held-out) and two Hugging Face folders —
-the policy, warm-started by SFT on a sloppy teacher's demonstrations, and a generative
-reward model, trained by SFT to write ``correct``/``wrong`` for a candidate answer given
-the reference. Each output is skipped when it is already committed (its manifest), so
-``prepare`` is cheap to run again; an output folder that holds anything else is somebody's data
-or model, and ``prepare`` stops, naming it, rather than write over it.
+the config at: Arrow prompt datasets (train and held-out) and two Hugging Face folders,
+each trained from scratch by ``yattflow sft`` (``flows/sft.py``) on examples ``prepare`` writes
+first (``data/sft/``): the policy on a sloppy teacher's demonstrations, and a generative reward
+model that writes ``correct``/``wrong`` for a candidate answer given the reference. Each output
+is skipped when it is already committed (its manifest), so ``prepare`` is cheap to run again; an
+output folder that holds anything else is somebody's data or model, and ``prepare`` stops,
+naming it, rather than write over it.
 """
 
 from __future__ import annotations
-
-import tempfile
 
 import pyarrow as pa
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from engines import arithmetic
-from engines.sft import sft
-from engines.tiny import build_char_tokenizer, build_tiny_llama
-from engines.torch_engines import TorchGenerator
 from engines.config import RunConfig, load_config
+from engines.torch_engines import TorchGenerator
+from flows.sft import DATASET_MANIFEST, fine_tune, needs_building
 from flows.training import run_label
 from storage import datasets, objectstore
 
-
-class WouldOverwrite(RuntimeError):
-    """An output of ``prepare`` is a folder it did not make: it is never overwritten."""
-
-
-# A dataset's commit marker: with a leading underscore, which Parquet readers (pyarrow, pandas,
-# Spark) skip, so the folder still reads as a dataset outside yattflow too.
-DATASET_MANIFEST = "_MANIFEST.json"
+_MODEL_FIELD = {"policy": "model.policy", "judge": "model.judge"}
+SFT_EXAMPLES = pa.schema([pa.field("prompt", pa.string(), nullable=False), pa.field("response", pa.string(), nullable=False)])
 
 
-def needs_building(uri: str, field: str) -> bool:
-    """Whether ``prepare`` should build its output ``uri`` (the config field ``field``): yes when
-    nothing is there, no when ``prepare`` (or any yattflow upload) committed it already (a model's
-    MANIFEST.json, a dataset's _MANIFEST.json). Anything else is somebody's data or model, and
-    ``prepare`` stops, naming it."""
-    if any(objectstore.exists(objectstore.join(uri, marker)) for marker in ("MANIFEST.json", DATASET_MANIFEST)):
-        return False
-    if objectstore.exists(uri) and objectstore.list_files(uri):
-        raise WouldOverwrite(
-            f"{field}: {uri} already holds files that prepare did not write (it has no MANIFEST.json or "
-            f"{DATASET_MANIFEST}), and prepare never overwrites them: point {field} at a new folder (e.g. "
-            f"{field}=models/my-prepared), or move that folder away"
-        )
-    return True
+def _sft_data(role: str) -> tuple[str, str]:
+    """Where ``prepare`` writes the SFT examples of ``role``: training and held-out."""
+    return f"data/sft/{role}", f"data/sft/{role}-heldout"
 
 
-def _write_prompts(uri: str, problems: list[tuple[str, str]], first_id: int) -> None:
-    table = pa.table({
-        "prompt_id": pa.array(range(first_id, first_id + len(problems)), pa.int64()),
-        "prompt": [p for p, _ in problems],
-        "answer": [a for _, a in problems],
-    })
-    datasets.write_table(objectstore.join(uri, "part-00000.parquet"), table, datasets.PROMPTS)
+def _write_dataset(uri: str, table: pa.Table, schema: pa.Schema) -> None:
+    datasets.write_table(objectstore.join(uri, "part-00000.parquet"), table, schema)
     objectstore.write_json(objectstore.join(uri, DATASET_MANIFEST), {"files": ["part-00000.parquet"]})  # last: committed
+
+
+def _prompts(problems: list[tuple[str, str]], first_id: int) -> pa.Table:
+    return pa.table({"prompt_id": pa.array(range(first_id, first_id + len(problems)), pa.int64()),
+                     "prompt": [p for p, _ in problems], "answer": [a for _, a in problems]})
+
+
+def _examples(pairs: list[tuple[str, str]]) -> pa.Table:
+    return pa.table({"prompt": [p for p, _ in pairs], "response": [c for _, c in pairs]})
 
 
 def _problems(config: RunConfig) -> tuple[list, list]:
@@ -68,74 +53,58 @@ def _problems(config: RunConfig) -> tuple[list, list]:
     return train, heldout
 
 
-@task(cache_policy=NO_CACHE, task_run_name="make prompt datasets")
+def _sft_examples(config: RunConfig, role: str, train, heldout) -> tuple[list, list]:
+    """The demo's SFT examples of ``role``: the policy learns the teacher's demonstrations and is
+    checked against the teacher's most likely answers (the carry mistake learned); the judge learns
+    and is checked on verdicts."""
+    if role == "policy":
+        return (arithmetic.teacher_demonstrations(train, config.prepare.teacher_slip, seed=config.seed),
+                arithmetic.teacher_majority(heldout, config.prepare.teacher_slip))
+    return (arithmetic.judge_examples(train, config.judge.template, seed=config.seed),
+            arithmetic.judge_examples(heldout, config.judge.template, seed=config.seed + 1))
+
+
+@task(cache_policy=NO_CACHE, task_run_name="make datasets")
 def make_datasets(config: RunConfig) -> dict:
+    """The prompt datasets, and the SFT examples of each model still to be trained."""
     train, heldout = _problems(config)
-    for field, path, problems, first in (("data.prompts", config.data.prompts, train, 0),
-                                         ("data.heldout", config.data.heldout, heldout, 10_000_000)):
-        if path is None:
-            continue
-        uri = config.uri(path)
-        if needs_building(uri, field):
-            _write_prompts(uri, problems, first)
+    outputs = [("data.prompts", config.data.prompts, _prompts(train, 0), datasets.PROMPTS),
+               ("data.heldout", config.data.heldout, _prompts(heldout, 10_000_000), datasets.PROMPTS)]
+    for role, model in (("policy", config.model.policy), ("judge", config.model.judge)):
+        if needs_building(config.uri(model), _MODEL_FIELD[role]):
+            examples = _sft_examples(config, role, train, heldout)
+            outputs += [("storage.root", path, _examples(pairs), SFT_EXAMPLES)
+                        for path, pairs in zip(_sft_data(role), examples)]
+    for field, path, table, schema in outputs:
+        if path is not None and needs_building(config.uri(path), field):
+            _write_dataset(config.uri(path), table, schema)
     return {"train": len(train), "heldout": len(heldout)}
 
 
-class SFTNotConverged(RuntimeError):
-    """The warm start did not learn its demonstrations within ``prepare.sft_max_steps``."""
-
-
-@task(cache_policy=NO_CACHE, task_run_name="sft {role}")
 def sft_model(config: RunConfig, role: str) -> dict:
-    """SFT a fresh tiny Llama for ``role`` ("policy" or "judge") and commit its folder.
-
-    The policy trains until it answers held-out prompts as the teacher most often does (the
-    carry mistake learned); the judge until its held-out verdicts are right. Both results
-    are then the same on every CPU, whatever its floating-point kernels."""
-    logger = get_run_logger()
-    field = "model.policy" if role == "policy" else "model.judge"
-    uri = config.uri(config.model.policy if role == "policy" else config.model.judge)
-    if not needs_building(uri, field):
-        logger.info("%s model already at %s", role, uri)
-        return {"uri": uri, "skipped": True}
-    p = config.prepare
-    train, heldout = _problems(config)
-    # what differs between the two roles, in one place: demonstrations, held-out check, target
-    # and its field, initialisation, learning rate and its field
-    if role == "policy":
-        pairs = arithmetic.teacher_demonstrations(train, p.teacher_slip, seed=config.seed)
-        check = arithmetic.teacher_majority(heldout, p.teacher_slip)
-        target, target_field, init_std, lr, lr_field = p.sft_target, "sft_target", p.policy_init_std, p.sft_lr, "sft_lr"
-    else:
-        pairs = arithmetic.judge_examples(train, config.judge.template, seed=config.seed)
-        check = arithmetic.judge_examples(heldout, config.judge.template, seed=config.seed + 1)
-        target, target_field, init_std, lr, lr_field = p.judge_target, "judge_target", p.judge_init_std, p.judge_sft_lr, "judge_sft_lr"
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_llama(
-        len(tokenizer), hidden_size=p.hidden_size, num_layers=p.layers, num_heads=p.heads, num_kv_heads=p.kv_heads,
-        seed=config.seed, init_std=init_std,
-    )
-    result = sft(
-        model, tokenizer, pairs, check, target=target, max_steps=p.sft_max_steps, check_every=p.sft_check_every,
-        batch_size=p.sft_batch_size, lr=lr, seed=config.seed, log=logger.info,
-    )
-    if not result["converged"]:
-        raise SFTNotConverged(
-            f"{role} SFT reached {100 * result['exact_match']:.1f}% held-out exact match after {result['steps']} steps, "
-            f"short of prepare.{target_field}={target}: raise prepare.sft_max_steps ({p.sft_max_steps}) or change "
-            f"prepare.{lr_field} ({lr}); nothing was written to {uri}"
-        )
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        # the figure users compare with RL's: the right answer, not the teacher's
-        accuracy = heldout_accuracy(tmp, heldout) if role == "policy" else result["exact_match"]
-        objectstore.upload_folder(tmp, uri)
-    logger.info(
-        "%s model: held-out %s %.1f%% after %d SFT steps (%.0fs) → %s", role,
-        "exact match" if role == "policy" else "verdict accuracy", 100 * accuracy, result["steps"], result["seconds"], uri,
-    )
-    return {"uri": uri, "heldout_exact_match": accuracy, "sft_steps": result["steps"], "sft_seconds": result["seconds"]}
+    """``yattflow sft`` from scratch on the examples of ``role``, with the ``sft`` section's settings
+    (the judge: prepare's own target, learning rate and initialisation); the policy's held-out figure
+    is then the right answer's exact match, through RL's own generation code."""
+    p, policy = config.prepare, role == "policy"
+    data, heldout = _sft_data(role)
+    settings = config.sft.model_copy(update={
+        "data": data, "heldout": heldout, "base": None, "output": config.model.policy if policy else config.model.judge,
+        "target": p.sft_target if policy else p.judge_target,
+        **({} if policy else {"lr": p.judge_sft_lr, "init_std": p.judge_init_std}),
+    })
+    fields = {"output": _MODEL_FIELD[role], "data": "storage.root", "heldout": "storage.root",
+              "target": "prepare.sft_target" if policy else "prepare.judge_target"}
+    if not policy:
+        fields |= {"lr": "prepare.judge_sft_lr", "init_std": "prepare.judge_init_std"}
+    result = fine_tune(config, settings, name=f"sft-{role}", fields=fields)
+    if result.get("skipped"):
+        return result
+    # the figure users compare with RL's: the right answer, not the teacher's
+    accuracy = heldout_accuracy(objectstore.local_folder(result["uri"]), _problems(config)[1]) if policy else result["exact_match"]
+    get_run_logger().info("%s model: held-out %s %.1f%% after %d SFT steps (%.0fs) → %s", role,
+                          "exact match" if policy else "verdict accuracy", 100 * accuracy, result["steps"],
+                          result["seconds"], result["uri"])
+    return {**result, "heldout_exact_match": accuracy}
 
 
 def heldout_accuracy(model_dir: str, problems: list[tuple[str, str]]) -> float:
@@ -150,7 +119,8 @@ def prepare(config_file: str | None = None, overrides: list[str] | None = None) 
     objectstore.check_reachable(config.uri(""))
     outputs = {"data.prompts": config.data.prompts, "data.heldout": config.data.heldout,
                "model.policy": config.model.policy, "model.judge": config.model.judge}
-    for field, path in outputs.items():  # refuse somebody's folder before writing anything
+    outputs = [*outputs.items(), *(("storage.root", path) for role in _MODEL_FIELD for path in _sft_data(role))]
+    for field, path in outputs:  # refuse somebody's folder before writing anything
         if path is not None:
             needs_building(config.uri(path), field)
     counts = make_datasets(config)

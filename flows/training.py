@@ -28,6 +28,7 @@ from engines.sampling import GroupSampling, plan_wave
 from flows.artifacts import Curves, Progress, StepProgress, percent
 from flows.hosts import engine_hosts
 from flows.metrics import GroupStep, StageClock, StepMetrics, Wave
+from flows.tracking import MetricsLog
 from storage import objectstore
 from storage.runstate import RunState, checkpoint_uri, commit_checkpoint, discard_uncommitted
 from tasks import stages
@@ -250,38 +251,15 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
                 logger.info("held-out %s before RL: %s", metric, percent(state.heldout_before))
             else:
                 logger.info("held-out evaluation: off (data.heldout is not set)")
-        cursors, sampling = state.cursors, state.sampling or None
         run_progress = Progress(f"{config.name}-progress", config.steps, done=first).start(f"{config.name}: {first} of {config.steps} steps done")
         curves = Curves(config.name, run_uri, config.steps, first, state.heldout_before, metric)
-        written = None  # the last asynchronous checkpoint, still being written (committed by the next iteration)
-        empty_steps = 0  # steps in a row that kept no prompt group
-        for step in range(first, end):
-            began = time.perf_counter()
-            metrics = await iteration(config, step, cursors, end, written, sampling)
-            written, metrics.pending_checkpoint = metrics.pending_checkpoint, None
-            if metric and config.eval.every and (step + 1) % config.eval.every == 0:
-                metrics.heldout = await heldout_score(config, f"step {step}")
-                metrics.heldout_checkpoint = checkpoint_uri(run_uri, step) if is_checkpoint_step(config, step, end) else None
-                logger.info("held-out %s after step %d (policy version %d%s): %s", metric, step + 1, metrics.policy_version,
-                            f", checkpoint {metrics.heldout_checkpoint}" if metrics.heldout_checkpoint else "", percent(metrics.heldout))
-            cursors, sampling = metrics.cursors, metrics.sampling
-            history.append(metrics)
-            run_progress.advance(f"{config.name}: {step + 1} of {config.steps} steps done; step {step}: reward "
-                                 f"{metrics.reward:.3f}, rollout accuracy {percent(metrics.accuracy)}")
-            curves.add(metrics.model_dump())
-            # the step as the run pays for it: ``seconds`` is timed inside the iteration flow, so it
-            # leaves out that sub-flow's own creation and state changes, and this loop's bookkeeping
-            metrics.step_s = time.perf_counter() - began
-            logger.info(
-                "step %d/%d reward %.3f accuracy %.3f kept %d dropped %d waves %d (%.1fs, %.1fs in engines)", step + 1, config.steps,
-                metrics.reward, metrics.accuracy, metrics.kept_groups, metrics.dropped_groups, metrics.waves, metrics.step_s,
-                metrics.engine_s,
-            )
-            empty_steps = empty_steps + 1 if metrics.kept_groups == 0 else 0
-            if empty_steps:
-                check_empty_steps(config, metrics, empty_steps)
-        await finish_checkpoint(config, written)  # this run's last checkpoint: the next run resumes there
-        after = await heldout_score(config, "after")
+        tracking = MetricsLog(config, first, metric)  # TensorBoard (and MLflow) curves
+        if first == 0:
+            tracking.heldout(0, state.heldout_before)
+        try:
+            after = await _steps(config, state, first, end, history, run_progress, curves, tracking)
+        finally:
+            tracking.close()
         final_uri = objectstore.join(run_uri, "final")
         await stages.export_policy(config, final_uri)
     before = (RunState.load(run_uri) or state).heldout_before
@@ -296,6 +274,45 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
         logger.info("held-out %s: before RL %s, after RL %s", metric, percent(before), percent(after))
     return summary
 
+
+async def _steps(config: RunConfig, state: RunState, first: int, end: int, history: list[StepMetrics], run_progress: Progress,
+                 curves: Curves, tracking: MetricsLog) -> float | None:
+    """Steps ``first`` to ``end - 1`` from the committed ``state``, then the commit of their last
+    checkpoint; returns the held-out metric after them."""
+    logger, run_uri, metric = get_run_logger(), config.run_uri, heldout_metric(config)
+    cursors, sampling = state.cursors, state.sampling or None
+    written = None  # the last asynchronous checkpoint, still being written (committed by the next iteration)
+    empty_steps = 0  # steps in a row that kept no prompt group
+    for step in range(first, end):
+        began = time.perf_counter()
+        metrics = await iteration(config, step, cursors, end, written, sampling)
+        written, metrics.pending_checkpoint = metrics.pending_checkpoint, None
+        if metric and config.eval.every and (step + 1) % config.eval.every == 0:
+            metrics.heldout = await heldout_score(config, f"step {step}")
+            metrics.heldout_checkpoint = checkpoint_uri(run_uri, step) if is_checkpoint_step(config, step, end) else None
+            logger.info("held-out %s after step %d (policy version %d%s): %s", metric, step + 1, metrics.policy_version,
+                        f", checkpoint {metrics.heldout_checkpoint}" if metrics.heldout_checkpoint else "", percent(metrics.heldout))
+        cursors, sampling = metrics.cursors, metrics.sampling
+        history.append(metrics)
+        run_progress.advance(f"{config.name}: {step + 1} of {config.steps} steps done; step {step}: reward "
+                             f"{metrics.reward:.3f}, rollout accuracy {percent(metrics.accuracy)}")
+        curves.add(metrics.model_dump())
+        # the step as the run pays for it: ``seconds`` is timed inside the iteration flow, so it
+        # leaves out that sub-flow's own creation and state changes, and this loop's bookkeeping
+        metrics.step_s = time.perf_counter() - began
+        logger.info(
+            "step %d/%d reward %.3f accuracy %.3f kept %d dropped %d waves %d (%.1fs, %.1fs in engines)", step + 1, config.steps,
+            metrics.reward, metrics.accuracy, metrics.kept_groups, metrics.dropped_groups, metrics.waves, metrics.step_s,
+            metrics.engine_s,
+        )
+        tracking.step(metrics)
+        empty_steps = empty_steps + 1 if metrics.kept_groups == 0 else 0
+        if empty_steps:
+            check_empty_steps(config, metrics, empty_steps)
+    await finish_checkpoint(config, written)  # this run's last checkpoint: the next run resumes there
+    after = await heldout_score(config, "after")
+    tracking.heldout(end, after)
+    return after
 
 
 def _summary_markdown(summary: dict) -> str:

@@ -340,3 +340,23 @@ def test_trainer_empty_batch_is_a_no_op(model_dir):
     assert stats["loss"] == 0.0 and stats["tokens"] == 0.0
     assert max_param_diff(before, params_of(trainer.model)) == 0.0
     assert trainer.version == 1
+
+
+def test_step_statistics_are_the_plain_sums():
+    """Entropy (the sampled tokens' -log p) and the two k3 KL estimates, over the masked tokens."""
+    torch.manual_seed(0)
+    new, old, ref = (torch.randn(3, 5).clamp(max=-0.01) for _ in range(3))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float32)
+    entropy, kl_rollout, kl_reference = algorithms.step_statistics(new, old, mask, ref).tolist()
+    expected_entropy, expected_rollout, expected_reference = 0.0, 0.0, 0.0
+    for i in range(3):
+        for t in range(5):
+            if mask[i, t]:
+                p_new, p_old, p_ref = math.exp(new[i, t]), math.exp(old[i, t]), math.exp(ref[i, t])
+                expected_entropy -= math.log(p_old)
+                expected_rollout += p_new / p_old - math.log(p_new / p_old) - 1  # KL(rollout || current), k3
+                expected_reference += p_ref / p_new - math.log(p_ref / p_new) - 1  # KL(current || reference), k3
+    assert entropy == pytest.approx(expected_entropy, rel=1e-5)
+    assert kl_rollout == pytest.approx(expected_rollout, rel=1e-4, abs=1e-6)
+    assert kl_reference == pytest.approx(expected_reference, rel=1e-4, abs=1e-6)
+    assert algorithms.step_statistics(new, old, mask).tolist()[2] == 0.0  # no reference: 0

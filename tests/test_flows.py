@@ -157,11 +157,12 @@ def test_model_vllm_cannot_serve_is_named_before_engines_load(prepared):
 
 def test_sft_short_of_its_target_fails_naming_the_field_and_writes_no_model(prefect_server, tmp_path):
     """A warm start that has not learned its demonstrations is an error, not a quietly worse demo."""
-    from flows.prepare import SFTNotConverged, prepare
+    from flows.prepare import prepare
+    from flows.sft import SFTNotConverged
 
-    with pytest.raises(SFTNotConverged, match=r"policy SFT reached .* after 2 steps, short of prepare.sft_target=1.0: "
-                       r"raise prepare.sft_max_steps \(2\) or change prepare.sft_lr"):
-        prepare(overrides=TINY + [f"storage.root={tmp_path}", "prepare.sft_target=1", "prepare.sft_max_steps=2",
-                                  "prepare.sft_check_every=1"])
+    with pytest.raises(SFTNotConverged, match=r"sft-policy SFT reached .* after 2 steps, short of prepare.sft_target=1.0: "
+                       r"raise sft.max_steps \(2\) and run the same command \(it continues from step 2\), or change sft.lr"):
+        prepare(overrides=TINY + [f"storage.root={tmp_path}", "prepare.sft_target=1", "sft.max_steps=2",
+                                  "sft.check_every=1"])
     assert (tmp_path / "data" / "train" / "part-00000.parquet").exists()  # the datasets, committed before the SFT
     assert not (tmp_path / "models").exists()

@@ -37,7 +37,7 @@ def vllm_prepared(prefect_server, tmp_path_factory) -> str:
     from flows.prepare import prepare
 
     root = str(tmp_path_factory.mktemp("store-vllm"))
-    prepare(overrides=TINY + [f"storage.root={root}", "prepare.heads=1"])
+    prepare(overrides=TINY + [f"storage.root={root}", "sft.heads=1"])
     return root
 
 

@@ -186,7 +186,8 @@ def md5(path: Path) -> str:
 
 @pytest.mark.parametrize("field", ["model.policy", "data.prompts"])
 def test_prepare_stops_at_a_folder_it_did_not_make_and_writes_nothing(prefect_server, tmp_path, field):
-    from flows.prepare import WouldOverwrite, prepare
+    from flows.prepare import prepare
+    from flows.sft import WouldOverwrite
 
     mine = tmp_path / "mine"
     if field == "model.policy":
@@ -196,7 +197,7 @@ def test_prepare_stops_at_a_folder_it_did_not_make_and_writes_nothing(prefect_se
         precious = prompts_without_answers(mine) / "part-0.parquet"
     before, files = md5(precious), sorted(p.name for p in mine.iterdir())
     root = tmp_path / "root"
-    with pytest.raises(WouldOverwrite, match=rf"{field}: .*{mine} already holds files that prepare did not write .*never overwrites"):
+    with pytest.raises(WouldOverwrite, match=rf"{field}: .*{mine} already holds files that yattflow did not write .*never overwrites"):
         prepare(overrides=TINY + [f"storage.root={root}", f"{field}={mine}"])
     assert md5(precious) == before and sorted(p.name for p in mine.iterdir()) == files
     assert not (root / "data").exists() and not (root / "models").exists()  # refused before writing anything

@@ -1,0 +1,164 @@
+"""``yattflow sft``: supervised fine-tuning of a causal LM on a Parquet of prompts and the
+completions to learn: the warm start that RL begins from.
+
+    yattflow sft sft.data=mine/sft sft.heldout=mine/sft-heldout sft.output=models/mine-sft
+
+The examples' columns are checked before any model loads. Training starts from ``sft.base``
+(any Hugging Face folder, local or on object storage) or from a tiny Llama built from
+scratch, runs in ``engines/sft.py``, and the model folder is committed with its MANIFEST.json
+last. Every ``sft.check_every`` steps the whole training state goes to ``runs/<name>/sft``:
+the same command after Ctrl-C, a crash or a missed ``sft.target`` continues from there, and
+the state is deleted once the model is committed. ``prepare`` trains the demo's two models
+with the same task.
+"""
+
+from __future__ import annotations
+
+import io
+import tempfile
+
+import pyarrow as pa
+import torch
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from engines.config import ConfigError, RunConfig, SFTConfig, load_config
+from engines.sft import sft as train_sft
+from engines.sft import start_model
+from flows.training import run_label
+from storage import datasets, objectstore
+
+# A dataset's commit marker: with a leading underscore, which Parquet readers (pyarrow, pandas,
+# Spark) skip, so the folder still reads as a dataset outside yattflow too.
+DATASET_MANIFEST = "_MANIFEST.json"
+# What changes the weights SFT computes: a saved state made under other values is not continued.
+# (max_steps, target, check_every and output may change between a run and its continuation.)
+SETUP_FIELDS = ("data", "prompt_field", "response_field", "base", "batch_size", "lr", "hidden_size", "layers", "heads",
+                "kv_heads", "init_std")
+
+
+class WouldOverwrite(RuntimeError):
+    """An output folder holds files yattflow did not write: it is never overwritten."""
+
+
+class SFTNotConverged(RuntimeError):
+    """SFT did not reach its held-out target within its step limit."""
+
+
+def needs_building(uri: str, field: str) -> bool:
+    """Whether to build the output ``uri`` (the config field ``field``): yes when nothing is there, no
+    when yattflow committed it already (a model's MANIFEST.json, a dataset's _MANIFEST.json). Anything
+    else is somebody's data or model: stop, naming it."""
+    if any(objectstore.exists(objectstore.join(uri, marker)) for marker in ("MANIFEST.json", DATASET_MANIFEST)):
+        return False
+    if objectstore.exists(uri) and objectstore.list_files(uri):
+        raise WouldOverwrite(
+            f"{field}: {uri} already holds files that yattflow did not write (it has no MANIFEST.json or "
+            f"{DATASET_MANIFEST}), and yattflow never overwrites them: point {field} at a new folder, or move that "
+            "folder away"
+        )
+    return True
+
+
+def read_examples(uri: str, prompt_field: str, response_field: str, field: str) -> list[tuple[str, str]]:
+    """(prompt, completion) pairs from the Parquet file or folder ``uri``, in file order."""
+    schema = pa.schema([pa.field(prompt_field, pa.string(), nullable=False),
+                        pa.field(response_field, pa.string(), nullable=False)])
+    try:
+        table = datasets.read_table(uri, schema)
+    except (datasets.SchemaError, objectstore.StorageError) as e:
+        raise datasets.SchemaError(
+            f"{field}: {e} (columns '{prompt_field}' and '{response_field}': set sft.prompt_field, sft.response_field "
+            "or sft.heldout_field to the names in the file)") from None
+    if not len(table):
+        raise datasets.SchemaError(f"{field}: {uri} has no rows")
+    return list(zip(table.column(0).to_pylist(), table.column(1).to_pylist()))
+
+
+@task(cache_policy=NO_CACHE, task_run_name="{name}")
+def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields: dict[str, str] | None = None) -> dict:
+    """SFT ``settings.base`` (or a tiny model from scratch) on ``settings.data`` and commit it to
+    ``settings.output``; its resume state lives in ``runs/<config.name>/<name>``. ``fields`` names
+    the config fields that set ``settings`` where they are not ``sft.*`` (prepare's)."""
+    logger = get_run_logger()
+    field = {key: f"sft.{key}" for key in SFTConfig.model_fields} | (fields or {})
+    output = config.uri(settings.output)
+    if not needs_building(output, field["output"]):
+        logger.info("%s: a model is already committed at %s", name, output)
+        return {"uri": output, "skipped": True}
+    pairs = read_examples(config.uri(settings.data), settings.prompt_field, settings.response_field, field["data"])
+    check = []
+    if settings.heldout is not None:
+        check = read_examples(config.uri(settings.heldout), settings.prompt_field,
+                              settings.heldout_field or settings.response_field, field["heldout"])
+    base = None
+    if settings.base is not None:
+        try:
+            base = objectstore.local_folder(config.uri(settings.base))
+        except objectstore.StorageError as e:
+            raise ConfigError(f"{field['base']}: {e}") from None
+
+    state_uri = state_file(config, name)
+    setup = settings.model_dump(include=set(SETUP_FIELDS)) | {"seed": config.seed}
+    resume = _load_state(state_uri, setup)
+    model, tokenizer = start_model(
+        base, [text for pair in pairs + check for text in pair], config.seed, hidden_size=settings.hidden_size,
+        num_layers=settings.layers, num_heads=settings.heads, num_kv_heads=settings.kv_heads, init_std=settings.init_std,
+    )
+    logger.info("%s: %d examples, %d held out, from %s, %s parameters", name, len(pairs), len(check),
+                settings.base or "scratch (a tiny Llama, character tokenizer)", f"{sum(p.numel() for p in model.parameters()):,}")
+    result = train_sft(
+        model, tokenizer, pairs, check, target=settings.target, max_steps=settings.max_steps,
+        check_every=settings.check_every, batch_size=settings.batch_size, lr=settings.lr, seed=config.seed,
+        log=logger.info, resume=resume, save=lambda state: _save_state(state_uri, state | {"setup": setup}),
+    )
+    if settings.target is not None and not result["converged"]:
+        raise SFTNotConverged(
+            f"{name} SFT reached {100 * result['exact_match']:.1f}% held-out exact match after {result['steps']} steps, "
+            f"short of {field['target']}={settings.target}: raise {field['max_steps']} ({settings.max_steps}) and run "
+            f"the same command (it continues from step {result['steps']}), or change {field['lr']} ({settings.lr}); "
+            f"nothing was written to {output}"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        objectstore.upload_folder(tmp, output)  # MANIFEST.json last: committed
+    objectstore.remove(objectstore.join(config.run_uri, name))
+    matched = "-" if result["exact_match"] is None else f"{100 * result['exact_match']:.1f}%"
+    logger.info("%s: held-out exact match %s, loss %.4f after %d steps (%.0fs) → %s", name, matched, result["loss"],
+                result["steps"], result["seconds"], output)
+    return {"uri": output, **result}
+
+
+def state_file(config: RunConfig, name: str = "sft") -> str:
+    """Where SFT ``name`` of run ``config.name`` keeps its resume state (a torch file; beside it
+    ``progress.json``, the step it holds, small enough to read for a status line)."""
+    return objectstore.join(config.run_uri, name, "state.pt")
+
+
+def _load_state(uri: str, setup: dict) -> dict | None:
+    if not objectstore.exists(uri):
+        return None
+    state = torch.load(io.BytesIO(objectstore.read_bytes(uri)), weights_only=False)
+    if state["setup"] != setup:
+        changed = ", ".join(f"{k} {state['setup'].get(k)!r} → {v!r}" for k, v in setup.items() if state["setup"].get(k) != v)
+        raise ConfigError(f"{uri} holds the state of an SFT run set up differently ({changed}): run it with its own "
+                          "settings to continue it, or give this one another run name (name=...)")
+    return state
+
+
+def _save_state(uri: str, state: dict) -> None:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    objectstore.write_bytes(uri, buffer.getvalue())  # atomic: a kill mid-write keeps the previous state
+    objectstore.write_json(uri.rsplit("/", 1)[0] + "/progress.json", {"step": state["step"]})
+
+
+@flow(name="sft", flow_run_name=run_label("sft"))
+def sft(config_file: str | None = None, overrides: list[str] | None = None) -> dict:
+    config = load_config(config_file, overrides or [])
+    if config.sft.data is None:
+        raise ConfigError("sft.data is not set: name a Parquet file or folder of examples (columns sft.prompt_field "
+                          "and sft.response_field), e.g. sft.data=data/my-sft")
+    objectstore.check_reachable(config.uri(""))
+    return fine_tune(config, config.sft)

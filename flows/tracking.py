@@ -1,0 +1,107 @@
+"""The run's metrics where people look, beside the Prefect artifacts: TensorBoard event files
+in ``runs/<name>/tensorboard`` always, and an MLflow run when ``MLFLOW_TRACKING_URI`` is set.
+
+    tensorboard --logdir yattflow-data/runs/demo/tensorboard
+
+Steps are counted from 1, as in the logs; the held-out metric before RL is step 0. A resumed run
+writes on from its first new step and TensorBoard hides what the stopped run wrote past it
+(``purge_step``); the MLflow run of the same name is continued. With an object-store root the
+event files are written locally and copied to the run's folder after every step.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from torch.utils.tensorboard import SummaryWriter
+
+from engines.config import RunConfig
+from flows.metrics import TIMED, StepMetrics
+from storage import objectstore
+
+# tag → StepMetrics field: what a step adds to the curves
+SCALARS = {
+    "rollout/reward": "reward", "rollout/accuracy": "accuracy", "rollout/response_tokens": "response_tokens",
+    "sampling/kept_groups": "kept_groups", "sampling/dropped_groups": "dropped_groups", "sampling/waves": "waves",
+    "train/loss": "loss", "train/clip_fraction": "clip_fraction", "train/entropy": "entropy",
+    "train/kl_rollout": "kl_rollout", "train/kl_reference": "kl_reference", "train/grad_norm": "grad_norm",
+    "seconds/step": "step_s", "seconds/engines": "engine_s", **{f"seconds/{stage}": f"{stage}_s" for stage in TIMED},
+}
+
+
+class MetricsLog:
+    """One run's TensorBoard writer (and MLflow run): ``step`` after every RL step, ``heldout``
+    for each held-out figure, ``close`` at the end."""
+
+    def __init__(self, config: RunConfig, first_step: int, heldout_metric: str | None):
+        self.uri = objectstore.join(config.run_uri, "tensorboard")
+        self.heldout_tag = f"heldout/{heldout_metric}" if heldout_metric else None
+        if objectstore.is_local(self.uri):
+            self.local = objectstore.fs_for(self.uri)[1]
+        else:  # written here, copied to the run's folder after every step
+            self.local = tempfile.mkdtemp(prefix="yattflow-tensorboard-")
+        self.writer = SummaryWriter(self.local, purge_step=first_step + 1 if first_step else None)
+        self.mlflow = _mlflow_run(config) if os.environ.get("MLFLOW_TRACKING_URI") else None
+        self.heldout_steps: set[int] = set()  # the figure after the last step may be eval.every's too
+
+    def step(self, metrics: StepMetrics) -> None:
+        values = {tag: getattr(metrics, field) for tag, field in SCALARS.items() if getattr(metrics, field) is not None}
+        self._log(values, metrics.step + 1)
+        if metrics.heldout is not None:
+            self.heldout(metrics.step + 1, metrics.heldout)
+        self._publish()
+
+    def heldout(self, step: int, value: float | None) -> None:
+        if self.heldout_tag and value is not None and step not in self.heldout_steps:
+            self.heldout_steps.add(step)
+            self._log({self.heldout_tag: value}, step)
+            self._publish()
+
+    def close(self) -> None:
+        self.writer.close()
+        self._publish()
+        if self.mlflow is not None:
+            self.mlflow.end_run()
+
+    def _log(self, values: dict[str, float], step: int) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+        if self.mlflow is not None:
+            self.mlflow.log_metrics({tag.replace(" ", "_").replace("'", ""): float(v) for tag, v in values.items()}, step=step)
+
+    def _publish(self) -> None:
+        self.writer.flush()
+        if self.local != objectstore.fs_for(self.uri)[1]:
+            for path in Path(self.local).iterdir():
+                objectstore.write_bytes(objectstore.join(self.uri, path.name), path.read_bytes())
+
+
+def _mlflow_run(config: RunConfig):
+    """The MLflow module with the run named ``config.name`` active in experiment ``yattflow``
+    (continued when it exists; a new one gets the config as parameters)."""
+    try:
+        import mlflow
+    except ImportError:
+        raise RuntimeError(f"MLFLOW_TRACKING_URI is set ({os.environ['MLFLOW_TRACKING_URI']}) but mlflow is not installed: "
+                           "pip install 'yattflow[mlflow]' (or unset MLFLOW_TRACKING_URI)") from None
+    mlflow.set_experiment("yattflow")
+    earlier = mlflow.search_runs(experiment_names=["yattflow"], filter_string=f"tags.mlflow.runName = '{config.name}'",
+                                 max_results=1, output_format="list")
+    if earlier:
+        mlflow.start_run(run_id=earlier[0].info.run_id)
+    else:
+        mlflow.start_run(run_name=config.name)
+        mlflow.log_params(_flat(config.model_dump()))
+    return mlflow
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
