@@ -209,13 +209,12 @@ def _sft_line(result: dict) -> str:
 
 def where_sft_stopped(config) -> str:
     """``stopped; resume state: step M; …`` from the SFT run's progress.json."""
-    from flows.sft import state_file
-    from storage import objectstore
+    from flows.sft import saved_step
 
-    progress = state_file(config).rsplit("/", 1)[0] + "/progress.json"
-    if not objectstore.exists(progress):
+    step = saved_step(config)
+    if step is None:
         return f"stopped before the first check (sft.check_every={config.sft.check_every}); the same command starts over"
-    return f"stopped; resume state: step {objectstore.read_json(progress)['step']}; run the same command to continue"
+    return f"stopped; resume state: step {step}; run the same command to continue"
 
 
 def failure_cause(error: BaseException) -> str:

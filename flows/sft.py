@@ -25,6 +25,7 @@ from prefect.cache_policies import NO_CACHE
 from engines.config import ConfigError, RunConfig, SFTConfig, load_config
 from engines.sft import sft as train_sft
 from engines.sft import start_model
+from flows.artifacts import percent
 from flows.training import run_label
 from storage import datasets, objectstore
 
@@ -33,6 +34,8 @@ from storage import datasets, objectstore
 DATASET_MANIFEST = "_MANIFEST.json"
 # What changes the weights SFT computes: a saved state made under other values is not continued.
 # (max_steps, target, check_every and output may change between a run and its continuation.)
+# SFT's resume state, in runs/<name>/<sft name>/: the whole training state, and the step it holds
+STATE, PROGRESS = "state.pt", "progress.json"
 SETUP_FIELDS = ("data", "prompt_field", "response_field", "base", "batch_size", "lr", "hidden_size", "layers", "heads",
                 "kv_heads", "init_std")
 
@@ -98,9 +101,9 @@ def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields:
         except objectstore.StorageError as e:
             raise ConfigError(f"{field['base']}: {e}") from None
 
-    state_uri = state_file(config, name)
+    state_folder = objectstore.join(config.run_uri, name)
     setup = settings.model_dump(include=set(SETUP_FIELDS)) | {"seed": config.seed}
-    resume = _load_state(state_uri, setup)
+    resume = _load_state(objectstore.join(state_folder, STATE), setup)
     model, tokenizer = start_model(
         base, [text for pair in pairs + check for text in pair], config.seed, hidden_size=settings.hidden_size,
         num_layers=settings.layers, num_heads=settings.heads, num_kv_heads=settings.kv_heads, init_std=settings.init_std,
@@ -110,7 +113,7 @@ def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields:
     result = train_sft(
         model, tokenizer, pairs, check, target=settings.target, max_steps=settings.max_steps,
         check_every=settings.check_every, batch_size=settings.batch_size, lr=settings.lr, seed=config.seed,
-        log=logger.info, resume=resume, save=lambda state: _save_state(state_uri, state | {"setup": setup}),
+        log=logger.info, resume=resume, save=lambda state: _save_state(state_folder, state | {"setup": setup}),
     )
     if settings.target is not None and not result["converged"]:
         raise SFTNotConverged(
@@ -123,17 +126,17 @@ def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         objectstore.upload_folder(tmp, output)  # MANIFEST.json last: committed
-    objectstore.remove(objectstore.join(config.run_uri, name))
-    matched = "-" if result["exact_match"] is None else f"{100 * result['exact_match']:.1f}%"
-    logger.info("%s: held-out exact match %s, loss %.4f after %d steps (%.0fs) → %s", name, matched, result["loss"],
-                result["steps"], result["seconds"], output)
+    objectstore.remove(state_folder)
+    logger.info("%s: held-out exact match %s, loss %.4f after %d steps (%.0fs) → %s", name, percent(result["exact_match"]),
+                result["loss"], result["steps"], result["seconds"], output)
     return {"uri": output, **result}
 
 
-def state_file(config: RunConfig, name: str = "sft") -> str:
-    """Where SFT ``name`` of run ``config.name`` keeps its resume state (a torch file; beside it
-    ``progress.json``, the step it holds, small enough to read for a status line)."""
-    return objectstore.join(config.run_uri, name, "state.pt")
+def saved_step(config: RunConfig, name: str = "sft") -> int | None:
+    """The step whose state SFT ``name`` of run ``config.name`` saved last (None: none saved), from the
+    small ``progress.json`` beside the state."""
+    progress = objectstore.join(config.run_uri, name, PROGRESS)
+    return objectstore.read_json(progress)["step"] if objectstore.exists(progress) else None
 
 
 def _load_state(uri: str, setup: dict) -> dict | None:
@@ -147,11 +150,11 @@ def _load_state(uri: str, setup: dict) -> dict | None:
     return state
 
 
-def _save_state(uri: str, state: dict) -> None:
+def _save_state(folder: str, state: dict) -> None:
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    objectstore.write_bytes(uri, buffer.getvalue())  # atomic: a kill mid-write keeps the previous state
-    objectstore.write_json(uri.rsplit("/", 1)[0] + "/progress.json", {"step": state["step"]})
+    objectstore.write_bytes(objectstore.join(folder, STATE), buffer.getvalue())  # atomic: a kill mid-write keeps the previous state
+    objectstore.write_json(objectstore.join(folder, PROGRESS), {"step": state["step"]})
 
 
 @flow(name="sft", flow_run_name=run_label("sft"))
