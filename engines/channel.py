@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import threading
 import time
 import traceback
@@ -30,15 +32,23 @@ class HostError(RuntimeError):
     logs: list[str] = []  # what the host logged before it failed
 
 
+class HostLost(HostError):
+    """The host itself failed, not the work: its process is gone, or a stage made no progress for
+    ``timeouts.stage_s``. A run heals from this by restarting its hosts (``retries.run``)."""
+
+
+BEAT_S = 1.0  # while a command runs, the host reports its progress counter this often
+
+
 # --------------------------------------------------------------------------- controller side
 
 
 class HostClient:
     """The controller's end of one host's channel: ``call(request) -> (result, host log lines)``."""
 
-    def __init__(self, address: tuple[str, int], secret: bytes, group: int, timeout_s: float):
+    def __init__(self, address: tuple[str, int], secret: bytes, group: int, timeout_s: float, stage_s: float):
         self.group = group
-        self.timeout_s = timeout_s
+        self.timeout_s, self.stage_s = timeout_s, stage_s
         self._conn: Connection = Client(address, authkey=secret)
         self._lock = threading.Lock()
 
@@ -47,16 +57,41 @@ class HostClient:
         with self._lock:
             try:
                 self._conn.send_bytes(json.dumps({"stage": stage, "fields": request.model_dump(mode="json")}).encode())
-                if not self._conn.poll(self.timeout_s):
-                    raise HostError(f"dp-{self.group}: '{stage}' got no answer within {self.timeout_s:.0f}s")
-                reply = json.loads(self._conn.recv_bytes())
+                reply = self._reply(stage)
             except (EOFError, OSError) as e:
-                raise HostError(f"dp-{self.group}: engine host is gone ({type(e).__name__}) during '{stage}'") from e
+                raise HostLost(f"dp-{self.group}: engine host is gone ({type(e).__name__}) during '{stage}'") from e
         if "error" in reply:
             error = HostError(f"dp-{self.group}: '{stage}' failed in the engine host:\n{reply['error']}")
             error.logs = reply["logs"]
             raise error
         return request.result.model_validate(reply["result"] | {"host_s": reply["host_s"]}), reply["logs"]
+
+    def _reply(self, stage: str) -> dict:
+        """The answer to the command just sent, watching its heartbeats: a command whose progress
+        counter stands still for ``stage_s`` (or whose host stops beating) is hung."""
+        start = moved = time.monotonic()
+        progress = None
+        while True:
+            now = time.monotonic()
+            if now - moved > self.stage_s:
+                raise HostLost(f"dp-{self.group}: '{stage}' hung: no progress for {now - moved:.0f}s (timeouts.stage_s="
+                               f"{self.stage_s:g})")
+            if now - start > self.timeout_s:
+                raise HostError(f"dp-{self.group}: '{stage}' got no answer within {self.timeout_s:.0f}s (host_timeout_s)")
+            if not self._conn.poll(BEAT_S):
+                continue
+            message = json.loads(self._conn.recv_bytes())
+            if "beat" not in message:
+                return message
+            if message["beat"] != progress:
+                progress, moved = message["beat"], time.monotonic()
+
+    def abort(self) -> None:
+        """End the connection now, waking a call that waits on it (it fails with ``HostLost``)."""
+        try:
+            socket.socket(fileno=os.dup(self._conn.fileno())).shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def close(self) -> None:
         try:
@@ -76,21 +111,27 @@ def client(run: str, group: int) -> HostClient:
         raise HostError(f"no engine host for run '{run}' dp-{group} in this process") from None
 
 
-def connect(run: str, group: int, address: tuple[str, int], secret: bytes, timeout_s: float) -> None:
+def connect(run: str, group: int, address: tuple[str, int], secret: bytes, timeout_s: float, stage_s: float) -> None:
     """Open the channel to a started host; tasks of ``run`` then reach it through ``client``."""
-    _clients[(run, group)] = HostClient(address, secret, group, timeout_s)
+    _clients[(run, group)] = HostClient(address, secret, group, timeout_s, stage_s)
 
 
 def disconnect(run: str, world: int) -> None:
-    """Ask every connected host of ``run`` to shut down, and close the channels."""
+    """Ask every connected host of ``run`` to shut down, and close the channels. A channel still
+    busy with a command (a failed run's other groups, waiting in a collective) is cut instead."""
     for group in range(world):
         c = _clients.pop((run, group), None)
-        if c is not None:
+        if c is None:
+            continue
+        if c._lock.acquire(timeout=1.0):
+            c._lock.release()
             try:
                 c.call(Shutdown())
             except HostError:
                 pass
-            c.close()
+        else:
+            c.abort()
+        c.close()
 
 
 # --------------------------------------------------------------------------- host side
@@ -106,16 +147,45 @@ class _Capture(logging.Handler):
 
     def emit(self, record):
         self.lines.append(self.format(record))
+        progress()
+
+
+_progress = 0  # the command in hand's progress counter, sent with every heartbeat
+
+
+def progress() -> None:
+    """Host side: the command in hand made progress (a chunk generated, a micro-batch trained).
+    Engines call it where they finish a piece of work; a log line counts too."""
+    global _progress
+    _progress += 1
 
 
 def answer(conn: Connection, handle: Callable[[Request], Result], rank: int) -> None:
     """Answer the controller's requests with ``handle`` until ``Shutdown``; every failure goes
-    back to the task that sent the request, with the host's traceback. A connection that ends
-    without ``Shutdown`` (the run crashed or was cancelled) raises ``SystemExit(3)``: a host
-    never holds its devices for a controller that is gone."""
+    back to the task that sent the request, with the host's traceback. While a command runs, a
+    thread sends its progress counter every ``BEAT_S`` (the controller's watchdog). A connection
+    that ends without ``Shutdown`` (the run crashed or was cancelled) raises ``SystemExit(3)``:
+    a host never holds its devices for a controller that is gone."""
     capture = _Capture()
     logging.getLogger("yattflow").addHandler(capture)
     logging.getLogger("yattflow").setLevel(logging.INFO)
+    sending, busy = threading.Lock(), threading.Event()
+
+    def send(message: dict) -> None:
+        with sending:
+            conn.send_bytes(json.dumps(message).encode())
+
+    def beat() -> None:
+        while True:
+            busy.wait()
+            time.sleep(BEAT_S)
+            if busy.is_set():
+                try:
+                    send({"beat": _progress})
+                except OSError:
+                    return
+
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
     while True:
         try:
             message = json.loads(conn.recv_bytes())
@@ -124,6 +194,7 @@ def answer(conn: Connection, handle: Callable[[Request], Result], rank: int) -> 
             raise SystemExit(3) from None
         capture.lines = []
         start = time.perf_counter()
+        busy.set()
         try:
             kind = REQUESTS.get(message.get("stage"))
             if kind is None:
@@ -132,8 +203,9 @@ def answer(conn: Connection, handle: Callable[[Request], Result], rank: int) -> 
             reply = {"result": {} if isinstance(request, Shutdown) else handle(request).model_dump(mode="json")}
         except Exception:  # noqa: BLE001 - every failure goes back to the task
             request, reply = None, {"error": traceback.format_exc()}
+        busy.clear()
         reply["logs"] = capture.lines
         reply["host_s"] = time.perf_counter() - start  # engine-side time: the rest is orchestration
-        conn.send_bytes(json.dumps(reply).encode())
+        send(reply)
         if isinstance(request, Shutdown):
             return

@@ -25,10 +25,12 @@ from typing import Callable
 
 import torch
 
+from engines import faults
 from engines.commands import CheckpointResult, CheckpointWaitResult
 from engines.protocols import Trainer
 from engines.torch_engines import from_bytes, to_bytes
 from storage import objectstore
+from storage.runstate import checkpoint_step
 
 log = logging.getLogger("yattflow.host")
 
@@ -98,6 +100,7 @@ class Checkpoints:
                     files += sorted(str(p.relative_to(tmp)) for p in Path(tmp, "model").rglob("*") if p.is_file())
                 objectstore.write_bytes(objectstore.join(uri, f"rng-{rank}.pt"), rng)
                 _test_checkpoint_pause()
+                faults.inject("checkpoint_write", checkpoint_step(uri), rank)
                 for name in files:
                     objectstore.write_bytes(objectstore.join(uri, name), Path(tmp, name).read_bytes())
                 if rank == 0:  # the prompt files this run's streams (and so the cursors) were read from

@@ -446,6 +446,36 @@ class HostsConfig(Section):
     )
 
 
+class RunControlConfig(Section):
+    """Who may train a run (a lease on its name, ``storage/lease.py``)."""
+
+    on_conflict: Literal["fail", "wait"] = Field(
+        "fail",
+        description="When another live run (a CLI run, a deployment run, a schedule firing) holds this run's name: fail "
+        "at once, naming it, or wait until it ends.",
+    )
+    lease_s: float = Field(
+        60.0, gt=0,
+        description="Lease on the run's name, renewed every third of it; a holder that died frees it after this long.",
+    )
+
+
+class RetriesConfig(Section):
+    run: int = Field(
+        2, ge=0,
+        description="Times a run restarts its engine hosts and resumes from the last committed checkpoint after a host "
+        "died or a stage hung (a bad input or an error in user code is not retried).",
+    )
+
+
+class TimeoutsConfig(Section):
+    stage_s: float = Field(
+        300.0, gt=0,
+        description="A stage whose engine host reports no progress (no generated chunk, no micro-batch, no log line) for "
+        "this long is hung: the run restarts its hosts (retries.run).",
+    )
+
+
 class RunConfig(Section):
     name: str = Field("demo", pattern=r"^[a-z0-9][a-z0-9-]*$", description="Run id; running the same name again resumes it.")
     seed: int = Field(0, description="Seed for sampling and data order.")
@@ -472,6 +502,9 @@ class RunConfig(Section):
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     hosts: HostsConfig = Field(default_factory=HostsConfig)
+    run: RunControlConfig = Field(default_factory=RunControlConfig)
+    retries: RetriesConfig = Field(default_factory=RetriesConfig)
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
 
     @model_validator(mode="after")
     def _devices_per_group(self):

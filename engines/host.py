@@ -15,6 +15,8 @@ is a real collective (``engines/distributed.py``).
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
 import os
 import secrets
 import signal
@@ -26,6 +28,7 @@ import time
 from multiprocessing.connection import Listener
 from pathlib import Path
 
+from engines import faults
 from engines.channel import HostError, answer, connect, disconnect
 
 
@@ -90,10 +93,12 @@ def local_devices(world: int, devices: list[str] | None, gpus: int, visible: str
 class LocalHosts:
     """Start, supervise and stop the engine hosts of one run as local subprocesses."""
 
-    def __init__(self, run: str, world: int, threads: int, timeout_s: float, devices: list[str] | None = None):
+    def __init__(self, run: str, world: int, threads: int, timeout_s: float, devices: list[str] | None = None,
+                 stage_s: float | None = None):
         import torch
 
-        self.run, self.world, self.threads, self.timeout_s = run, world, threads, timeout_s
+        self.run, self.world, self.threads = run, world, threads
+        self.timeout_s, self.stage_s = timeout_s, stage_s or timeout_s  # stage_s: the progress watchdog (channel.py)
         self.devices = local_devices(world, devices, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         self.hosts: list[HostProcess] = []
         self.master: str | None = None  # rank 0's torch.distributed rendezvous, "host:port"
@@ -104,14 +109,17 @@ class LocalHosts:
             self.hosts = [HostProcess(rank, self.world, self.threads, secret, devices=self.devices[rank])
                           for rank in range(self.world)]
             for h in self.hosts:
-                connect(self.run, h.rank, h.wait_ready().address, secret, self.timeout_s)
+                connect(self.run, h.rank, h.wait_ready().address, secret, self.timeout_s, self.stage_s)
             self.master = f"{self.hosts[0].address[0]}:{self.hosts[0].dist_port}"
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type=None, *exc) -> None:
+        if exc_type is not None:  # a failed run: hosts may be hung or mid-collective, so no polite shutdown
+            for h in self.hosts:
+                h.stop(grace_s=0)
         disconnect(self.run, self.world)
         for h in self.hosts:
             h.stop()
@@ -121,6 +129,16 @@ class LocalHosts:
 
     async def __aexit__(self, *exc) -> None:
         self.__exit__(*exc)
+
+    async def lost(self, grace_s: float = 2.0) -> list[str]:
+        """The hosts that died (waiting up to ``grace_s`` for one that is on its way out), as
+        ``dp-1 (exit code -9)``; [] when all live."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = [f"dp-{h.rank} (exit code {h.proc.poll()})" for h in self.hosts if h.proc.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                return dead
+            await asyncio.sleep(0.1)
 
 
 def _free_port(bind: str = "127.0.0.1") -> int:
@@ -168,7 +186,15 @@ def serve(rank: int, world: int, threads: int, bind: str = "127.0.0.1") -> None:
         # Nobody reads our stdout after READY: send whatever comes later (engine libraries and
         # the processes they spawn write there) to stderr, so a full pipe can never block us.
         os.dup2(2, 1)
-        answer(listener.accept(), worker.handle, rank)
+        answer(listener.accept(), functools.partial(_handle, worker, {}), rank)
+
+
+def _handle(worker, seen: dict, request):
+    """``worker.handle``, after the fault ``YATTFLOW_FAULTS`` plans for this point, if any (engines/faults.py).
+    A request without a step (``train_step``, ``sync_weights``) belongs to the step of the last one with."""
+    seen["step"] = getattr(request, "step", seen.get("step"))
+    faults.inject(request.stage, seen["step"], worker.rank)
+    return worker.handle(request)
 
 
 def main() -> None:

@@ -49,6 +49,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer
 
 from engines import algorithms
+from engines.channel import progress
 from engines.distributed import default_device, init_process_groups
 from engines.offload import Offload, trainer_tensors
 from engines.protocols import FrozenCheckpoint, TrainBatch
@@ -535,6 +536,7 @@ class MegatronTrainer:
             clipped_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             passes = micro_batches(part, micro_batch_tokens)
             for k, micro in enumerate(passes):
+                progress()  # the host's heartbeat: a long train step is moving (engines/channel.py)
                 with self.model.no_sync() if k < len(passes) - 1 else contextlib.nullcontext():
                     ids, _, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
                     logprobs = self._token_logprobs(self.model, ids)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from engines import algorithms
+from engines.channel import progress
 from engines.protocols import FrozenCheckpoint, Generation, TrainBatch
 
 
@@ -298,6 +299,7 @@ class TorchTrainer:
             total = self._global_sum(local_tokens if aggregation == "token" else float(len(part)))
             loss_value = 0.0
             for micro in micro_batches(part, micro_batch_tokens):
+                progress()  # the host's heartbeat: a long train step is moving (engines/channel.py)
                 ids, attn, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
                 with forward_precision(self.device, self.autocast):  # the loss below is fp32 either way
                     logprobs = sequence_logprobs(self.model, ids, attn, self.temperature)

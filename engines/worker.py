@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from engines import balance, distributed, factory, rewards, validation
 from engines.algorithms import group_advantages, overlong_penalty
+from engines.channel import progress
 from engines.checkpointing import Checkpoints
 from engines.commands import (Checkpoint, CheckpointResult, CheckpointWait, CheckpointWaitResult, DynamicFilter,
                               DynamicFilterResult, Evaluate, EvaluateResult, ExportPolicy, ExportPolicyResult, GenRMScore,
@@ -373,6 +374,7 @@ class Worker:
 
     def _generate_chunk(self, step: int, wave: int, k: int, chunk: list[dict]) -> list[dict]:
         """Rollout rows of chunk ``k`` of a wave: G samples per prompt, prompt-major."""
+        progress()  # the host's heartbeat (engines/channel.py): each chunk is a piece of work done
         ro = self.config.rollout
         gens = self.policy.generate([row["prompt"] for row in chunk], n=ro.samples_per_prompt, temperature=ro.temperature,
                                     top_p=ro.top_p, max_new_tokens=ro.max_new_tokens,
@@ -394,6 +396,7 @@ class Worker:
 
     def _score_chunk(self, rows: list[dict]) -> list[dict]:
         """``rows`` with their verdicts and rewards (new dicts: the rollout rows are left as they are)."""
+        progress()
         cfg = self.config
         verdicts = self._verdicts(rows) if self.judge is not None and rows else [None] * len(rows)
         out = []

@@ -180,7 +180,10 @@ def _in_process(argv: list[str]) -> int:
         print(f"\nyattflow {args.command}: {where}", file=sys.stderr, flush=True)
         return 130
     except Exception as e:  # noqa: BLE001 - the traceback is in the log above; the cause goes last, alone
-        stopped = f"; {where_it_stopped(config)}" if args.command in ("train", "demo") else ""
+        from storage.lease import RunInUse
+
+        # another run holds this one: where *it* stands is not this command's to report
+        stopped = f"; {where_it_stopped(config)}" if args.command in ("train", "demo") and not isinstance(e, RunInUse) else ""
         print(f"\nyattflow {args.command}: failed: {failure_cause(e)}{stopped}", file=sys.stderr, flush=True)
         return 1
     print(f"yattflow {args.command}: done in {time.perf_counter() - start:.0f}s")

@@ -99,7 +99,7 @@ class DeployedHosts:
                 ) for g in range(cfg.dp)))
             where = await self._registered()
             for g, w in enumerate(where):
-                connect(cfg.name, g, (w["address"], w["port"]), secret, cfg.host_timeout_s)
+                connect(cfg.name, g, (w["address"], w["port"]), secret, cfg.host_timeout_s, cfg.timeouts.stage_s)
             self.master = f"{where[0]['address']}:{where[0]['dist_port']}"
         except BaseException:
             await self.__aexit__(None, None, None)
@@ -135,6 +135,18 @@ class DeployedHosts:
                     logger.info("waiting for engine hosts %s to start", ", ".join(f"dp-{g}" for g in waiting))
                 await asyncio.sleep(1)
 
+    async def lost(self, grace_s: float = 5.0) -> list[str]:
+        """The host flow runs that ended (a host flow run notices its process died within 2 s:
+        ``engine_host`` polls it), as ``dp-1 (Failed: …)``; [] when all run."""
+        deadline = time.monotonic() + grace_s
+        async with get_client() as client:
+            while True:
+                states = [(await client.read_flow_run(r.id)).state for r in self.runs]
+                ended = [f"dp-{g} ({s.name}: {s.message})" for g, s in enumerate(states) if s is not None and s.is_final()]
+                if ended or time.monotonic() > deadline:
+                    return ended
+                await asyncio.sleep(0.5)
+
     async def __aexit__(self, *exc) -> None:
         disconnect(self.config.name, self.config.dp)  # each host answers 'shutdown' and exits
         async with get_client() as client:
@@ -164,4 +176,5 @@ def engine_hosts(config: RunConfig):
 
     if config.hosts.launch == "deployment":
         return DeployedHosts(config)
-    return LocalHosts(config.name, config.dp, config.threads_per_host, config.host_timeout_s, config.hosts.devices)
+    return LocalHosts(config.name, config.dp, config.threads_per_host, config.host_timeout_s, config.hosts.devices,
+                      config.timeouts.stage_s)

@@ -20,8 +20,10 @@ import asyncio
 import time
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
+from engines.channel import HostLost
 from engines.commands import CheckpointWaitResult
 from engines.config import RunConfig, load_config
 from engines.sampling import GroupSampling, plan_wave
@@ -30,6 +32,7 @@ from flows.hosts import engine_hosts
 from flows.metrics import GroupStep, StageClock, StepMetrics, Wave
 from flows.tracking import MetricsLog
 from storage import objectstore
+from storage.lease import Lease, verify_held
 from storage.runstate import RunState, checkpoint_uri, commit_checkpoint, discard_uncommitted
 from tasks import stages
 
@@ -108,8 +111,14 @@ async def iteration(config: RunConfig, step: int, cursors: list[int], end: int |
     synchronous one is committed here."""
     start = time.perf_counter()
     waiting = written["step"] if written else None
-    groups = await asyncio.gather(*(dp_group(config, step, g, cursors[g], end, waiting, (sampling or [None] * config.dp)[g])
-                                    for g in range(config.dp)))
+    runs = [asyncio.ensure_future(dp_group(config, step, g, cursors[g], end, waiting, (sampling or [None] * config.dp)[g]))
+            for g in range(config.dp)]
+    try:
+        groups = await asyncio.gather(*runs)
+    except BaseException:
+        for r in runs:  # a failed group fails the step: the others must not go on into hosts the run restarts
+            r.cancel()
+        raise
     shas = {g.train.params_sha for g in groups}
     if len(shas) != 1:
         raise RuntimeError(f"step {step}: DP replicas diverged (parameter fingerprints {sorted(shas)})")
@@ -138,6 +147,7 @@ def commit(config: RunConfig, checkpoint: dict, files: list[str]) -> None:
     The sampling state is the one of the checkpoint's own step (carried with it from that step's
     iteration to the one that commits it), so a resume takes exactly the groups that step carried
     over: never lost, never trained twice, their prompts behind the cursors."""
+    verify_held(config.run_uri)  # never commit for a run whose lease another run has taken
     state = RunState.load(config.run_uri)
     state.step, state.cursors, state.policy_version = checkpoint["step"], checkpoint["cursors"], checkpoint["policy_version"]
     state.sampling = checkpoint["sampling"]
@@ -221,58 +231,112 @@ def run_label(prefix: str):
 
 @flow(name="train", flow_run_name=run_label("train"))
 async def train(config_file: str | None = None, overrides: list[str] | None = None) -> dict:
-    """A whole RL run. Running the same run name again resumes from its last committed checkpoint."""
+    """A whole RL run. Running the same run name again resumes from its last committed checkpoint.
+
+    The run holds the lease on its name while it trains (one writer per run: ``storage/lease.py``).
+    When an engine host dies or a stage hangs, it restarts its hosts and resumes from the last
+    committed checkpoint, up to ``retries.run`` times."""
     logger = get_run_logger()
     config = load_config(config_file, overrides or [])
-    run_uri = config.run_uri
     objectstore.check_reachable(config.uri(""))
+    lease = Lease(config.run_uri, config.run.lease_s, str(flow_run.get_id() or "") or None)
+    await asyncio.to_thread(lease.acquire, config.run.on_conflict == "wait", logger.info)
+    logger.info("run %s: lease taken (%s)", config.name, lease.uri)
+    history: list[StepMetrics] = []  # every step trained, over the attempts (a step redone replaces its first try)
+    try:
+        for attempt in range(config.retries.run + 1):
+            try:
+                return await _attempt(config, history)
+            except HostsFailed as e:
+                if attempt == config.retries.run:
+                    raise e.__cause__ from None
+                state = RunState.load(config.run_uri)
+                logger.warning("attempt %d of %d failed: %s. Restarting the engine hosts and resuming from %s (retries.run=%d)",
+                               attempt + 1, config.retries.run + 1, e,
+                               f"the checkpoint of step {state.step + 1}" if state and state.step >= 0 else "the start",
+                               config.retries.run)
+    finally:
+        lease.release()
+
+
+class HostsFailed(RuntimeError):
+    """An engine host died or a stage hung (``HostLost``): restarting the hosts heals the run."""
+
+
+async def _attempt(config: RunConfig, history: list[StepMetrics]) -> dict:
+    """Start the hosts, resume from the committed state, train to the end of this run, export."""
+    logger, run_uri = get_run_logger(), config.run_uri
     state = RunState.load(run_uri)
     if state is not None and len(state.cursors) != config.dp:
         raise ValueError(f"{run_uri}/state.json: run was started with dp={len(state.cursors)}, config has dp={config.dp}")
     for uri in discard_uncommitted(run_uri, state):  # a crash mid-write (no manifest), or before state.json
         logger.info("removed %s: a checkpoint that was never committed", uri)
     first = state.step + 1 if state else 0
+    history[:] = [m for m in history if m.step < first]
     # steps_per_run: each run (a schedule firing again) continues the training by that many steps
     end = config.steps if config.steps_per_run is None else min(config.steps, first + config.steps_per_run)
     if first >= config.steps:
         logger.info("run %s already finished %d/%d steps", config.name, first, config.steps)
     elif end < config.steps:
         logger.info("run %s: steps %d to %d of %d in this run (steps_per_run=%d)", config.name, first, end - 1, config.steps, config.steps_per_run)
-    history, metric = [], heldout_metric(config)
+    metric = heldout_metric(config)
     async with engine_hosts(config) as hosts:  # local subprocesses, or flow runs on a GPU pool (flows/hosts.py)
-        await stages.validate_inputs(config)
-        resume = state.checkpoint if state else None
-        await asyncio.gather(*(stages.setup_engines(config, g, resume, hosts.master) for g in range(config.dp)))
-        if state is None:
-            state = RunState(cursors=[0] * config.dp)
-            state.heldout_before = await heldout_score(config, "before")
-            state.save(run_uri)  # step -1, no checkpoint: a resume starts from the beginning
-            if metric:
-                logger.info("held-out %s before RL: %s", metric, percent(state.heldout_before))
-            else:
-                logger.info("held-out evaluation: off (data.heldout is not set)")
-        run_progress = Progress(f"{config.name}-progress", config.steps, done=first).start(f"{config.name}: {first} of {config.steps} steps done")
-        curves = Curves(config.name, run_uri, config.steps, first, state.heldout_before, metric)
-        tracking = MetricsLog(config, first, metric)  # TensorBoard (and MLflow) curves
-        if first == 0:
-            tracking.heldout(0, state.heldout_before)
         try:
-            after = await _steps(config, state, first, end, history, run_progress, curves, tracking)
-        finally:
-            tracking.close()
-        final_uri = objectstore.join(run_uri, "final")
-        await stages.export_policy(config, final_uri)
+            after, final_uri, state = await _train_on(hosts, config, state, first, end, history)
+        except Exception as e:
+            lost = await hosts.lost()
+            if lost or _host_lost(e):
+                raise HostsFailed(f"engine host(s) {', '.join(lost)} died" if lost else str(e).splitlines()[-1]) from e
+            raise
     before = (RunState.load(run_uri) or state).heldout_before
     summary = {"run": config.name, "steps": config.steps, "heldout_metric": metric, "heldout_before": before, "heldout_after": after,
                "final_model": final_uri,
                "history": [m.model_dump(exclude={"checkpoint_files", "pending_checkpoint"}) for m in history]}
     await acreate_markdown_artifact(key=f"{config.name}-summary", markdown=_summary_markdown(summary),
                                     description=f"{config.name}: held-out {metric or 'evaluation off'}: {percent(before)} → {percent(after)}")
-    curves.finish(after)
-    await asyncio.gather(curves.flush(), run_progress.flush())
     if metric:
         logger.info("held-out %s: before RL %s, after RL %s", metric, percent(before), percent(after))
     return summary
+
+
+def _host_lost(error: BaseException | None) -> bool:
+    """Whether ``error`` or an error it came from is a ``HostLost`` (a task's or a sub-flow's failure wraps it)."""
+    while error is not None:
+        if isinstance(error, HostLost):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+async def _train_on(hosts, config: RunConfig, state: RunState | None, first: int, end: int,
+                    history: list[StepMetrics]) -> tuple[float | None, str, RunState]:
+    """On started hosts: load the engines (resuming from ``state``), train, export the policy."""
+    logger, run_uri, metric = get_run_logger(), config.run_uri, heldout_metric(config)
+    await stages.validate_inputs(config)
+    resume = state.checkpoint if state else None
+    await asyncio.gather(*(stages.setup_engines(config, g, resume, hosts.master) for g in range(config.dp)))
+    if state is None:
+        state = RunState(cursors=[0] * config.dp)
+        state.heldout_before = await heldout_score(config, "before")
+        state.save(run_uri)  # step -1, no checkpoint: a resume starts from the beginning
+        if metric:
+            logger.info("held-out %s before RL: %s", metric, percent(state.heldout_before))
+        else:
+            logger.info("held-out evaluation: off (data.heldout is not set)")
+    run_progress = Progress(f"{config.name}-progress", config.steps, done=first).start(f"{config.name}: {first} of {config.steps} steps done")
+    curves = Curves(config.name, run_uri, config.steps, first, state.heldout_before, metric)
+    tracking = MetricsLog(config, first, metric)  # TensorBoard (and MLflow) curves
+    if first == 0:
+        tracking.heldout(0, state.heldout_before)
+    try:
+        after = await _steps(config, state, first, end, history, run_progress, curves, tracking)
+    finally:
+        tracking.close()
+    final_uri = objectstore.join(run_uri, "final")
+    await stages.export_policy(config, final_uri)
+    curves.finish(after)
+    await asyncio.gather(curves.flush(), run_progress.flush())
+    return after, final_uri, state
 
 
 async def _steps(config: RunConfig, state: RunState, first: int, end: int, history: list[StepMetrics], run_progress: Progress,

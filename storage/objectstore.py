@@ -8,10 +8,12 @@ the new one, never half of one. Multi-file outputs (checkpoints, model folders) 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -90,6 +92,42 @@ def read_json(uri: str) -> dict:
 
 def write_json(uri: str, obj: dict) -> None:
     write_bytes(uri, json.dumps(obj, indent=2, sort_keys=True).encode())
+
+
+def update_json(uri: str, change: Callable[[dict | None], dict | None]) -> dict | None:
+    """Compare-and-swap one small JSON object: ``change(current)`` (None: absent) returns the new
+    object, or None to leave it as it is; returns what the object is afterwards.
+
+    Two processes updating at once never both win: a local folder takes an exclusive ``flock``
+    on ``<object>.lock`` around the read and the write; S3 writes conditionally (``If-None-Match:
+    *`` when the object is absent, ``If-Match: <ETag>`` of what was read otherwise) and reads and
+    decides again when another writer came first."""
+    fs, path = fs_for(uri)
+    if is_local(uri):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(f"{path}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            current = json.loads(Path(path).read_bytes()) if os.path.exists(path) else None
+            new = change(current)
+            if new is not None:
+                write_json(uri, new)
+            return current if new is None else new
+    while True:
+        try:
+            etag = fs.info(path, refresh=True)["ETag"]
+            current = json.loads(fs.cat_file(path))
+        except FileNotFoundError:
+            etag, current = None, None
+        new = change(current)
+        if new is None:
+            return current
+        condition = {"mode": "create"} if etag is None else {"IfMatch": etag}
+        try:
+            fs.pipe_file(path, json.dumps(new, indent=2, sort_keys=True).encode(), **condition)
+            return new
+        except OSError as e:  # 412 Precondition Failed (s3fs reports it as EINVAL): another writer came first
+            if "pre-condition" not in str(e) and "Precondition" not in str(e):
+                raise
 
 
 def list_files(uri: str, suffix: str = "") -> list[str]:

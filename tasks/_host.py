@@ -33,7 +33,7 @@ async def call_host(run: str, group: int, request: Request) -> Result:
         for line in e.logs:
             logger.info(line)
         logger.error("engine host command failed: %s\n%s", inputs, e)
-        raise HostError(f"{inputs} failed:\n{e}") from e
+        raise type(e)(f"{inputs} failed:\n{e}") from e  # HostLost stays HostLost: the run heals from it
     for line in logs:
         logger.info(line)
     return result

@@ -5,6 +5,11 @@ checkpoint commits — on a local folder, then the same core against a real S3 s
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import threading
+import time
 import uuid
 
 import pytest
@@ -16,6 +21,7 @@ import pyarrow.parquet as pq
 
 from storage import datasets, objectstore, runstate
 from storage.datasets import PROMPTS, ROLLOUTS, SchemaError
+from storage.lease import Lease, LeaseLost, RunInUse
 from storage.objectstore import StorageError
 from storage.runstate import RunState
 
@@ -470,3 +476,122 @@ def test_s3_check_reachable(s3_root, s3_server, monkeypatch):
     with pytest.raises(StorageError) as info:
         objectstore.check_reachable(s3_root)
     assert f"storage root {s3_root} " in str(info.value) and str(closed) in str(info.value)
+
+
+# ---------------------------------------------------------------- the run lease (storage/lease.py), local and S3
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=[s3, needs_weed])])
+def run_root(request, tmp_path):
+    """A run folder on a local folder, then on the real S3 server."""
+    if request.param == "local":
+        return uri_of(tmp_path / "runs" / "r")
+    return objectstore.join(request.getfixturevalue("s3_root"), "runs", "r")
+
+
+def test_update_json_lets_exactly_one_of_racing_writers_create(run_root):
+    """The compare-and-swap under the lease: 8 threads create the same object at once; one wins,
+    the others see the winner's object (flock locally, If-None-Match on S3)."""
+    uri = objectstore.join(run_root, "lease.json")
+    barrier, results = threading.Barrier(8), []
+
+    def take(i: int) -> None:
+        barrier.wait()
+        results.append(objectstore.update_json(uri, lambda current: {"holder": i} if current is None else None))
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({r["holder"] for r in results}) == 1 and objectstore.read_json(uri) == results[0]
+    # and an update that reads-then-writes never loses one: 8 increments make 8
+    objectstore.write_json(uri, {"n": 0})
+    threads = [threading.Thread(target=objectstore.update_json, args=(uri, lambda c: {"n": c["n"] + 1})) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert objectstore.read_json(uri) == {"n": 8}
+
+
+def test_second_holder_is_refused_naming_the_first_then_takes_the_released_lease(run_root):
+    first, second = Lease(run_root, ttl_s=30, flow_run_id="flow-run-1"), Lease(run_root, ttl_s=30, flow_run_id="flow-run-2")
+    first.acquire()
+    with pytest.raises(RunInUse) as refused:
+        second.acquire()
+    message = str(refused.value)
+    assert "flow run flow-run-1" in message and socket.gethostname() in message and f"pid {os.getpid()}" in message
+    assert "since 20" in message and "run.on_conflict=wait" in message
+    first.verify()
+    first.release()
+    second.acquire()  # released: free at once
+    with pytest.raises(LeaseLost):
+        first.verify()
+    second.release()
+
+
+def test_waiting_holder_takes_the_lease_when_the_first_releases_it(run_root):
+    first, second = Lease(run_root, ttl_s=30), Lease(run_root, ttl_s=30)
+    first.acquire()
+    notes = []
+    releaser = threading.Timer(1.5, first.release)
+    releaser.start()
+    started = time.monotonic()
+    second.acquire(wait=True, on_wait=notes.append, poll_s=0.2)
+    assert time.monotonic() - started >= 1.4 and notes and "waiting for run held by a process" in notes[0]
+    second.verify()
+    second.release()
+
+
+def test_dead_holders_lease_is_taken_over(run_root):
+    """A holder on another machine that stopped renewing: its lease expires after ``ttl_s``. A holder
+    on this machine whose process is gone (SIGKILL): taken over at once."""
+    uri = objectstore.join(run_root, "lease.json")
+    elsewhere = {"id": "x", "flow_run_id": "gone-1", "hostname": "another-node", "pid": 1}
+    objectstore.write_json(uri, {"holder": elsewhere, "since": "2026-11-25T00:00:00+00:00",
+                                 "expires_at": time.time() + 1.0, "released": False})
+    with pytest.raises(RunInUse, match="flow run gone-1 on host another-node"):
+        Lease(run_root, ttl_s=30).acquire()
+    time.sleep(1.2)
+    taker = Lease(run_root, ttl_s=30)
+    taker.acquire()
+    assert "gone-1" in objectstore.read_json(uri)["took_over"]
+    taker.release()
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    here = {"id": "y", "flow_run_id": "gone-2", "hostname": socket.gethostname(), "pid": dead.pid}
+    objectstore.write_json(uri, {"holder": here, "since": "2026-11-25T00:00:00+00:00",
+                                 "expires_at": time.time() + 3600, "released": False})
+    taker = Lease(run_root, ttl_s=30)
+    taker.acquire()
+    assert "gone-2" in objectstore.read_json(uri)["took_over"]
+    taker.release()
+
+
+def test_holder_whose_lease_was_taken_over_stops(run_root):
+    """A holder that could not renew in time (paused, storage down) finds another run holds the
+    lease: renewing and verifying before a commit both raise LeaseLost."""
+    slow = Lease(run_root, ttl_s=30)
+    slow.acquire()
+    uri = objectstore.join(run_root, "lease.json")
+    objectstore.update_json(uri, lambda current: current | {"expires_at": time.time() - 1})  # it missed its renewals
+    taker = Lease(run_root, ttl_s=30, flow_run_id="the-taker")
+    taker.acquire()
+    with pytest.raises(LeaseLost, match="the-taker"):
+        slow.renew()
+    with pytest.raises(LeaseLost):
+        slow.verify()
+    slow.release()  # gives back nothing: the lease is the taker's
+    taker.verify()
+    taker.release()
+
+
+def test_holder_renews_its_lease_before_it_expires(run_root):
+    lease = Lease(run_root, ttl_s=1.5)
+    lease.acquire()
+    time.sleep(2.5)  # longer than the lease: the renewer thread kept it
+    lease.verify()
+    assert objectstore.read_json(lease.uri)["expires_at"] > time.time()
+    lease.release()
