@@ -9,10 +9,15 @@ model — which NCCL would need copied onto the device and back. So the default 
 backend of the trainer's device (NCCL on CUDA, gloo on the CPU), and a second group, always gloo,
 carries the CPU metadata. On the CPU both are gloo, and the metadata still goes through its own
 group, so CPU tests exercise the same routing the GPU run takes.
+
+Nothing here listens beyond the host's bind address: rank 0 serves the rendezvous store on a
+socket the host bound (:func:`rendezvous_store`), and the host points gloo's and NCCL's sockets
+at the bind address's interface (``engines.host.pin_interface``).
 """
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 
 import torch
@@ -36,9 +41,24 @@ def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def init_process_groups(device: torch.device | str, rank: int, world: int, init_method: str | None,
+def rendezvous_store(rank: int, world: int, master: str, timeout: timedelta,
+                     listening: socket.socket | None = None) -> dist.TCPStore:
+    """The DP group's rendezvous at ``master`` ("host:port"): rank 0 serves it on ``listening``, a
+    socket it bound to that port and listens on; the other ranks connect to it.
+
+    torch's ``tcp://`` rendezvous would have rank 0 listen on every interface, whatever address
+    the host was told to bind to; a store on our own socket listens where that socket does."""
+    host, port = master.rsplit(":", 1)
+    if rank == 0:
+        # detach: the store owns the descriptor from now on (and closes it), not this socket object
+        return dist.TCPStore(host, int(port), world, is_master=True, timeout=timeout, master_listen_fd=listening.detach())
+    return dist.TCPStore(host, int(port), world, is_master=False, timeout=timeout)
+
+
+def init_process_groups(device: torch.device | str, rank: int, world: int, store: dist.Store,
                         timeout: timedelta) -> None:
-    """Join the DP group (collective: every rank calls it once, before any other collective).
+    """Join the DP group through ``store`` (collective: every rank calls it once, before any other
+    collective). A world of one needs no network: ``dist.HashStore()`` serves.
 
     The default group uses :func:`backend_for` the trainer's ``device``; a gloo group over the
     same ranks is created for :func:`metadata_group`."""
@@ -46,7 +66,7 @@ def init_process_groups(device: torch.device | str, rank: int, world: int, init_
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL binds a rank to the device that is current when it connects
-    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world, timeout=timeout)
     _metadata = (dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout))
 
 

@@ -28,6 +28,8 @@ import time
 from multiprocessing.connection import Listener
 from pathlib import Path
 
+import psutil
+
 from engines import faults
 from engines.channel import HostError, answer, connect, disconnect
 
@@ -53,7 +55,8 @@ class HostProcess:
         self.dist_port: int | None = None
 
     def wait_ready(self) -> "HostProcess":
-        """Block until the host listens: its first line is ``READY host:port dist_port``."""
+        """Block until the host listens: its first line is ``READY host:port dist_port``
+        (``dist_port``: rank 0's rendezvous port when world > 1, else 0)."""
         line = self.proc.stdout.readline().split()
         if len(line) != 3 or line[0] != "READY":
             raise HostError(f"dp-{self.rank}: engine host failed to start (exit code {self.proc.poll()})")
@@ -141,12 +144,6 @@ class LocalHosts:
             await asyncio.sleep(0.1)
 
 
-def _free_port(bind: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((bind, 0))
-        return s.getsockname()[1]
-
-
 def _exit_with_parent() -> None:
     """A host never outlives the run that started it (no orphaned engines holding devices)."""
     parent = os.getppid()
@@ -159,17 +156,39 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+EVERY_INTERFACE = ("0.0.0.0", "::", "")
+
+
 def advertised_address(bind: str) -> str:
     """The address the controller and the other hosts reach this host at."""
-    if bind not in ("0.0.0.0", "::", ""):
+    if bind not in EVERY_INTERFACE:
         return bind
     # YATTFLOW_HOST_ADDRESS: set it on nodes whose hostname does not resolve to a routable
     # address (e.g. a Kubernetes pod: the downward API's status.podIP).
     return os.environ.get("YATTFLOW_HOST_ADDRESS") or socket.gethostbyname(socket.gethostname())
 
 
+def pin_interface(bind: str) -> None:
+    """Have gloo's and NCCL's sockets use ``bind``'s network interface.
+
+    Left alone, gloo listens on the address the hostname resolves to and NCCL on an interface of
+    its choosing, whatever ``--bind`` says. Set here, before torch.distributed starts, so that the
+    engines' own groups (Megatron-Core's, vLLM's processes) get it too; it wins over a value in
+    the environment, since the bind address is the promise. Listening everywhere needs nothing."""
+    if bind in EVERY_INTERFACE:
+        return
+    names = [name for name, addresses in psutil.net_if_addrs().items() if any(a.address == bind for a in addresses)]
+    if not names:
+        raise HostError(f"--bind {bind}: no network interface has this address")
+    os.environ["GLOO_SOCKET_IFNAME"] = names[0]
+    os.environ["NCCL_SOCKET_IFNAME"] = "=" + names[0]  # "=": this interface, not every name it is a prefix of
+
+
 def serve(rank: int, world: int, threads: int, bind: str = "127.0.0.1") -> None:
     """Listen on ``bind``, answer one controller's commands until ``shutdown``.
+
+    Nothing of the host listens beyond ``bind``: the channel, rank 0's torch.distributed
+    rendezvous and gloo's (NCCL's) sockets all bind there (``pin_interface``).
 
     A host belongs to one run: if the controller's connection ends without ``shutdown`` (the
     run crashed or was cancelled), the host exits rather than hold its devices.
@@ -178,10 +197,14 @@ def serve(rank: int, world: int, threads: int, bind: str = "127.0.0.1") -> None:
 
     secret = bytes.fromhex(os.environ.pop("YATTFLOW_HOST_SECRET"))
     _exit_with_parent()
-    worker = Worker(rank, world, threads)
+    pin_interface(bind)
+    # Rank 0 serves the DP group's rendezvous. Its socket is bound and listening from now on, so
+    # the port READY announces stays ours until the setup hands the socket to the store.
+    rendezvous = socket.create_server((bind, 0)) if rank == 0 and world > 1 else None
+    worker = Worker(rank, world, threads, rendezvous)
     with Listener((bind, 0), authkey=secret) as listener:
         address = advertised_address(bind)
-        dist_port = _free_port(bind)  # for rank 0: the DP group's torch.distributed rendezvous
+        dist_port = rendezvous.getsockname()[1] if rendezvous else 0
         print(f"READY {address}:{listener.address[1]} {dist_port}", flush=True)
         # Nobody reads our stdout after READY: send whatever comes later (engine libraries and
         # the processes they spawn write there) to stderr, so a full pipe can never block us.

@@ -24,7 +24,6 @@ import copy
 import math
 import os
 import re
-import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Iterator, Literal
@@ -370,10 +369,7 @@ def _init_distributed(tensor_parallel: int, device: torch.device) -> None:
     """Join Megatron's parallel state; a single process gets a world of one so that the code
     path (DDP, optimizer, checkpoints) is the same as in a DP run."""
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        init_process_groups(device, 0, 1, f"tcp://127.0.0.1:{port}", timedelta(minutes=10))
+        init_process_groups(device, 0, 1, dist.HashStore(), timedelta(minutes=10))  # a world of one: no network
     if parallel_state.model_parallel_is_initialized():
         current = parallel_state.get_tensor_model_parallel_world_size()
         if current != tensor_parallel:

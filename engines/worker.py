@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import queue
+import socket
 import tempfile
 import threading
 import time
@@ -57,8 +58,9 @@ def prompt_stream(uri: str, rank: int, world: int) -> list[dict]:
 class Worker:
     """The engines of one DP group (rank ``rank`` of ``world``) and the stage work done with them."""
 
-    def __init__(self, rank: int, world: int, threads: int):
+    def __init__(self, rank: int, world: int, threads: int, rendezvous: socket.socket | None = None):
         self.rank, self.world, self.threads = rank, world, threads
+        self.rendezvous = rendezvous  # rank 0 of a DP run: the listening socket its rendezvous store serves on
         self.config: RunConfig | None = None
         self.policy: Generator | None = None  # the rollout engine
         self.judge: Generator | None = None  # the GenRM (None: no judge)
@@ -92,8 +94,10 @@ class Worker:
         # the timing stub trains nothing on a device: its one all-reduce is of a CPU tensor
         device = torch.device("cpu") if cfg.train.backend == "stub" else distributed.default_device()
         if self.world > 1 and not dist.is_initialized():
-            distributed.init_process_groups(device, self.rank, self.world, f"tcp://{request.master}" if request.master else None,
-                                            timedelta(seconds=cfg.host_timeout_s))
+            timeout = timedelta(seconds=cfg.host_timeout_s)
+            store = distributed.rendezvous_store(self.rank, self.world, request.master, timeout, self.rendezvous)
+            self.rendezvous = None  # the store's now
+            distributed.init_process_groups(device, self.rank, self.world, store, timeout)
         policy_dir = objectstore.local_folder(cfg.uri(cfg.model.policy))
         self.trainer = factory.make_trainer(cfg, policy_dir, device)
         self.policy = factory.make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads, device)

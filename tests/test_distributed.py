@@ -6,6 +6,8 @@ the wrong group fails there; here both groups are gloo and either would work. So
 processes record the group every collective is given (the real collectives run, observed on the
 way through) and the test checks the routing: the balance plan's all-gather on the metadata group,
 the trainers' gradient and count all-reduces (TorchTrainer and Megatron-Core's DDP) never on it.
+
+And the groups of a DP run's hosts listen on the hosts' bind address only.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    distributed.init_process_groups("cpu", rank, 2, f"tcp://127.0.0.1:{port}", timedelta(seconds=120))
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))
+    distributed.init_process_groups("cpu", rank, 2, store, timedelta(seconds=120))
     try:
         meta = distributed.metadata_group()
         result = {
@@ -144,8 +147,7 @@ def test_metadata_on_its_own_gloo_group_trainer_collectives_on_the_default(two_r
 def test_a_group_initialised_elsewhere_serves_metadata_only_if_gloo(tmp_path):
     """Code that initialises torch.distributed itself (a test's or a benchmark's gloo workers) gets
     the default group for metadata; a metadata group left from an earlier default group is not used."""
-    port = free_port()
-    distributed.init_process_groups("cpu", 0, 1, f"tcp://127.0.0.1:{port}", timedelta(seconds=30))
+    distributed.init_process_groups("cpu", 0, 1, dist.HashStore(), timedelta(seconds=30))
     try:
         assert distributed.metadata_group() is not dist.group.WORLD
     finally:
@@ -155,3 +157,50 @@ def test_a_group_initialised_elsewhere_serves_metadata_only_if_gloo(tmp_path):
         assert distributed.metadata_group() is dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+def test_a_dp_runs_hosts_listen_on_their_bind_address_only(tmp_path, monkeypatch):
+    """Nothing listens beyond the bind address (local hosts bind to loopback): after a dp=2
+    setup, every listening socket of both hosts (and of any process they started) is on
+    127.0.0.1: the channel, rank 0's rendezvous store, the gloo groups. torch's ``tcp://``
+    rendezvous listened on every interface; gloo listens where ``GLOO_SOCKET_IFNAME`` (else the
+    hostname) points, so the test points it at an interface off loopback where there is one."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    import psutil
+    import pyarrow as pa
+
+    from engines.channel import client
+    from engines.commands import SetupEngines
+    from engines.config import RunConfig
+    from engines.host import LocalHosts
+    from storage import datasets
+
+    up = psutil.net_if_stats()
+    elsewhere = [name for name, addresses in psutil.net_if_addrs().items() if name in up and up[name].isup
+                 and any(a.family == socket.AF_INET and not a.address.startswith("127.") for a in addresses)]
+    if elsewhere:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", elsewhere[0])  # the hosts inherit it
+    (tmp_path / "policy").mkdir()  # the stub engines read no weights
+    datasets.write_table(str(tmp_path / "prompts" / "part-00000.parquet"),
+                         pa.table({"prompt_id": [0, 1], "prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}), datasets.PROMPTS)
+    config = RunConfig(name="bind-test", dp=2, storage={"root": str(tmp_path)}, model={"policy": "policy"},
+                       data={"prompts": "prompts", "heldout": None}, reward={"genrm_weight": 0.0, "rule_weight": 1.0},
+                       rollout={"backend": "stub"}, judge={"backend": "stub"}, train={"backend": "stub"}, host_timeout_s=60)
+    with LocalHosts("bind-test", 2, 1, 60) as hosts:
+        with ThreadPoolExecutor(2) as pool:  # the rendezvous: both hosts at once
+            for f in [pool.submit(client("bind-test", g).call, SetupEngines(config=config, master=hosts.master)) for g in (0, 1)]:
+                f.result()
+        listening = {}  # rank -> the (address, port) its processes listen on
+        for h in hosts.hosts:
+            host = psutil.Process(h.proc.pid)
+            listening[h.rank] = {(c.laddr.ip, c.laddr.port) for p in [host, *host.children(recursive=True)]
+                                 for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    assert {ip for sockets in listening.values() for ip, _ in sockets} == {"127.0.0.1"}, listening
+    for h in hosts.hosts:
+        ports = {port for _, port in listening[h.rank]}
+        assert h.address[1] in ports  # the channel
+        own = {h.address[1], h.dist_port}
+        assert ports - own, f"dp-{h.rank}: no gloo socket listens"  # gloo pairs connect to a listener of each rank
+    assert hosts.hosts[0].dist_port in {port for _, port in listening[0]}  # the rendezvous store

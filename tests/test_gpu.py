@@ -184,7 +184,8 @@ def _nccl_worker(rank: int, port: int, model_dir: str, out: str) -> None:
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the metadata group's gloo, on loopback
     device = torch.device("cuda", rank)
-    distributed.init_process_groups(device, rank, 2, f"tcp://127.0.0.1:{port}", timedelta(seconds=120))
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))
+    distributed.init_process_groups(device, rank, 2, store, timedelta(seconds=120))
     try:
         assert dist.get_backend() == "nccl" and dist.get_backend(distributed.metadata_group()) == "gloo"
         gathered = all_gather_ints([rank] * (rank + 1))  # CPU tensors: NCCL would refuse them
