@@ -176,3 +176,15 @@ def assert_steps_completed(tree: dict, steps, groups, also: tuple[str, ...] = ()
                         f"train_step dp={g}", f"sync_weights dp={g}", *(name.format(step=step, g=g) for name in also)}
             assert expected <= set(task_runs), task_runs
             assert set(task_runs.values()) == {"COMPLETED"}, task_runs
+
+
+def wrote_nothing(run_dir: Path) -> bool:
+    """A run that failed before training wrote nothing but its released lease (storage/lease.py):
+    no state, no checkpoint, no step output."""
+    import json
+
+    if not run_dir.exists():
+        return True
+    names = {p.name for p in run_dir.iterdir()}
+    lease = run_dir / "lease.json"
+    return names <= {"lease.json", "lease.json.lock"} and (not lease.exists() or json.loads(lease.read_text())["released"])

@@ -16,7 +16,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
 from flows.training import train
 from tests.conftest import TINY
-from tests.helpers import assert_steps_completed, children, read_run_tree
+from tests.helpers import assert_steps_completed, children, read_run_tree, wrote_nothing
 
 
 def run_train(root: str, *extra: str) -> dict:
@@ -127,14 +127,14 @@ def test_bad_prompts_fail_fast_and_write_nothing(prepared, tmp_path, case, table
     with pytest.raises(Exception) as err:
         run_train(prepared, f"name=bad-{case}", "dp=1", f"data.prompts={bad}")
     assert message in str(err.value) and bad in str(err.value)
-    assert not (Path(prepared) / "runs" / f"bad-{case}").exists()
+    assert wrote_nothing(Path(prepared) / "runs" / f"bad-{case}")
 
 
 def test_missing_model_folder_is_named(prepared):
     with pytest.raises(Exception) as err:
         run_train(prepared, "name=bad-model", "dp=1", "model.policy=models/nope")
     assert "model.policy" in str(err.value) and "models/nope" in str(err.value)
-    assert not (Path(prepared) / "runs" / "bad-model").exists()
+    assert wrote_nothing(Path(prepared) / "runs" / "bad-model")
 
 
 def test_unreachable_storage_is_named(prefect_server, tmp_path):
@@ -152,7 +152,7 @@ def test_model_vllm_cannot_serve_is_named_before_engines_load(prepared):
     with pytest.raises(Exception) as err:
         run_train(prepared, "name=bad-head", "dp=1", "rollout.backend=vllm")
     assert "model.policy" in str(err.value) and "config.json: head size 16" in str(err.value)
-    assert not (Path(prepared) / "runs" / "bad-head").exists()
+    assert wrote_nothing(Path(prepared) / "runs" / "bad-head")
 
 
 def test_sft_short_of_its_target_fails_naming_the_field_and_writes_no_model(prefect_server, tmp_path):

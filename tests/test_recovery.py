@@ -21,11 +21,10 @@ import pyarrow.parquet as pq
 import pytest
 from safetensors.torch import load_file
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
-from conftest import TINY
 from flows.training import train
 from storage import objectstore
 from storage.lease import RunInUse
+from tests.conftest import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6

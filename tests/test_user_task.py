@@ -23,7 +23,7 @@ import pytest
 from engines.rewards import RewardRuleError, load_rule
 from flows.training import NothingToLearn, train
 from tests.conftest import TINY
-from tests.helpers import save_tiny_model
+from tests.helpers import save_tiny_model, wrote_nothing
 
 
 def run_train(root: str, *extra: str) -> dict:
@@ -104,7 +104,7 @@ def test_prompts_without_the_answer_the_rule_reads_fail_before_engines_load(prep
     assert f"{prompts}" in text and "field 'answer' is missing or null in 3 of 3 rows (first prompt_id 1)" in text
     assert "reward.rule engines.arithmetic:exact_match" in text and "answer=None" in text
     assert "engines (rollout=" not in text  # the host's log: no engine was loaded
-    assert not (Path(prepared) / "runs" / "no-answers").exists()
+    assert wrote_nothing(Path(prepared) / "runs" / "no-answers")
 
 
 def test_a_rule_that_needs_no_answer_trains_on_prompts_without_one_from_a_file_path(prepared, tmp_path):
@@ -146,7 +146,7 @@ def test_a_rule_returning_text_fails_before_engines_load_naming_rule_prompt_and_
         run_train(prepared, "name=text-rule", "dp=1", "reward.genrm_weight=0", "reward.rule_weight=1", f"reward.rule={rule}:verdict")
     text = str(err.value)
     assert f"reward.rule {rule}:verdict returned 'correct' (str) for prompt_id 0" in text
-    assert "engines (rollout=" not in text and not (Path(prepared) / "runs" / "text-rule").exists()
+    assert "engines (rollout=" not in text and wrote_nothing(Path(prepared) / "runs" / "text-rule")
 
 
 def test_a_verdict_word_the_judges_tokenizer_cannot_spell_is_named(prepared):
