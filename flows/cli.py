@@ -44,12 +44,14 @@ POOL_TEMPLATES = {PROCESS_POOL: ("process", ROOT / "deployments" / "process-gpu.
 TRAIN_DEPLOYMENT = "train/yattflow"
 DEFAULT_PORT = 4200
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when its parent dies
-# Settings `yattflow server` starts Prefect's server with (the environment overrides each). By
-# default the server's task-run recorder writes every task-run event in a transaction of its own;
-# batched, task states reach the database within half a second, and Prefect's own cost per DP
-# group and iteration drops to 0.46x (dp=4) and 0.78x (dp=16): `python -m bench.floor`.
+# Settings `yattflow server` and the temporary server start Prefect's server with (the environment
+# overrides each). By default the server's task-run recorder writes every task-run event in a
+# transaction of its own; batched, task states reach the database within a second. The interval
+# must be a whole number of seconds: Prefect 3.8 passes int(flush_interval) to its flush loop, so
+# 0.5 became a loop that never sleeps and kept one CPU core busy for the server's whole life
+# (on a 2-core machine, half of what the engines had).
 SERVER_SETTINGS = {"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
-                   "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "0.5"}
+                   "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1"}
 
 
 def _quiet_defaults() -> None:

@@ -20,8 +20,8 @@ import asyncio
 import time
 
 from prefect import flow, get_run_logger
-from prefect.runtime import flow_run
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
+from prefect.runtime import flow_run
 
 from engines.channel import HostLost
 from engines.commands import CheckpointWaitResult
@@ -239,7 +239,7 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
     logger = get_run_logger()
     config = load_config(config_file, overrides or [])
     objectstore.check_reachable(config.uri(""))
-    lease = Lease(config.run_uri, config.run.lease_s, str(flow_run.get_id() or "") or None)
+    lease = Lease(config.run_uri, config.run.lease_s, flow_run.get_id())
     await asyncio.to_thread(lease.acquire, config.run.on_conflict == "wait", logger.info)
     logger.info("run %s: lease taken (%s)", config.name, lease.uri)
     history: list[StepMetrics] = []  # every step trained, over the attempts (a step redone replaces its first try)
