@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:
 ORDER = ["rollout", "balance", "checkpoint", "sampling", "placement", "controller", "embedded", "overhead", "floor", "scale",
          "megatron_gpu"]
 # run on their own only: seeds is the demo ten times over (~40 min), a learning check, not a speed figure
-APART = {"seeds"}
+APART = {"seeds", "vs_trl", "train_step"}
 QUICK = {
     "rollout": "--repeats 3 --sizes 64,256 --sync-repeats 3",
     "balance": "--repeats 4 --warmup 1",

@@ -22,6 +22,7 @@ from typing import Iterable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from engines import algorithms
 from engines.channel import progress
@@ -300,25 +301,32 @@ class TorchTrainer:
             loss_value = 0.0
             for micro in micro_batches(part, micro_batch_tokens):
                 progress()  # the host's heartbeat: a long train step is moving (engines/channel.py)
-                ids, attn, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
-                with forward_precision(self.device, self.autocast):  # the loss below is fp32 either way
+                # the named regions are what a profile of the step shows (bench/train_step.py)
+                with record_function("pad_batch"):
+                    ids, attn, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
+                with record_function("forward"), forward_precision(self.device, self.autocast):  # the loss: fp32 either way
                     logprobs = sequence_logprobs(self.model, ids, attn, self.temperature)
                     ref = None
                     if self.reference is not None and kl_coef > 0:
                         with torch.no_grad():
                             ref = sequence_logprobs(self.reference, ids, attn, self.temperature)
-                adv = torch.tensor(micro.advantages, dtype=logprobs.dtype, device=self.device)
-                per_token, clipped = algorithms.policy_loss_terms(logprobs, old, adv, clip_low, clip_high, ref, kl_coef)
-                # global ``total`` (not this pass's own count): the passes' losses sum to the minibatch's
-                weights = algorithms.token_weights(resp, aggregation, total)
-                loss = (per_token * weights).sum()
-                loss.backward()  # accumulates into .grad
-                loss_value += loss.item()
-                totals["clip_fraction"] += (clipped * resp).sum().item()
-                stats += algorithms.step_statistics(logprobs, old, resp, ref).cpu()
-            self._all_reduce_grads()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-            self.optimizer.step()
+                with record_function("loss"):
+                    adv = torch.tensor(micro.advantages, dtype=logprobs.dtype, device=self.device)
+                    per_token, clipped = algorithms.policy_loss_terms(logprobs, old, adv, clip_low, clip_high, ref, kl_coef)
+                    # global ``total`` (not this pass's own count): the passes' losses sum to the minibatch's
+                    weights = algorithms.token_weights(resp, aggregation, total)
+                    loss = (per_token * weights).sum()
+                with record_function("backward"):
+                    loss.backward()  # accumulates into .grad
+                with record_function("statistics"):
+                    loss_value += loss.item()
+                    totals["clip_fraction"] += (clipped * resp).sum().item()
+                    stats += algorithms.step_statistics(logprobs, old, resp, ref).cpu()
+            with record_function("all_reduce"):
+                self._all_reduce_grads()
+            with record_function("optimizer"):
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+                self.optimizer.step()
             totals["loss"] += self._global_sum(loss_value)
             totals["tokens"] += local_tokens
             totals["grad_norm"] = float(grad_norm)

@@ -91,3 +91,44 @@ def test_requests_travel_as_json_to_a_real_host_and_errors_come_back_named():
             host.call(SyncWeights())  # no engines loaded: nothing was set up
         assert "Traceback" in str(failed.value)
         assert host.call(Ping())[0].pid == pong.pid
+
+
+@pytest.mark.parametrize("moving", [True, False])
+def test_watchdog_lets_a_long_moving_command_finish_and_calls_a_still_one_hung(moving):
+    """The channel's heartbeat (engines/channel.py): a 4 s command that reports progress every
+    0.3 s outlives ``stage_s=1.5``; the same command with no progress is hung after ~1.5 s."""
+    import threading
+    import time
+    from multiprocessing.connection import Listener
+
+    from engines import channel
+
+    def handle(request):
+        for _ in range(13):
+            time.sleep(0.3)
+            if moving:
+                channel.progress()
+        return PingResult(pid=os.getpid(), rank=0)
+
+    secret = b"s" * 32
+    with Listener(("127.0.0.1", 0), authkey=secret) as listener:
+        def serve():
+            try:
+                channel.answer(listener.accept(), handle, 0)
+            except SystemExit:  # the client went away without 'shutdown' (the hung case)
+                pass
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        client = channel.HostClient(listener.address, secret, 0, timeout_s=60, stage_s=1.5)
+        started = time.monotonic()
+        if moving:
+            result, _ = client.call(Ping())
+            assert result.rank == 0 and time.monotonic() - started >= 3.9
+            client.call(Shutdown())
+        else:
+            with pytest.raises(channel.HostLost, match=r"'ping' hung: no progress for \d+s \(timeouts.stage_s=1.5\)"):
+                client.call(Ping())
+            assert time.monotonic() - started < 3.5
+        client.close()
+        server.join(10)
