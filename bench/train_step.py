@@ -1,10 +1,10 @@
 """Where one train step's time goes: a profile of ``TorchTrainer.train_step``, region by region.
 
-    .venv/bin/python -m bench.train_step                       # hidden 512 x 8 layers, 32 prompts x G=8, <= 64 new tokens
+    .venv/bin/python -m bench.train_step                       # bench.vs_trl's large size: hidden 512 x 8, 32 prompts x G=8, <= 64 new tokens
     .venv/bin/python -m bench.train_step --micro-batch-tokens none,4096,1024
 
-The model is the larger size of ``bench/vs_trl.py`` (a Llama of hidden 512, 8 layers, the demo's
-character tokenizer, random weights); the batch is what its rollout engine generates for 32
+The model is a size of ``bench/vs_trl.py`` (``build_model``; by default the larger: a Llama of
+hidden 512, 8 layers, the demo's character tokenizer, random weights); the batch is what its rollout engine generates for 32
 arithmetic prompts, 8 samples each, at most 64 new tokens. One warm-up step, then
 ``torch.profiler`` over one step per ``train.micro_batch_tokens`` setting; the table gives each
 region the trainer names (``engines/torch_engines.py``: pad_batch, forward, loss, backward,
@@ -19,22 +19,14 @@ import argparse
 import random
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from bench import cpu_model
+from bench.vs_trl import G, SIZES, build_model
 
 REGIONS = ("pad_batch", "forward", "loss", "backward", "statistics", "all_reduce", "optimizer")
-
-
-def build(folder: str, hidden: int, layers: int) -> None:
-    from engines.tiny import build_char_tokenizer, build_tiny_llama
-
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_llama(len(tokenizer), hidden_size=hidden, num_layers=layers, num_heads=8, num_kv_heads=4,
-                             max_positions=256, seed=0)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
 
 
 def rollout_batch(folder: str, prompts: int, samples: int, max_new_tokens: int):
@@ -68,11 +60,7 @@ def profile_step(trainer, batch, micro_batch_tokens: int | None) -> dict[str, fl
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m bench.train_step", description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("--samples", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--size", default="large", choices=sorted(SIZES), help="model shape, prompts and cap of bench.vs_trl")
     p.add_argument("--micro-batch-tokens", default="none,4096,1024,512",
                    help="train.micro_batch_tokens settings to profile, comma-separated (none: one pass)")
     p.add_argument("--threads", type=int, default=2)
@@ -81,14 +69,15 @@ def main(argv=None) -> dict:
     from engines.torch_engines import TorchTrainer
 
     settings = [None if s == "none" else int(s) for s in args.micro_batch_tokens.split(",")]
+    size = SIZES[args.size]
     with tempfile.TemporaryDirectory() as folder:
-        build(folder, args.hidden, args.layers)
-        batch = rollout_batch(folder, args.prompts, args.samples, args.max_new_tokens)
+        build_model(Path(folder), args.size, seed=0)
+        batch = rollout_batch(folder, size["prompts"], G, size["max_new"])
         trainer = TorchTrainer(folder, lr=1e-6)
         trainer.train_step(batch, minibatches=1, micro_batch_tokens=settings[0])  # warm-up
         profiles = {s: profile_step(trainer, batch, s) for s in settings}
     tokens = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
-    print(f"CPU: {cpu_model()}; torch threads {args.threads}; hidden {args.hidden} x {args.layers} layers; "
+    print(f"CPU: {cpu_model()}; torch threads {args.threads}; hidden {size['hidden']} x {size['layers']} layers; "
           f"{len(batch)} sequences, {tokens} tokens (longest {max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))})")
     header = "| region | " + " | ".join(f"micro_batch_tokens={s or 'none'} (s)" for s in settings) + " |"
     print(header)

@@ -75,22 +75,28 @@ def require_trl() -> None:
         raise SystemExit(f"bench.vs_trl needs TRL ({e}): .venv/bin/pip install -e .[bench]") from None
 
 
-def build_inputs(work: Path, size: str, seed: int, count: int = 1000) -> tuple[Path, Path]:
-    """A random Llama of ``size``'s shape with the character tokenizer, and the prompts Parquet."""
-    import pyarrow as pa
-
-    from engines import arithmetic
+def build_model(model_dir: Path, size: str, seed: int) -> None:
+    """A random Llama of ``size``'s shape with the demo's character tokenizer, saved to ``model_dir``."""
     from engines.tiny import build_char_tokenizer, build_tiny_llama
-    from storage import datasets
 
     s = SIZES[size]
-    model_dir, prompts = work / f"model-{size}", work / "prompts.parquet"
     tokenizer = build_char_tokenizer()
     model = build_tiny_llama(len(tokenizer), hidden_size=s["hidden"], num_layers=s["layers"], num_heads=s["heads"],
                              num_kv_heads=s["kv_heads"], max_positions=max(64, 1 << (PROMPT_TOKENS + s["max_new"]).bit_length()),
                              seed=seed, init_std=s["init_std"])
     model.save_pretrained(model_dir, safe_serialization=True)
     tokenizer.save_pretrained(model_dir)
+
+
+def build_inputs(work: Path, size: str, seed: int, count: int = 1000) -> tuple[Path, Path]:
+    """A random Llama of ``size``'s shape (``build_model``), and the prompts Parquet."""
+    import pyarrow as pa
+
+    from engines import arithmetic
+    from storage import datasets
+
+    model_dir, prompts = work / f"model-{size}", work / "prompts.parquet"
+    build_model(model_dir, size, seed)
     if not prompts.exists():
         problems = arithmetic.make_problems(count, digits=2, seed=seed)
         table = pa.table({"prompt_id": pa.array(range(count), pa.int64()), "prompt": [p for p, _ in problems],

@@ -86,12 +86,22 @@ class HostClient:
             if message["beat"] != progress:
                 progress, moved = message["beat"], time.monotonic()
 
-    def abort(self) -> None:
-        """End the connection now, waking a call that waits on it (it fails with ``HostLost``)."""
-        try:
-            socket.socket(fileno=os.dup(self._conn.fileno())).shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+    def end(self) -> None:
+        """Ask the host to shut down and close the channel. A channel still busy with a command
+        (a failed run's other groups, waiting in a collective) is cut instead: the waiting call
+        wakes and fails with ``HostLost``."""
+        if self._lock.acquire(timeout=1.0):
+            self._lock.release()
+            try:
+                self.call(Shutdown())
+            except HostError:
+                pass
+        else:
+            try:
+                socket.socket(fileno=os.dup(self._conn.fileno())).shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.close()
 
     def close(self) -> None:
         try:
@@ -117,21 +127,11 @@ def connect(run: str, group: int, address: tuple[str, int], secret: bytes, timeo
 
 
 def disconnect(run: str, world: int) -> None:
-    """Ask every connected host of ``run`` to shut down, and close the channels. A channel still
-    busy with a command (a failed run's other groups, waiting in a collective) is cut instead."""
+    """End every connected host channel of ``run`` (``HostClient.end``)."""
     for group in range(world):
         c = _clients.pop((run, group), None)
-        if c is None:
-            continue
-        if c._lock.acquire(timeout=1.0):
-            c._lock.release()
-            try:
-                c.call(Shutdown())
-            except HostError:
-                pass
-        else:
-            c.abort()
-        c.close()
+        if c is not None:
+            c.end()
 
 
 # --------------------------------------------------------------------------- host side
