@@ -549,11 +549,12 @@ def test_dead_holders_lease_is_taken_over(run_root):
     on this machine whose process is gone (SIGKILL): taken over at once."""
     uri = objectstore.join(run_root, "lease.json")
     elsewhere = {"id": "x", "flow_run_id": "gone-1", "hostname": "another-node", "pid": 1}
+    expires = time.time() + 5.0  # room for a slow S3 round trip on a loaded machine (1 s was seen to pass in CI)
     objectstore.write_json(uri, {"holder": elsewhere, "since": "2026-11-25T00:00:00+00:00",
-                                 "expires_at": time.time() + 1.0, "released": False})
+                                 "expires_at": expires, "released": False})
     with pytest.raises(RunInUse, match="flow run gone-1 on host another-node"):
         Lease(run_root, ttl_s=30).acquire()
-    time.sleep(1.2)
+    time.sleep(max(0.0, expires - time.time()) + 0.2)
     taker = Lease(run_root, ttl_s=30)
     taker.acquire()
     assert "gone-1" in objectstore.read_json(uri)["took_over"]
@@ -589,9 +590,9 @@ def test_holder_whose_lease_was_taken_over_stops(run_root):
 
 
 def test_holder_renews_its_lease_before_it_expires(run_root):
-    lease = Lease(run_root, ttl_s=1.5)
+    lease = Lease(run_root, ttl_s=3.0)
     lease.acquire()
-    time.sleep(2.5)  # longer than the lease: the renewer thread kept it
+    time.sleep(4.5)  # longer than the lease: the renewer thread (every 1 s) kept it
     lease.verify()
     assert objectstore.read_json(lease.uri)["expires_at"] > time.time()
     lease.release()
