@@ -1,6 +1,7 @@
 """Prefect's floor: what the shape of a yattflow run costs with nothing in it.
 
     .venv/bin/python -m bench.floor                  # dp 4 and 16, default server vs tuned, ~5 min
+    .venv/bin/python -m bench.floor --temporary      # dp 1, the run's shape vs one sub-flow per step, ~2 min
 
 The ``floor`` flow has the training flow's structure and nothing else: per step an
 ``iteration`` sub-flow, in it one sub-flow per DP group started concurrently (each given the
@@ -25,6 +26,7 @@ import time
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from bench import cpu_model
 from engines.config import RunConfig, load_config
 
 # the stage tasks of one DP group in one single-wave iteration: rollout, genrm_score,
@@ -51,16 +53,61 @@ async def floor_iteration(config: RunConfig, step: int, tasks: int) -> float:
     return time.perf_counter() - start
 
 
+@flow(name="floor-flat-iteration", flow_run_name="floor-flat-iteration-{step:04d}")
+async def floor_flat_iteration(config: RunConfig, step: int, tasks: int) -> None:
+    """The least a step can be and still be a Prefect flow: one sub-flow, its tasks, no DP-group sub-flow."""
+    for i in range(tasks):
+        await stage(i, 0)
+
+
 @flow(name="floor")
-async def floor(overrides: list[str], steps: int = 4, tasks: int = STAGE_TASKS) -> dict:
-    """``steps`` iterations of ``dp`` (from ``overrides``) empty group sub-flows; seconds of each."""
+async def floor(overrides: list[str], steps: int = 4, tasks: int = STAGE_TASKS, flat: bool = False) -> dict:
+    """``steps`` iterations of ``dp`` (from ``overrides``) empty group sub-flows (``flat``: one
+    sub-flow per iteration with the tasks in it); seconds of each."""
     config = load_config(None, overrides)
     seconds = []
     for step in range(steps):
         start = time.perf_counter()
-        await floor_iteration(config, step, tasks)
+        await (floor_flat_iteration if flat else floor_iteration)(config, step, tasks)
         seconds.append(time.perf_counter() - start)
     return {"dp": config.dp, "tasks": tasks, "seconds": seconds}
+
+
+def temporary_server_shapes(steps: int, repeats: int) -> dict:
+    """At dp=1 on a server started as ``yattflow``'s temporary one (SQLite, TEMPORARY_SERVER_SETTINGS):
+    the run's shape against one sub-flow per iteration with and without its tasks, alternating."""
+    import os
+    import socket
+    import tempfile
+
+    from flows.cli import TEMPORARY_SERVER_SETTINGS, _healthy, _prefect_server, _stop
+    from tests.postgres import run_flow_subprocess
+
+    shapes = {"iteration + dp-group sub-flows, 5 tasks": {"tasks": STAGE_TASKS},
+              "one sub-flow, 5 tasks": {"tasks": STAGE_TASKS, "flat": True}, "one sub-flow, no task": {"tasks": 0, "flat": True}}
+    home = tempfile.mkdtemp(prefix="yattflow-bench-floor-")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**TEMPORARY_SERVER_SETTINGS, **os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT_HOME": home}
+    with open(f"{home}/server.log", "ab") as log:
+        server = _prefect_server(port, env, log)
+    url, seconds = f"http://127.0.0.1:{port}/api", {name: [] for name in shapes}
+    try:
+        while not _healthy(url):
+            time.sleep(0.25)
+        for _ in range(repeats):
+            for name, kwargs in shapes.items():
+                out = run_flow_subprocess(url, "bench.floor:floor", overrides=["dp=1"], steps=steps, env={"PREFECT_HOME": home},
+                                          **kwargs)
+                seconds[name] += out["seconds"][2:]  # the first two are warm-up
+    finally:
+        _stop(server, "the Prefect server")
+    print(f"\n### Prefect's floor per iteration at dp=1, temporary-server settings (SQLite, {cpu_model()})\n")
+    print("| shape | ms per iteration, median | min |\n|---|---:|---:|")
+    for name, values in seconds.items():
+        print(f"| {name} | {statistics.median(values) * 1000:.0f} | {min(values) * 1000:.0f} |")
+    return {"seconds": seconds}
 
 
 def main(argv=None) -> dict:
@@ -75,7 +122,11 @@ def main(argv=None) -> dict:
     p.add_argument("--dps", default="4,16", help="DP group counts, comma-separated")
     p.add_argument("--steps", type=int, default=5, help="iterations per run; the first is not measured")
     p.add_argument("--repeats", type=int, default=2, help="runs per server and DP size, alternating")
+    p.add_argument("--temporary", action="store_true",
+                   help="instead: dp=1 on the temporary server's settings, the run's shape against one sub-flow per iteration")
     args = p.parse_args(argv)
+    if args.temporary:
+        return temporary_server_shapes(max(args.steps, 25), args.repeats)
     dps = [int(x) for x in args.dps.split(",")]
     seconds: dict[tuple[str, int], list[float]] = {}
     with contextlib.ExitStack() as stack:

@@ -30,14 +30,16 @@ s/step is the median over steps 2..N of every repeat (step 1 is warm-up): yattfl
 (the step as the train flow pays for it, from the run's TensorBoard events), TRL's time between
 successive ``on_step_end`` callbacks. samples/s = prompts x G / s per step; the speed ratio is
 TRL s/step / yattflow s/step (> 1: yattflow faster), printed beside its goal (large >= 1.0,
-demo >= 0.5), not asserted. Work that differs and is not removed: TRL generates the whole batch
-(prompts x G rows) in one ``generate`` call, yattflow in chunks of ``placement.stream_chunk``
-prompts; TRL's backward passes are fixed-size row slices (``--trl-rows``, default: the largest
+demo >= 0.5), not asserted. Both generate a step's batch (prompts x G rows) in one ``generate``
+call (yattflow: ``placement.stream_chunk`` prompts per call, 32 by default). Work that differs and
+is not removed: TRL's backward passes are fixed-size row slices (``--trl-rows``, default: the largest
 that keeps rows x (prompt + cap) within yattflow's ``train.micro_batch_tokens``), yattflow's are
 cut by padded tokens after sorting by length; yattflow also syncs weights to its rollout engine,
 fingerprints them, and checkpoints after the last step (``checkpoint.every`` is set past the run).
-Below the table: yattflow's engine seconds per step (the rest is orchestration) and each side's
-generation seconds per step (yattflow's rollout stage; TRL's ``_generate_single_turn``, timed).
+Below the table: yattflow's engine seconds per step (the rest is orchestration), each side's
+generation seconds per step (yattflow's rollout stage; TRL's ``_generate_single_turn``, timed) and
+yattflow's step by stage task (each task's wall time as its DP group's controller waits for it;
+"outside them" is the iteration and DP-group sub-flows and the controller's own code).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ SIZES = {
     "large": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 4, "init_std": 0.02, "prompts": 32, "max_new": 64, "goal": 1.0},
 }
 PROMPT_TOKENS = 7  # "47+85=" and BOS, every prompt
+STAGES = ("rollout", "genrm_score", "dynamic_filter", "train_step", "sync_weights")  # a step's stage tasks here
 
 
 def require_trl() -> None:
@@ -133,7 +136,8 @@ def run_yattflow(work: Path, size: str, model_dir: Path, prompts: Path, args, na
         return [e.value for e in sorted(events.Scalars(tag), key=lambda e: e.step)]
 
     return {"step_s": scalar("seconds/step"), "engine_s": scalar("seconds/engines"), "generate_s": scalar("seconds/rollout"),
-            "response_tokens": scalar("rollout/response_tokens")}
+            "response_tokens": scalar("rollout/response_tokens"),
+            **{f"{stage}_s": scalar(f"seconds/{stage}") for stage in STAGES}}
 
 
 def trl_rows(size: str, args) -> int:
@@ -236,6 +240,7 @@ def summarise(runs: list[dict], prompts: int) -> dict:
 
     return {"s_per_step": s_per_step, "samples_per_s": prompts * G / s_per_step, "steps": len(steps),
             "engine_s": median("engine_s"), "generate_s": median("generate_s"),
+            "stage_s": {stage: median(f"{stage}_s") for stage in STAGES if median(f"{stage}_s") is not None},
             "response_tokens": statistics.mean(lengths) if lengths else None,
             "per_run_s": [statistics.median(run["step_s"][1:]) for run in runs]}
 
@@ -297,6 +302,9 @@ def main(argv=None) -> dict:
         print(f"{size}: yattflow's engines {y['engine_s']:.2f} s of its {y['s_per_step']:.2f} s/step (the rest is orchestration: "
               f"Prefect, storage, the controller); generation {y['generate_s']:.2f} s (yattflow) vs "
               f"{r['trl']['generate_s']:.2f} s (TRL) of a step (medians)")
+        stages = ", ".join(f"{stage} {seconds:.3f}" for stage, seconds in y["stage_s"].items())
+        print(f"{size}: yattflow's step by stage task, median s: {stages}; outside them "
+              f"{y['s_per_step'] - sum(y['stage_s'].values()):.3f} (Prefect's flow and task runs, the controller)")
     counted = ", ".join(f"{k}: {v['yattflow']['steps']} steps per side" for k, v in results.items())
     print(f"\nmedians over {counted} (steps 2..{args.steps} of {args.repeats} run(s) each); TRL rows per backward pass: "
           + ", ".join(f"{k} {v['trl_rows']}" for k, v in results.items()))

@@ -292,11 +292,15 @@ class PlacementConfig(Section):
         "wave is still generating; training then takes the devices.",
     )
     stream_chunk: int = Field(
-        4, gt=0,
+        32, gt=0,
         description="Prompts per generation chunk (x samples_per_prompt samples), in both modes: the unit that is "
-        "generated, seeded, handed to the judge (partial) and scored. Smaller: the judge starts earlier and more of the "
-        "long tail overlaps with scoring; larger: bigger batches. Changing it changes the samples (their seeds), not "
-        "the mode does.",
+        "generated, seeded, handed to the judge (partial) and scored. Larger: bigger generate batches, fewer "
+        "sequential decode loops (a default wave of 16 prompts is one call, as TRL generates a batch); smaller: in "
+        "partial mode the judge starts earlier and more of the long tail overlaps with scoring. A partial-mode wave "
+        "streams only when it has several chunks: keep it at most half of sampling.prompts_per_wave there (e.g. 4 "
+        "for 16). The torch rollout engine holds a chunk's whole KV cache at once (lower it for long responses of a "
+        "big model); vLLM schedules any chunk within its own memory. Changing it changes the samples (their seeds), "
+        "not the mode does.",
     )
     queue_size: int = Field(
         2, gt=0,

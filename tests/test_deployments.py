@@ -7,11 +7,13 @@ Prefect reads states back through the client."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -546,6 +548,13 @@ def test_train_without_a_server_runs_on_a_temporary_one_whose_sqlite_writes_neve
     assert "retryable exception" not in server_log and "database is locked" not in server_log, server_log[-3000:]
     # ... and it is gone
     assert not subprocess.run(["pgrep", "-f", f"flows.prefect_server.*{home}"], capture_output=True).stdout
+    # It recorded every stage's task run (a later `yattflow server` on this PREFECT_HOME shows them) and
+    # nothing a one-command server does not need: no event feed (flows.cli.TEMPORARY_SERVER_SETTINGS)
+    with contextlib.closing(sqlite3.connect(home / "prefect.db")) as db:
+        states = db.execute("SELECT state_type FROM task_run WHERE name LIKE 'train_step dp=%'").fetchall()
+        events = db.execute("SELECT count(*) FROM events").fetchone()[0]
+    assert states == [("COMPLETED",)] * 8, states  # 4 steps x 2 DP groups
+    assert events == 0
 
 
 def test_a_killed_cli_takes_its_temporary_server_with_it(tmp_path):
