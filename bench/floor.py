@@ -74,35 +74,26 @@ async def floor(overrides: list[str], steps: int = 4, tasks: int = STAGE_TASKS, 
 
 
 def temporary_server_shapes(steps: int, repeats: int) -> dict:
-    """At dp=1 on a server started as ``yattflow``'s temporary one (SQLite, TEMPORARY_SERVER_SETTINGS):
-    the run's shape against one sub-flow per iteration with and without its tasks, alternating."""
+    """At dp=1 on the temporary server a CLI command starts (``flows.cli._local_api``: SQLite,
+    TEMPORARY_SERVER_SETTINGS), in a throwaway PREFECT_HOME: the run's shape against one sub-flow
+    per iteration with and without its tasks, alternating."""
     import os
-    import socket
     import tempfile
 
-    from flows.cli import TEMPORARY_SERVER_SETTINGS, _healthy, _prefect_server, _stop
+    from flows.cli import _local_api
     from tests.postgres import run_flow_subprocess
 
     shapes = {"iteration + dp-group sub-flows, 5 tasks": {"tasks": STAGE_TASKS},
               "one sub-flow, 5 tasks": {"tasks": STAGE_TASKS, "flat": True}, "one sub-flow, no task": {"tasks": 0, "flat": True}}
-    home = tempfile.mkdtemp(prefix="yattflow-bench-floor-")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**TEMPORARY_SERVER_SETTINGS, **os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT_HOME": home}
-    with open(f"{home}/server.log", "ab") as log:
-        server = _prefect_server(port, env, log)
-    url, seconds = f"http://127.0.0.1:{port}/api", {name: [] for name in shapes}
-    try:
-        while not _healthy(url):
-            time.sleep(0.25)
+    seconds = {name: [] for name in shapes}
+    os.environ.pop("PREFECT_API_URL", None)  # a server of the user's would be used instead of the temporary one
+    os.environ["PREFECT_HOME"] = home = tempfile.mkdtemp(prefix="yattflow-bench-floor-")
+    with _local_api() as url:
         for _ in range(repeats):
             for name, kwargs in shapes.items():
                 out = run_flow_subprocess(url, "bench.floor:floor", overrides=["dp=1"], steps=steps, env={"PREFECT_HOME": home},
                                           **kwargs)
                 seconds[name] += out["seconds"][2:]  # the first two are warm-up
-    finally:
-        _stop(server, "the Prefect server")
     print(f"\n### Prefect's floor per iteration at dp=1, temporary-server settings (SQLite, {cpu_model()})\n")
     print("| shape | ms per iteration, median | min |\n|---|---:|---:|")
     for name, values in seconds.items():

@@ -240,7 +240,7 @@ def summarise(runs: list[dict], prompts: int) -> dict:
 
     return {"s_per_step": s_per_step, "samples_per_s": prompts * G / s_per_step, "steps": len(steps),
             "engine_s": median("engine_s"), "generate_s": median("generate_s"),
-            "stage_s": {stage: median(f"{stage}_s") for stage in STAGES if median(f"{stage}_s") is not None},
+            "stage_s": {stage: seconds for stage in STAGES if (seconds := median(f"{stage}_s")) is not None},
             "response_tokens": statistics.mean(lengths) if lengths else None,
             "per_run_s": [statistics.median(run["step_s"][1:]) for run in runs]}
 
