@@ -7,7 +7,7 @@ unbalanced, with skewed lengths (one group's responses long, the other's short).
 Two gloo processes (``torch.multiprocessing``, one torch thread each) are the two DP ranks.
 ``unbalanced`` gives rank 0 the long sequences and rank 1 the short ones (as their own
 experience files would); ``balanced`` gives each rank its rows of the plan the engine hosts
-compute (``engines/balance.py``: Karmarkar–Karp per global minibatch). Per repeat and mode:
+compute (``engines/host/balance.py``: Karmarkar–Karp per global minibatch). Per repeat and mode:
 
 - *at once*: one real data-parallel ``train_step`` on both ranks after a ``dist.barrier``.
   A rank's *busy* time is its step time minus the time it spent inside ``all_reduce`` (every
@@ -25,7 +25,7 @@ With ``train.micro_batch_tokens`` unset (None) the trainer pads each minibatch t
 sequence, so a rank's cost follows rows x longest row, not tokens: mixing long and short rows
 on every rank equalises the ranks but makes none faster. The second table runs the same steps
 with ``micro_batch_tokens=--budget``: each minibatch's forward/backward in length-sorted passes
-(``engines.torch_engines.micro_batches``: fewest passes within the budget, least padding among
+(``engines.backends.torch.trainer.micro_batches``: fewest passes within the budget, least padding among
 those) — the same update (global loss weights, gradients accumulate before the one
 all-reduce), a cost that follows tokens — to show what balancing gains then. The budget stands
 for "where one pass saturates the device"; a minibatch that fits in one pass is not split (here:
@@ -67,7 +67,7 @@ def parse_args(argv=None):
 
 
 def build_model(path: str, hidden: int, layers: int, max_positions: int) -> None:
-    from engines.tiny import build_char_tokenizer, build_tiny_llama
+    from engines.demo.tiny import build_char_tokenizer, build_tiny_llama
 
     tokenizer = build_char_tokenizer()
     heads = max(1, hidden // 32)
@@ -79,7 +79,7 @@ def build_model(path: str, hidden: int, layers: int, max_positions: int) -> None
 
 def make_data(args) -> list:
     """Both ranks' experience (the same on every process): rank 0 long responses, rank 1 short."""
-    from engines.protocols import TrainBatch
+    from engines.backends.base import TrainBatch
 
     rng = random.Random(args.seed)
     batches = []
@@ -93,8 +93,8 @@ def make_data(args) -> list:
 
 def rank_batch(batches, rank: int, layout):
     """This rank's batch: its own rows (unbalanced), or its rows of the plan (balanced)."""
-    from engines import balance
-    from engines.protocols import TrainBatch
+    from engines.host import balance
+    from engines.backends.base import TrainBatch
 
     if layout is None:
         return batches[rank]
@@ -104,14 +104,14 @@ def rank_batch(batches, rank: int, layout):
 
 def passes(batch, minibatches: int, budget: int | None) -> int:
     """Forward/backward passes the trainer runs."""
-    from engines.torch_engines import micro_batches
+    from engines.backends.batching import micro_batches
 
     return sum(len(micro_batches(part, budget)) for part in batch.split(minibatches))
 
 
 def padded_tokens(batch, minibatches: int, budget: int | None) -> int:
     """Tokens the trainer's forward passes compute, padding included."""
-    from engines.torch_engines import micro_batches
+    from engines.backends.batching import micro_batches
 
     return sum(len(m) * max(len(a) + len(b) for a, b in zip(m.prompt_ids, m.response_ids))
                for part in batch.split(minibatches) for m in micro_batches(part, budget))
@@ -123,8 +123,8 @@ def worker(rank: int, world: int, port: int, args, model_dir: str, out: str) -> 
     import torch
     import torch.distributed as dist
 
-    from engines import balance
-    from engines.torch_engines import TorchTrainer
+    from engines.host import balance
+    from engines.backends.torch.trainer import TorchTrainer
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -212,7 +212,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch.multiprocessing as mp
 
-    from engines.balance import imbalance
+    from engines.host.balance import imbalance
 
     start = time.perf_counter()
     longest = max(int(x) for x in args.long.split(",") + args.short.split(",")) + 16

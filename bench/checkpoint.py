@@ -3,7 +3,7 @@
     python -m bench.checkpoint                      # ~1 min on 2 CPU cores
     python -m bench.checkpoint --hidden 512 --layers 6 --repeats 7
 
-An engine host's worker (``engines.worker.Worker``, in this process, rank 0 of 1) with a
+An engine host's worker (``engines.host.worker.Worker``, in this process, rank 0 of 1) with a
 ``TorchTrainer`` on a tiny Llama built locally, big enough that a synchronous save takes
 about a second here, writes checkpoints to a ``file://`` store in a temporary folder on local
 disk (every object fsynced, as in a run). The loop is the training loop's:
@@ -40,7 +40,7 @@ from pathlib import Path
 
 def build_model(path: str, hidden: int, layers: int) -> int:
     """A tiny Llama + char tokenizer as a Hugging Face folder; returns its parameter count."""
-    from engines.tiny import build_char_tokenizer, build_tiny_llama
+    from engines.demo.tiny import build_char_tokenizer, build_tiny_llama
 
     tokenizer = build_char_tokenizer()
     heads = max(1, hidden // 64)
@@ -53,7 +53,7 @@ def build_model(path: str, hidden: int, layers: int) -> int:
 
 def make_batch(trainer, sequences: int, length: int, seed: int):
     """Random sequences with old log-probs near the trainer's own (the step does real work)."""
-    from engines.protocols import TrainBatch
+    from engines.backends.base import TrainBatch
 
     rng = random.Random(seed)
     vocab = len(trainer.tokenizer)
@@ -78,11 +78,11 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
 
-    from engines.checkpointing import Checkpoints
-    from engines.commands import Checkpoint, CheckpointWait
+    from engines.host.checkpointing import Checkpoints
+    from engines.wire.commands import Checkpoint, CheckpointWait
     from engines.config import RunConfig
-    from engines.torch_engines import TorchTrainer
-    from engines.worker import Worker
+    from engines.backends.torch.trainer import TorchTrainer
+    from engines.host.worker import Worker
     from storage import objectstore
 
     torch.set_num_threads(args.threads)

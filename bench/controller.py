@@ -25,7 +25,7 @@ group; same prompts, seeds, config and stage tasks; ``--dp`` 2 groups; fresh sub
   into its own memory (``datasets.read_table``, then one concatenated Arrow table: the driver's
   batch, held until the next stage's gather), and *scatters* each group's slice back to the URI
   the next stage reads, before the next stage's tasks run. Dynamic-sampling waves follow the
-  sub-flow's rule (``engines.sampling.plan_wave``; a group that reached its target sits out the
+  sub-flow's rule (``flows.sampling.plan_wave``; a group that reached its target sits out the
   remaining waves); the carried-over groups are gathered too. It holds the batch as Arrow, the
   most compact a driver could (veRL keeps Python/NumPy objects), and does not gather the prompts
   it hands out (the hosts read their prompt streams themselves): a conservative baseline. It
@@ -139,8 +139,8 @@ class Meter:
                            "kept_groups": metrics.get("kept_groups"), "reward": metrics.get("reward")})
 
     def count_host_channel(self) -> None:
-        """Count the bytes on every connection to an engine host (``engines.channel.HostClient``)."""
-        from engines import channel
+        """Count the bytes on every connection to an engine host (``engines.wire.channel.HostClient``)."""
+        from engines.wire import channel
 
         meter, call = self, channel.HostClient.call
 
@@ -216,7 +216,7 @@ def _single_controller_flows():
     from prefect import flow, get_run_logger
 
     from tasks import stages as tasks
-    from engines.sampling import GroupSampling, plan_wave
+    from flows.sampling import GroupSampling, plan_wave
     from engines.config import load_config
     from flows.hosts import engine_hosts
     from storage import datasets, objectstore

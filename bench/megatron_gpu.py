@@ -80,7 +80,7 @@ def _save_model(folder: str, shape: dict, vocab: int) -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engines.tiny import build_char_tokenizer
+    from engines.demo.tiny import build_char_tokenizer
 
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=shape["hidden"], intermediate_size=4 * shape["hidden"],
@@ -97,10 +97,10 @@ def _save_model(folder: str, shape: dict, vocab: int) -> int:
 
 def _trainer(engine: str, folder: str, args):
     if engine == "megatron":
-        from engines.megatron_engine import MegatronTrainer
+        from engines.backends.megatron.trainer import MegatronTrainer
 
         return MegatronTrainer(folder, lr=1e-5, dtype="bfloat16", recompute_granularity=args.recompute)
-    from engines.torch_engines import TorchTrainer
+    from engines.backends.torch.trainer import TorchTrainer
 
     return TorchTrainer(folder, lr=1e-5, dtype="float32")  # on CUDA: bf16 autocast, SDPA, fused AdamW
 
@@ -108,7 +108,7 @@ def _trainer(engine: str, folder: str, args):
 def _time_steps(trainer, shape: dict, args) -> float:
     import torch
 
-    from engines.protocols import TrainBatch
+    from engines.backends.base import TrainBatch
 
     rng = random.Random(0)
     prompt_len = shape["seq"] // 4

@@ -5,7 +5,7 @@ run, same workload, with a long-tailed output-length distribution and a generati
     .venv/bin/python -m bench.placement              # also full colocation on 2 threads per engine: minutes more on a
                                                      # busy machine (2 OpenMP threads on 2 shared cores stall at barriers)
 
-The workload: one DP group's engine host (``engines.worker.Worker``, rank 0 of 1, in this
+The workload: one DP group's engine host (``engines.host.worker.Worker``, rank 0 of 1, in this
 process, torch engines) and one rollout wave of ``--prompts`` arithmetic prompts x G samples,
 then its scoring by a generative reward model that writes a verdict of up to
 ``--judge-max-new-tokens`` tokens (greedy). Both models are randomly initialised tiny Llamas built
@@ -75,7 +75,7 @@ def build_store(root: str, args) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from engines.tiny import build_char_tokenizer, build_tiny_llama
+    from engines.demo.tiny import build_char_tokenizer, build_tiny_llama
     from storage import objectstore
 
     rng = random.Random(args.seed)
@@ -121,9 +121,9 @@ def long_tail(model, tokenizer, mean_tokens: float) -> None:
 
 
 def make_host(root: str, args, mode: str):
-    from engines.commands import SetupEngines
+    from engines.wire.commands import SetupEngines
     from engines.config import load_config
-    from engines.worker import Worker
+    from engines.host.worker import Worker
 
     config = load_config(None, [
         f"storage.root={root}", "name=bench-placement", "dp=1", f"threads_per_host={args.threads}", f"seed={args.seed}",
@@ -139,7 +139,7 @@ def make_host(root: str, args, mode: str):
 
 
 def run_full(host, out: str, wave: int, count: int) -> dict:
-    from engines.commands import GenRMScore, Rollout
+    from engines.wire.commands import GenRMScore, Rollout
 
     start = time.perf_counter()
     rolled = host.rollout(Rollout(step=0, wave=wave, cursor=0, count=count, out=f"{out}/rollouts"))
@@ -149,7 +149,7 @@ def run_full(host, out: str, wave: int, count: int) -> dict:
 
 
 def run_partial(host, out: str, wave: int, count: int) -> dict:
-    from engines.commands import RolloutAndScore
+    from engines.wire.commands import RolloutAndScore
 
     start = time.perf_counter()
     both = host.rollout_and_score(RolloutAndScore(step=0, wave=wave, cursor=0, count=count, rollouts_out=f"{out}/rollouts",

@@ -10,7 +10,7 @@
 2. ``update_weights(TorchTrainer.export_weights())`` time against parameter count, for a
    few model sizes (4 layers, head_dim 32: vLLM's CPU attention needs head_dim >= 32).
 
-Every model is a tiny Llama built locally (engines/tiny.py). Prints markdown tables and
+Every model is a tiny Llama built locally (engines/demo/tiny.py). Prints markdown tables and
 returns the figures from ``main`` (for a future ``bench/run_all.py``).
 """
 
@@ -26,7 +26,7 @@ import time
 
 def build_model(path: str, hidden: int, layers: int, seed: int = 0) -> int:
     """Save a tiny Llama + char tokenizer as an HF folder; returns its parameter count."""
-    from engines.tiny import build_char_tokenizer, build_tiny_llama
+    from engines.demo.tiny import build_char_tokenizer, build_tiny_llama
 
     tokenizer = build_char_tokenizer()
     heads = max(1, hidden // 32)
@@ -43,7 +43,7 @@ def arithmetic_prompts(count: int, seed: int = 0) -> list[str]:
 
 
 def bench_throughput(args, model_dir: str) -> dict:
-    from engines.vllm_engine import VLLMGenerator
+    from engines.backends.vllm.generator import VLLMGenerator
 
     gen = VLLMGenerator(model_dir, threads=args.threads, kv_cache_memory_bytes=128 * 2**20)
     prompts = arithmetic_prompts(args.prompts)
@@ -100,7 +100,7 @@ def bench_task(args, model_dir: str, root: str) -> dict:
     import pyarrow as pa
     from prefect import flow
 
-    from engines.host import LocalHosts
+    from engines.wire.launch import LocalHosts
     from engines.config import load_config
     from storage import datasets
     from tasks import stages
@@ -134,8 +134,8 @@ def bench_task(args, model_dir: str, root: str) -> dict:
 
 
 def bench_weight_sync(args, root: str) -> list[dict]:
-    from engines.torch_engines import TorchTrainer
-    from engines.vllm_engine import VLLMGenerator
+    from engines.backends.torch.trainer import TorchTrainer
+    from engines.backends.vllm.generator import VLLMGenerator
 
     rows = []
     for hidden in args.sizes:

@@ -7,10 +7,10 @@ against adaptive waves (with carry-over), same workload.
 
 The workload is a real RL loop on the test suite's tiny prepared models (``TINY``: the
 ``prepare`` flow's arithmetic prompts, a 1-layer hidden-32 policy and GenRM judge after 150 SFT
-steps each): one engine host (``engines.worker.Worker``, rank 0 of 1, in this process, torch
+steps each): one engine host (``engines.host.worker.Worker``, rank 0 of 1, in this process, torch
 engines, 1 thread) runs rollout → score (GenRM judge) → filter waves and a train step per step,
 exactly the commands a DP group's sub-flow sends, with the wave sizes of the sub-flow's own rule
-(``engines.sampling.plan_wave``) and the same keep-ratio bookkeeping. Every mode starts from the
+(``flows.sampling.plan_wave``) and the same keep-ratio bookkeeping. Every mode starts from the
 same SFT policy, the same prompt stream and seeds, and trains on what it kept (so the keep ratio
 drifts as the policy learns, as in a run). Prefect is left out: it changes when work runs, not
 what is sampled (only the ``prepare`` flow runs under Prefect, when the store is not prepared yet).
@@ -96,10 +96,10 @@ def prepared_store(root: str) -> float:
 
 def run_mode(root: str, workload: str, mode: str, args) -> list[dict]:
     """One mode's RL loop: the DP-group sub-flow's waves, without Prefect. Per step: its figures."""
-    from engines.commands import DynamicFilter, GenRMScore, Rollout, SetupEngines, SyncWeights, TrainStep
+    from engines.wire.commands import DynamicFilter, GenRMScore, Rollout, SetupEngines, SyncWeights, TrainStep
     from engines.config import load_config
-    from engines.sampling import GroupSampling, plan_wave
-    from engines.worker import Worker
+    from flows.sampling import GroupSampling, plan_wave
+    from engines.host.worker import Worker
     from storage import datasets, objectstore
 
     name = "bench-sampling-" + "".join(c if c.isalnum() else "-" for c in f"{workload}-{mode}").replace("--", "-")

@@ -1,5 +1,5 @@
 """Orchestration overhead at 1, 4, 16 and 64 DP groups, on SQLite and on PostgreSQL, with
-TIMING-STUB engines (engines/stub.py: they sleep tokens x a per-token cost measured from the real
+TIMING-STUB engines (engines/backends/stub/engines.py: they sleep tokens x a per-token cost measured from the real
 torch engines; for scale benchmarks, not training).
 
     .venv/bin/python -m bench.scale                         # ~10 min on 2 cores

@@ -7,7 +7,7 @@ The model is a size of ``bench/vs_trl.py`` (``build_model``; by default the larg
 hidden 512, 8 layers, the demo's character tokenizer, random weights); the batch is what its rollout engine generates for 32
 arithmetic prompts, 8 samples each, at most 64 new tokens. One warm-up step, then
 ``torch.profiler`` over one step per ``train.micro_batch_tokens`` setting; the table gives each
-region the trainer names (``engines/torch_engines.py``: pad_batch, forward, loss, backward,
+region the trainer names (``engines/backends/torch/trainer.py``: pad_batch, forward, loss, backward,
 statistics, all_reduce, optimizer) in seconds of wall time, and what no region covers (Python
 between them: cutting micro-batches, moving numbers to Python). The torch threads are
 ``--threads`` (2: this machine's cores).
@@ -31,8 +31,8 @@ REGIONS = ("pad_batch", "forward", "loss", "backward", "statistics", "all_reduce
 
 def rollout_batch(folder: str, prompts: int, samples: int, max_new_tokens: int):
     """What the rollout engine makes of ``prompts`` arithmetic prompts, as a ``TrainBatch``."""
-    from engines.protocols import TrainBatch
-    from engines.torch_engines import TorchGenerator
+    from engines.backends.base import TrainBatch
+    from engines.backends.torch.generator import TorchGenerator
 
     rng = random.Random(0)
     texts = [f"{rng.randint(10, 99)}+{rng.randint(10, 99)}=" for _ in range(prompts)]
@@ -66,7 +66,7 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from engines.torch_engines import TorchTrainer
+    from engines.backends.torch.trainer import TorchTrainer
 
     settings = [None if s == "none" else int(s) for s in args.micro_batch_tokens.split(",")]
     size = SIZES[args.size]

@@ -4,9 +4,9 @@
     .venv/bin/python -m bench.vs_trl                 # both sizes, 8 steps, 2 repeats (~25 min on 2 cores)
     .venv/bin/python -m bench.vs_trl --sizes demo --steps 3 --repeats 1
 
-For each size it builds a Hugging Face folder (``engines/tiny.py``: the character tokenizer and a
+For each size it builds a Hugging Face folder (``engines/demo/tiny.py``: the character tokenizer and a
 Llama of that shape, **randomly initialised**: a speed figure, not a learning one) and a prompts
-Parquet of the demo's addition problems (``engines/arithmetic.py``, "47+85=", 7 tokens with BOS),
+Parquet of the demo's addition problems (``engines/demo/arithmetic.py``, "47+85=", 7 tokens with BOS),
 then runs, alternating in one process tree (yattflow, TRL, yattflow, TRL for ``--repeats 2``):
 
 * **yattflow**: ``yattflow train`` in a subprocess (its own temporary Prefect server, not timed),
@@ -17,8 +17,8 @@ then runs, alternating in one process tree (yattflow, TRL, yattflow, TRL for ``-
   constant learning rate, ``beta=0`` (yattflow's ``kl_coef=0``), ``num_iterations=1``, one
   optimizer step per generation batch, no gradient checkpointing (yattflow has none).
 
-Both score with the same rule, ``engines.arithmetic:exact_match`` through
-``engines.rewards.load_rule``. A random policy never answers right, so every advantage is 0 and
+Both score with the same rule, ``engines.demo.arithmetic:exact_match`` through
+``engines.host.rewards.load_rule``. A random policy never answers right, so every advantage is 0 and
 the weights never move: both sides do a step's full work (generate, score, forward, backward,
 AdamW) on a policy whose response lengths stay put. Sizes:
 
@@ -60,7 +60,7 @@ from engines.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 G = 8
-RULE = "engines.arithmetic:exact_match"
+RULE = "engines.demo.arithmetic:exact_match"
 SIZES = {
     "demo": {"hidden": 64, "layers": 2, "heads": 2, "kv_heads": 1, "init_std": 0.1, "prompts": 16, "max_new": 8, "goal": 0.5},
     "large": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 4, "init_std": 0.02, "prompts": 32, "max_new": 64, "goal": 1.0},
@@ -80,7 +80,7 @@ def require_trl() -> None:
 
 def build_model(model_dir: Path, size: str, seed: int) -> None:
     """A random Llama of ``size``'s shape with the demo's character tokenizer, saved to ``model_dir``."""
-    from engines.tiny import build_char_tokenizer, build_tiny_llama
+    from engines.demo.tiny import build_char_tokenizer, build_tiny_llama
 
     s = SIZES[size]
     tokenizer = build_char_tokenizer()
@@ -95,7 +95,7 @@ def build_inputs(work: Path, size: str, seed: int, count: int = 1000) -> tuple[P
     """A random Llama of ``size``'s shape (``build_model``), and the prompts Parquet."""
     import pyarrow as pa
 
-    from engines import arithmetic
+    from engines.demo import arithmetic
     from storage import datasets
 
     model_dir, prompts = work / f"model-{size}", work / "prompts.parquet"
@@ -175,7 +175,7 @@ def trl_worker(spec_file: str) -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from engines.rewards import load_rule
+    from engines.host.rewards import load_rule
 
     rule = load_rule(RULE)
 

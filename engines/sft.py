@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engines.tiny import build_char_tokenizer, build_tiny_llama
+from engines.demo.tiny import build_char_tokenizer, build_tiny_llama
 
 
 def sft(

@@ -156,7 +156,7 @@ def _in_process(argv: list[str]) -> int:
         top.parse_args(argv[:1])  # prints the help, or the error, and exits
     parser = argparse.ArgumentParser(
         prog=f"yattflow {argv[0]}", description=IN_PROCESS[argv[0]], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config fields (in the YAML file, or as key=value overrides; every default is in engines/config.py):\n"
+        epilog="config fields (in the YAML file, or as key=value overrides; every default is in engines/config/__init__.py):\n"
                + "\n".join(describe_fields()))
     parser.add_argument("-c", "--config", help="run config YAML (default: built-in defaults)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-4 dp=2")
@@ -203,7 +203,7 @@ def _in_process(argv: list[str]) -> int:
 
 
 def _heldout_line(summary: dict) -> str:
-    """``held-out mean engines.arithmetic:exact_match reward: 31.2% before RL → 63.2% after 40 RL steps``."""
+    """``held-out mean engines.demo.arithmetic:exact_match reward: 31.2% before RL → 63.2% after 40 RL steps``."""
     if summary["heldout_metric"] is None:
         return "no held-out evaluation (data.heldout is not set)"
     from flows.artifacts import percent

@@ -34,8 +34,8 @@ from prefect.deployments import run_deployment
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, Cancelling
 
-from engines.channel import HostError, connect, disconnect
-from engines.host import HostProcess
+from engines.wire.channel import HostError, connect, disconnect
+from engines.wire.launch import HostProcess
 from engines.config import RunConfig
 from storage import objectstore
 
@@ -172,7 +172,7 @@ class DeployedHosts:
 
 def engine_hosts(config: RunConfig):
     """The engine hosts of this run, as an ``async with`` context: local subprocesses or deployed flow runs."""
-    from engines.host import LocalHosts
+    from engines.wire.launch import LocalHosts
 
     if config.hosts.launch == "deployment":
         return DeployedHosts(config)

@@ -9,10 +9,10 @@ from typing import Awaitable, TypeVar
 
 from pydantic import BaseModel
 
-from engines.commands import (CheckpointResult, CheckpointWaitResult, DynamicFilterResult, GenRMScoreResult, Result,
+from engines.wire.commands import (CheckpointResult, CheckpointWaitResult, DynamicFilterResult, GenRMScoreResult, Result,
                               RolloutResult, SyncWeightsResult, TrainStepResult)
 from engines.config import RunConfig
-from engines.sampling import GroupSampling
+from flows.sampling import GroupSampling
 from flows.artifacts import StepProgress
 
 R = TypeVar("R", bound=Result)
@@ -94,7 +94,7 @@ class StepMetrics(BaseModel):
     surplus_dropped: int
     keep_ratio: float | None
     loss: float
-    # trainer statistics per trained token, over every group (engines.algorithms.step_statistics)
+    # trainer statistics per trained token, over every group (engines.rl.algorithms.step_statistics)
     clip_fraction: float
     entropy: float
     kl_rollout: float

@@ -16,9 +16,9 @@ import pyarrow as pa
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from engines import arithmetic
+from engines.demo import arithmetic
 from engines.config import RunConfig, load_config
-from engines.torch_engines import TorchGenerator
+from engines.backends.torch.generator import TorchGenerator
 from flows.sft import DATASET_MANIFEST, fine_tune, needs_building
 from flows.training import run_label
 from storage import datasets, objectstore

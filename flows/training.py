@@ -23,10 +23,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 from prefect.runtime import flow_run
 
-from engines.channel import HostLost
-from engines.commands import CheckpointWaitResult
+from engines.wire.channel import HostLost
+from engines.wire.commands import CheckpointWaitResult
 from engines.config import RunConfig, load_config
-from engines.sampling import GroupSampling, plan_wave
+from flows.sampling import GroupSampling, plan_wave
 from flows.artifacts import Curves, Progress, StepProgress, percent
 from flows.hosts import engine_hosts
 from flows.metrics import GroupStep, StageClock, StepMetrics, Wave
@@ -56,7 +56,7 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int, end: i
     for wave in range(s.max_waves):
         if wave:
             clock.progress.another_wave(wave)
-        count = plan_wave(s, state, have)  # fixed, or from the keep-ratio estimate (engines/sampling.py)
+        count = plan_wave(s, state, have)  # fixed, or from the keep-ratio estimate (flows/sampling.py)
         if partial:  # rollout and judge resident at once, samples streaming to the judge
             both = await clock("rollout_and_score", stages.rollout_and_score(config, step, group, wave, cursor, count), wave)
             rolled, scored = both.rollout, both.score

@@ -23,7 +23,7 @@ class RunState:
     checkpoint: str | None = None
     policy_version: int = 0
     heldout_before: float | None = None  # held-out accuracy of the starting policy
-    # per DP group, the dynamic-sampling state after ``step`` (engines/sampling.py ``GroupSampling``):
+    # per DP group, the dynamic-sampling state after ``step`` (flows/sampling.py ``GroupSampling``):
     # the URI of the kept groups that step carried over into the next one (its own
     # ``steps/{step}/carry/...`` object, which no later step rewrites) and the keep-ratio estimate
     sampling: list[dict] = field(default_factory=list)

@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from prefect import get_run_logger
 
-from engines.channel import HostError, client
-from engines.commands import Request, Result
+from engines.wire.channel import HostError, client
+from engines.wire.commands import Request, Result
 
 # The threads that wait for host answers. Not asyncio's default executor: it has cpu_count + 4
 # threads (6 on 2 cores), and a collective command (setup's rendezvous, train_step's all-reduce)

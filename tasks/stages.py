@@ -1,12 +1,12 @@
 """The stage tasks of an RL iteration. Each reads like a sentence: ask the group's engine host to
-do the stage on these URIs (one ``engines.commands`` request), and return its typed result."""
+do the stage on these URIs (one ``engines.wire.commands`` request), and return its typed result."""
 
 from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from engines.commands import (Checkpoint, CheckpointResult, CheckpointWait, CheckpointWaitResult, DynamicFilter,
+from engines.wire.commands import (Checkpoint, CheckpointResult, CheckpointWait, CheckpointWaitResult, DynamicFilter,
                               DynamicFilterResult, Evaluate, EvaluateResult, ExportPolicy, ExportPolicyResult, GenRMScore,
                               GenRMScoreResult, Rollout, RolloutAndScore, RolloutAndScoreResult, RolloutResult, SetupEngines,
                               SetupEnginesResult, SyncWeights, SyncWeightsResult, TrainStep, TrainStepResult, ValidateInputs,

@@ -19,8 +19,8 @@ if str(ROOT) not in sys.path:  # the product packages are not installed; tests r
 
 import torch  # noqa: E402
 
-from engines.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
-from engines.protocols import TrainBatch  # noqa: E402
+from engines.demo.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
+from engines.backends.base import TrainBatch  # noqa: E402
 
 BOS, EOS = 1, 2
 FIRST_CHAR_ID = 4  # ids 0..3 are <pad> <s> </s> <unk>
@@ -109,7 +109,7 @@ def dp_worker(rank: int, world_size: int, port: int, model_dir: str, cases_file:
 
     import torch.distributed as dist
 
-    from engines.torch_engines import TorchTrainer
+    from engines.backends.torch.trainer import TorchTrainer
 
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"

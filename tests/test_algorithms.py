@@ -1,4 +1,4 @@
-"""engines/algorithms.py against the same formulas written out by hand, plus one full
+"""engines/rl/algorithms.py against the same formulas written out by hand, plus one full
 TorchTrainer step checked against a hand-written forward, loss, clip and AdamW step."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import helpers  # noqa: F401  (puts the checkout on sys.path)
 
 import torch
 
-from engines import algorithms
-from engines.protocols import TrainBatch
-from engines.torch_engines import TorchTrainer
+from engines.rl import algorithms
+from engines.backends.base import TrainBatch
+from engines.backends.torch.trainer import TorchTrainer
 from helpers import max_param_diff, params_of, random_batch, save_tiny_model, with_old_logprobs
 
 

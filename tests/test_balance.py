@@ -1,4 +1,4 @@
-"""DP load balancing: the partition algorithm (engines/balance.py) and the balanced train
+"""DP load balancing: the partition algorithm (engines/host/balance.py) and the balanced train
 step in real engine hosts (two processes, gloo).
 
 The balanced step must be the *same* update as the unbalanced one: every global minibatch
@@ -16,8 +16,8 @@ import pytest
 
 import helpers  # noqa: F401  (puts the checkout on sys.path)
 
-from engines import balance
-from engines.balance import greedy, imbalance, karmarkar_karp, max_total, partition, plan, plan_totals, split_bounds
+from engines.host import balance
+from engines.host.balance import greedy, imbalance, karmarkar_karp, max_total, partition, plan, plan_totals, split_bounds
 
 
 def sums(weights, parts):
@@ -114,7 +114,7 @@ def test_imbalance():
 
 
 def test_split_bounds_match_trainbatch_split():
-    from engines.protocols import TrainBatch
+    from engines.backends.base import TrainBatch
 
     for n in range(0, 23):
         batch = TrainBatch([[1]] * n, [[i] for i in range(n)], [[0.0]] * n, [0.0] * n)
@@ -150,7 +150,7 @@ def test_plan_moves_heavy_rows_and_keeps_rows_home_when_it_can():
 
 
 def test_presplit_gives_back_its_minibatches():
-    from engines.protocols import TrainBatch
+    from engines.backends.base import TrainBatch
 
     parts = [TrainBatch([[1, 4]], [[5, 2]], [[0.0, 0.0]], [1.0]), TrainBatch([], [], [], []),
              TrainBatch([[1], [1, 7]], [[2], [8, 9, 2]], [[0.0], [0.0] * 3], [0.5, -0.5])]
@@ -167,8 +167,8 @@ def test_only_the_order_within_a_minibatch_changes():
     balancing the whole step at once would do) give another step."""
     import tempfile
 
-    from engines.protocols import TrainBatch
-    from engines.torch_engines import TorchTrainer
+    from engines.backends.base import TrainBatch
+    from engines.backends.torch.trainer import TorchTrainer
     from helpers import max_param_diff, params_of, random_batch, save_tiny_model, with_old_logprobs
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -221,10 +221,10 @@ def host_runs(tmp_path_factory):
     freshly loaded weights (``SetupEngines`` again); parameters come back through ``ExportPolicy``."""
     import pyarrow as pa
 
-    from engines.channel import client
-    from engines.commands import ExportPolicy, SetupEngines, TrainStep
-    from engines.host import LocalHosts
-    from engines.torch_engines import TorchTrainer
+    from engines.wire.channel import client
+    from engines.wire.commands import ExportPolicy, SetupEngines, TrainStep
+    from engines.wire.launch import LocalHosts
+    from engines.backends.torch.trainer import TorchTrainer
     from engines.config import RunConfig
     from helpers import EOS, FIRST_CHAR_ID, random_batch, save_tiny_model, with_old_logprobs
     from storage import datasets

@@ -28,10 +28,10 @@ from safetensors.torch import load_file
 
 from helpers import random_batch, save_tiny_model, with_old_logprobs
 
-from engines.checkpointing import Checkpoints
-from engines.commands import Checkpoint, CheckpointWait
-from engines.torch_engines import TorchTrainer, copy_state
-from engines.worker import Worker
+from engines.host.checkpointing import Checkpoints
+from engines.wire.commands import Checkpoint, CheckpointWait
+from engines.backends.torch.trainer import TorchTrainer, copy_state
+from engines.host.worker import Worker
 from engines.config import ConfigError, RunConfig, load_config
 from storage import objectstore, runstate
 from storage.runstate import RunState
@@ -327,11 +327,11 @@ import torch
 torch.set_num_threads(1)
 from safetensors.torch import load_file
 from helpers import random_batch, with_old_logprobs
-from engines.checkpointing import Checkpoints
-from engines.commands import Checkpoint, CheckpointWait
+from engines.host.checkpointing import Checkpoints
+from engines.wire.commands import Checkpoint, CheckpointWait
 from engines.config import RunConfig
-from engines.megatron_engine import MegatronTrainer
-from engines.worker import Worker
+from engines.backends.megatron.trainer import MegatronTrainer
+from engines.host.worker import Worker
 
 model_dir, out = sys.argv[1], sys.argv[2]
 

@@ -1,4 +1,4 @@
-"""The command contract between controller and engine host (``engines/commands.py``): each stage
+"""The command contract between controller and engine host (``engines/wire/commands.py``): each stage
 named once, one handler per request type, engines behind explicit protocols, and requests that
 travel as JSON to a real host process and come back as typed results or errors."""
 
@@ -10,9 +10,9 @@ import os
 
 import pytest
 
-from engines.commands import REQUESTS, Ping, PingResult, Request, Shutdown, SyncWeights
-from engines.protocols import Generator, Trainer
-from engines.worker import Worker
+from engines.wire.commands import REQUESTS, Ping, PingResult, Request, Shutdown, SyncWeights
+from engines.backends.base import Generator, Trainer
+from engines.host.worker import Worker
 from tasks import stages
 
 
@@ -44,14 +44,15 @@ def _accepts(method, protocol_method) -> bool:
 
 
 def _engine_classes():
-    from engines.factory import JudgeProcess
-    from engines.stub import TimingStubGenerator, TimingStubTrainer
-    from engines.torch_engines import TorchGenerator, TorchTrainer
-    from engines.vllm_engine import VLLMGenerator
+    from engines.backends.build import JudgeProcess
+    from engines.backends.stub.engines import TimingStubGenerator, TimingStubTrainer
+    from engines.backends.torch.generator import TorchGenerator
+    from engines.backends.torch.trainer import TorchTrainer
+    from engines.backends.vllm.generator import VLLMGenerator
 
     generators, trainers = [TorchGenerator, VLLMGenerator, TimingStubGenerator, JudgeProcess], [TorchTrainer, TimingStubTrainer]
     try:
-        from engines.megatron_engine import MegatronTrainer
+        from engines.backends.megatron.trainer import MegatronTrainer
     except ImportError:  # megatron-core not installed (make install without make engines)
         pass
     else:
@@ -72,8 +73,8 @@ def test_requests_travel_as_json_to_a_real_host_and_errors_come_back_named():
     """A real host process: a typed result comes back; an unknown stage, a field of the wrong type
     and a stage that fails inside the host each come back as an error naming what was wrong, and
     the host still answers afterwards."""
-    from engines.channel import HostError, client
-    from engines.host import LocalHosts
+    from engines.wire.channel import HostError, client
+    from engines.wire.launch import LocalHosts
 
     with LocalHosts("commands-test", 1, 1, 120):
         host = client("commands-test", 0)
@@ -95,13 +96,13 @@ def test_requests_travel_as_json_to_a_real_host_and_errors_come_back_named():
 
 @pytest.mark.parametrize("moving", [True, False])
 def test_watchdog_lets_a_long_moving_command_finish_and_calls_a_still_one_hung(moving):
-    """The channel's heartbeat (engines/channel.py): a 4 s command that reports progress every
+    """The channel's heartbeat (engines/wire/channel.py): a 4 s command that reports progress every
     0.3 s outlives ``stage_s=1.5``; the same command with no progress is hung after ~1.5 s."""
     import threading
     import time
     from multiprocessing.connection import Listener
 
-    from engines import channel
+    from engines.wire import channel
 
     def handle(request):
         for _ in range(13):

@@ -1,4 +1,4 @@
-"""engines/config.py: defaults, YAML file, key=value overrides, and errors that name the
+"""engines/config/__init__.py: defaults, YAML file, key=value overrides, and errors that name the
 file and the field."""
 
 from __future__ import annotations

@@ -463,8 +463,8 @@ def test_new_prompt_files_extend_each_stream_and_reordering_is_refused(tmp_path)
     their prompts; a file that sorts before a trained one (or a changed file) stops the resume."""
     import pyarrow as pa
 
-    from engines.checkpointing import Checkpoints
-    from engines.worker import prompt_stream
+    from engines.host.checkpointing import Checkpoints
+    from engines.host.worker import prompt_stream
     from storage.datasets import part_files
 
     def part(name: str, ids: range) -> None:

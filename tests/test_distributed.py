@@ -1,4 +1,4 @@
-"""The hosts' two process groups (``engines/distributed.py``): trainer collectives on the default
+"""The hosts' two process groups (``engines/backends/distributed.py``): trainer collectives on the default
 group (NCCL on CUDA, gloo here), CPU metadata on a gloo group of its own.
 
 On a GPU gloo cannot all-reduce CUDA tensors and NCCL cannot carry CPU ones, so a collective on
@@ -28,15 +28,15 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from engines import distributed  # noqa: E402
+from engines.backends import distributed  # noqa: E402
 from helpers import free_port, random_batch, save_tiny_model, with_old_logprobs  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
 
 
 def test_local_hosts_take_one_gpu_each():
-    from engines.channel import HostError
-    from engines.host import local_devices
+    from engines.wire.channel import HostError
+    from engines.wire.launch import local_devices
 
     assert local_devices(2, None, gpus=0, visible=None) == [None, None]  # the CPU: nothing to choose
     assert local_devices(1, None, gpus=8, visible=None) == [None]  # one host sees every GPU
@@ -68,8 +68,8 @@ def _record_collectives(log: list) -> None:
 
 
 def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
-    from engines.distributed import all_gather_ints
-    from engines.torch_engines import TorchTrainer
+    from engines.backends.distributed import all_gather_ints
+    from engines.backends.torch.trainer import TorchTrainer
 
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -103,7 +103,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
             return
         from megatron.core import parallel_state
 
-        from engines.megatron_engine import MegatronTrainer
+        from engines.backends.megatron.trainer import MegatronTrainer
 
         megatron = MegatronTrainer(model_dir, lr=1e-3)
         result["megatron_dp_backend"] = dist.get_backend(parallel_state.get_data_parallel_group())
@@ -171,10 +171,10 @@ def test_a_dp_runs_hosts_listen_on_their_bind_address_only(tmp_path, monkeypatch
     import psutil
     import pyarrow as pa
 
-    from engines.channel import client
-    from engines.commands import SetupEngines
+    from engines.wire.channel import client
+    from engines.wire.commands import SetupEngines
     from engines.config import RunConfig
-    from engines.host import LocalHosts
+    from engines.wire.launch import LocalHosts
     from storage import datasets
 
     up = psutil.net_if_stats()

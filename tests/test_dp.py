@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engines.protocols import TrainBatch
-from engines.torch_engines import TorchTrainer
+from engines.backends.base import TrainBatch
+from engines.backends.torch.trainer import TorchTrainer
 from helpers import concat, dp_worker, free_port, max_param_diff, params_of, random_batch, save_tiny_model, with_old_logprobs
 
 MINIBATCHES = 2
@@ -132,8 +132,9 @@ def test_without_all_reduce_replicas_diverge(dp_run, name):
 def test_local_normalisation_would_be_detected(dp_run):
     """Summing per-rank gradients each normalised by its *local* token count (instead of
     the global one) is a different step; the DP run matches the global one only."""
-    from engines import algorithms
-    from engines.torch_engines import pad_batch, sequence_logprobs
+    from engines.rl import algorithms
+    from engines.backends.batching import pad_batch
+    from engines.backends.torch.model import sequence_logprobs
 
     case = dp_run["cases"]["token-3-5"]
     mb = case["kwargs"]["minibatches"]

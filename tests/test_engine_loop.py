@@ -19,10 +19,10 @@ import megatron_cpu  # noqa: E402  (tests/: Megatron-Core on CPU; a no-op with C
 
 megatron_cpu.install()
 
-from engines.megatron_engine import MegatronTrainer  # noqa: E402
-from engines.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
-from engines.protocols import TrainBatch  # noqa: E402
-from engines.vllm_engine import VLLMGenerator  # noqa: E402
+from engines.backends.megatron.trainer import MegatronTrainer  # noqa: E402
+from engines.demo.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
+from engines.backends.base import TrainBatch  # noqa: E402
+from engines.backends.vllm.generator import VLLMGenerator  # noqa: E402
 
 PROMPTS = ["12+7=", "3+4=", "40+2=", "9+9="]
 TEMPERATURE = 0.8

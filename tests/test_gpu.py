@@ -17,7 +17,7 @@ def _megatron():
 def _devices(*roots) -> set[str]:
     """Device types of every tensor the trainer keeps (modules, Megatron's buffers, optimizers),
     but 0-dim ones: torch's (unfused) Adam keeps its step counters on the host by design."""
-    from engines.offload import trainer_tensors
+    from engines.backends.megatron.offload import trainer_tensors
 
     return {t.device.type for t in trainer_tensors(*roots) if t.dim() > 0}
 
@@ -43,8 +43,10 @@ def test_megatron_bf16_train_step_with_everything_on_cuda(tmp_path):
     _megatron()
     import torch
 
-    from engines.megatron_engine import MegatronTrainer, SDPAttention
-    from engines.torch_engines import TorchTrainer
+    from engines.backends.megatron.trainer import MegatronTrainer
+
+    from engines.backends.megatron.model import SDPAttention
+    from engines.backends.torch.trainer import TorchTrainer
     from helpers import random_batch, save_tiny_model, with_old_logprobs
 
     model_dir = save_tiny_model(tmp_path / "model", hidden_size=256, num_layers=2)
@@ -75,7 +77,7 @@ def test_megatron_sleep_export_wake_on_cuda(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engines.megatron_engine import MegatronTrainer
+    from engines.backends.megatron.trainer import MegatronTrainer
     from helpers import random_batch, save_tiny_model, with_old_logprobs
 
     model_dir = save_tiny_model(tmp_path / "model", hidden_size=512, num_layers=4)
@@ -121,7 +123,7 @@ def test_sdpa_attention_on_cuda_bf16_matches_the_local_spec(tmp_path):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from engines.megatron_engine import SDPAttention, _init_distributed
+    from engines.backends.megatron.model import SDPAttention, _init_distributed
 
     _init_distributed(1, torch.device("cuda", torch.cuda.current_device()))
     config = TransformerConfig(num_layers=1, hidden_size=1024, num_attention_heads=8, num_query_groups=2, kv_channels=128,
@@ -145,7 +147,9 @@ def test_torch_engines_on_cuda(tmp_path):
     step moves the weights like the CPU's up to bf16 rounding; the generator samples on the GPU."""
     import torch
 
-    from engines.torch_engines import TorchGenerator, TorchTrainer
+    from engines.backends.torch.generator import TorchGenerator
+
+    from engines.backends.torch.trainer import TorchTrainer
     from helpers import random_batch, save_tiny_model, with_old_logprobs
 
     model_dir = save_tiny_model(tmp_path / "model", hidden_size=128, num_layers=2)
@@ -177,9 +181,9 @@ def _nccl_worker(rank: int, port: int, model_dir: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from engines import distributed
-    from engines.distributed import all_gather_ints
-    from engines.megatron_engine import MegatronTrainer
+    from engines.backends import distributed
+    from engines.backends.distributed import all_gather_ints
+    from engines.backends.megatron.trainer import MegatronTrainer
     from helpers import random_batch, with_old_logprobs
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the metadata group's gloo, on loopback

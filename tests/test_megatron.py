@@ -35,10 +35,13 @@ import torch.nn.functional as F  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from engines.megatron_engine import MegatronTrainer, hf_to_megatron, load_hf_state, megatron_to_hf  # noqa: E402
-from engines.tiny import build_char_tokenizer  # noqa: E402
-from engines.protocols import TrainBatch  # noqa: E402
-from engines.torch_engines import TorchGenerator, TorchTrainer  # noqa: E402
+from engines.backends.megatron.trainer import MegatronTrainer  # noqa: E402
+
+from engines.backends.megatron.mapping import hf_to_megatron, load_hf_state, megatron_to_hf  # noqa: E402
+from engines.demo.tiny import build_char_tokenizer  # noqa: E402
+from engines.backends.base import TrainBatch  # noqa: E402
+from engines.backends.torch.generator import TorchGenerator  # noqa: E402
+from engines.backends.torch.trainer import TorchTrainer  # noqa: E402
 from helpers import concat, free_port, random_batch, save_tiny_model, with_old_logprobs  # noqa: E402
 
 # Megatron without Apex or Transformer Engine warns at every layer it builds
@@ -180,7 +183,7 @@ def test_train_step_matches_torch_trainer(model_dir, step_kwargs, trainer_kwargs
 def test_micro_batches_equal_one_pass(model_dir, step_kwargs, trainer_kwargs):
     """Length-sorted passes of <= 16 padded tokens, gradients accumulated in DDP's buffers: the
     one-pass step (and its loss and pre-clip grad norm, which Adam's step alone would not show)."""
-    from engines.torch_engines import micro_batches
+    from engines.backends.batching import micro_batches
 
     batch = batch_near(TorchTrainer(model_dir), 10, seed=7)
     kwargs = {"minibatches": 2, **step_kwargs}
@@ -268,7 +271,7 @@ def test_sdpa_attention_equals_local_spec_attention_with_gqa(model_dir, mask):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer import TransformerConfig
 
-    from engines.megatron_engine import SDPAttention, _init_distributed
+    from engines.backends.megatron.model import SDPAttention, _init_distributed
 
     _init_distributed(1, torch.device("cpu"))
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=1, kv_channels=16,
@@ -298,8 +301,8 @@ def test_gpt_logits_with_sdpa_equal_the_local_spec(tmp_path, model_dir):
     Hugging Face weights with each attention: logits equal to 1e-5 in fp32."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from engines.megatron_engine import SDPAttention, _init_distributed, build_gpt, transformer_config
-    from engines.tiny import build_tiny_llama
+    from engines.backends.megatron.model import SDPAttention, _init_distributed, build_gpt, transformer_config
+    from engines.demo.tiny import build_tiny_llama
 
     tokenizer = build_char_tokenizer()
     build_tiny_llama(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=3).save_pretrained(tmp_path)
@@ -352,7 +355,7 @@ def test_recomputation_reruns_the_forward_and_changes_nothing(model_dir, name):
 
 
 def test_run_config_recomputation_reaches_megatron(model_dir):
-    from engines.factory import make_trainer
+    from engines.backends.build import make_trainer
     from engines.config import RunConfig
 
     cfg = RunConfig(train={"backend": "megatron", "recompute_granularity": "full", "recompute_method": "block",
@@ -374,7 +377,7 @@ def test_sleep_releases_every_storage_and_wake_restores_it_bit_for_bit(model_dir
     on a GPU every storage the trainer holds (weights, gradient buffer, Adam moments, fp32 main
     copies, the reference model) is released and its bytes kept in host memory; training after
     ``wake`` is bit for bit the training of a trainer that never slept."""
-    from engines.offload import trainer_tensors
+    from engines.backends.megatron.offload import trainer_tensors
 
     options = {**HYPER, "distributed_optimizer": True, "reference": True, "dtype": dtype}
     a, b = MegatronTrainer(model_dir, **options), MegatronTrainer(model_dir, **options)
@@ -399,7 +402,7 @@ def test_a_sleeping_trainer_exports_from_host_memory_and_refuses_the_rest(tmp_pa
     """``export_weights`` and ``save_hf`` of a sleeping trainer read the host copy (bit for bit the
     awake weights; nothing is woken); what needs the live state fails with a message rather than
     reading released memory (on an H100, ``export_policy`` after evaluation crashed inside CUDA)."""
-    from engines.offload import trainer_tensors
+    from engines.backends.megatron.offload import trainer_tensors
 
     trainer = MegatronTrainer(model_dir, **HYPER, dtype="bfloat16")
     trainer.train_step(batch_near(trainer, 6, seed=15))
@@ -425,10 +428,10 @@ def test_host_stages_read_a_sleeping_trainer_or_wake_it(tmp_path, model_dir):
     ``sync_weights`` and ``checkpoint`` wake it. Each gives what it gives for an awake trainer."""
     from safetensors.torch import load_file
 
-    from engines.checkpointing import Checkpoints
-    from engines.commands import Checkpoint, ExportPolicy, SyncWeights
+    from engines.host.checkpointing import Checkpoints
+    from engines.wire.commands import Checkpoint, ExportPolicy, SyncWeights
     from engines.config import RunConfig
-    from engines.worker import Worker
+    from engines.host.worker import Worker
 
     def host() -> Worker:
         h = Worker(rank=0, world=1, threads=1)
@@ -507,8 +510,8 @@ assert "torch" not in sys.modules and "megatron" not in sys.modules, "the shim w
 assert "megatron_cpu" in sys.modules, "sitecustomize did not run"
 import torch
 torch.set_num_threads(1)
-from engines.megatron_engine import MegatronTrainer
-from engines.protocols import TrainBatch
+from engines.backends.megatron.trainer import MegatronTrainer
+from engines.backends.base import TrainBatch
 trainer = MegatronTrainer(sys.argv[1], lr=1e-3)
 batch = TrainBatch([[1, 5, 6], [1, 7]], [[8, 9, 2], [2]], [[-3.0, -3.0, -3.0], [-3.0]], [1.0, -1.0])
 print(json.dumps({"stats": trainer.train_step(batch), "version": trainer.version}))

@@ -28,9 +28,10 @@ import helpers  # noqa: F401  (puts the checkout on sys.path)
 import torch
 import torch.multiprocessing as mp
 
-from engines import algorithms
-from engines.protocols import TrainBatch
-from engines.torch_engines import TorchTrainer, micro_batches
+from engines.rl import algorithms
+from engines.backends.base import TrainBatch
+from engines.backends.torch.trainer import TorchTrainer
+from engines.backends.batching import micro_batches
 from helpers import concat, dp_worker, free_port, max_param_diff, params_of, random_batch, save_tiny_model, with_old_logprobs
 
 LR = 1e-2

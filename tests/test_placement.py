@@ -91,9 +91,9 @@ def host(prepared):
     """An engine host (rank 0 of 1) in this process, its engines loaded from the prepared store."""
     import torch
 
-    from engines.commands import SetupEngines
+    from engines.wire.commands import SetupEngines
     from engines.config import load_config
-    from engines.worker import Worker
+    from engines.host.worker import Worker
 
     torch.set_num_threads(1)
     config = load_config(None, TINY + [f"storage.root={prepared}", "name=place-host", "dp=1",
@@ -104,7 +104,7 @@ def host(prepared):
 
 
 def rollout_and_score(host, step: int, wave: int, cursor: int, count: int, rollouts: Path, scored: Path):
-    from engines.commands import RolloutAndScore
+    from engines.wire.commands import RolloutAndScore
 
     return host.rollout_and_score(RolloutAndScore(step=step, wave=wave, cursor=cursor, count=count,
                                                   rollouts_out=str(rollouts), scored_out=str(scored)))
@@ -133,7 +133,7 @@ def test_judge_scores_chunks_while_the_wave_is_still_generating(host, tmp_path):
     assert sum(1 for role, what, _ in events if role == "policy" and what == "start") == 4  # 4 chunks of 1 prompt
     assert both.rollout.samples == 16 and both.rollout.cursor == 4
 
-    from engines.commands import GenRMScore, Rollout
+    from engines.wire.commands import GenRMScore, Rollout
 
     host.rollout(Rollout(step=3, wave=0, cursor=0, count=4, out=str(tmp_path / "r2")))
     host.genrm_score(GenRMScore(rollouts=str(tmp_path / "r2"), out=str(tmp_path / "s2")))
@@ -170,10 +170,10 @@ def test_partial_judge_is_a_process_and_its_death_fails_the_wave(prepared, tmp_p
 
     import torch
 
-    from engines.commands import SetupEngines
+    from engines.wire.commands import SetupEngines
     from engines.config import load_config
-    from engines.factory import JudgeProcess
-    from engines.worker import Worker
+    from engines.backends.build import JudgeProcess
+    from engines.host.worker import Worker
 
     torch.set_num_threads(1)
     config = load_config(None, TINY + [f"storage.root={prepared}", "name=place-proc", "dp=1", "placement.mode=partial",

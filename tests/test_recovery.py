@@ -2,7 +2,7 @@
 
 Real runs on the session's Prefect server (dp=2, torch engines, a checkpoint every 2 steps,
 asynchronous): an uninterrupted run, then the same run under faults injected into its engine
-hosts (``engines/faults.py``: SIGKILL of a host, SIGKILL during the asynchronous checkpoint
+hosts (``engines/host/faults.py``: SIGKILL of a host, SIGKILL during the asynchronous checkpoint
 write, a hang; SIGKILL of the run itself). Every step's trained prompt_ids, sample indices and
 rewards, and the final parameters, must equal the uninterrupted run's.
 """
@@ -107,7 +107,7 @@ def test_run_heals_from_dead_and_hung_hosts_and_trains_each_step_once(prepared, 
 
 def test_run_that_keeps_failing_stops_after_its_retries(prepared, faults):
     """retries.run=1 and two hosts killed: the first heals, the second ends the run with the host's error."""
-    from engines.channel import HostLost
+    from engines.wire.channel import HostLost
 
     faults("rollout@0:dp-0:kill", "rollout@1:dp-1:kill")
     with pytest.raises(HostLost, match="dp-1: engine host is gone"):

@@ -1,7 +1,7 @@
 """Dynamic sampling that adapts: wave sizes from the observed keep ratio, surplus kept groups
 carried over to the next step, and the state for both committed with each checkpoint.
 
-- the wave-size rule and the keep-ratio estimate (``engines/sampling.py``);
+- the wave-size rule and the keep-ratio estimate (``flows/sampling.py``);
 - the engine host's ``dynamic_filter`` with carry-over (no engines needed: hand-made scored files);
 - a real run (Prefect server, engine hosts, dp=2): carried groups are trained in the next step,
   never twice; a run resumed from an earlier checkpoint takes that checkpoint's carry-over and
@@ -19,9 +19,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engines.commands import DynamicFilter
-from engines.worker import Worker
-from engines.sampling import GroupSampling, plan_wave, wave_size
+from engines.wire.commands import DynamicFilter
+from engines.host.worker import Worker
+from flows.sampling import GroupSampling, plan_wave, wave_size
 from engines.config import ConfigError, RunConfig, load_config
 from storage import datasets, objectstore
 from storage.runstate import RunState

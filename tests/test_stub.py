@@ -1,4 +1,4 @@
-"""Timing-stub engines (engines/stub.py; for scale benchmarks, not training): the real flows,
+"""Timing-stub engines (engines/backends/stub/engines.py; for scale benchmarks, not training): the real flows,
 tasks, hosts and storage run on them, and the time they sleep is counted as engine time."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from engines.stub import TimingStubGenerator, TimingStubTrainer
+from engines.backends.stub.engines import TimingStubGenerator, TimingStubTrainer
 from flows.training import train
 from tests.conftest import TINY
 from tests.helpers import assert_steps_completed, random_batch, read_run_tree

@@ -172,7 +172,7 @@ def test_ui_shows_every_step_and_the_curves(prepared, browser):
     browser.click("uitest-curves").wait_for("reward and accuracy, 2 of 2 steps", "Rollout accuracy per step")
     browser.shot("6-curves.png")
     text = browser.text()
-    assert "Held-out mean engines.arithmetic:exact_match reward" in text and "reward (mean)" in text
+    assert "Held-out mean engines.demo.arithmetic:exact_match reward" in text and "reward (mean)" in text
     assert any(c in text for c in "▁▂▃▄▅▆▇") and "█" in text, "no chart on the curves page"
 
 
@@ -255,7 +255,7 @@ def test_curves_markdown_stays_small_on_long_runs():
 
 
 def test_describe_call_names_inputs_not_data():
-    from engines.commands import DynamicFilter, SetupEngines
+    from engines.wire.commands import DynamicFilter, SetupEngines
     from engines.config import RunConfig
     from tasks._host import describe_call
 

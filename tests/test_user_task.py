@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engines.rewards import RewardRuleError, load_rule
+from engines.host.rewards import RewardRuleError, load_rule
 from flows.training import NothingToLearn, train
 from tests.conftest import TINY
 from tests.helpers import save_tiny_model, wrote_nothing
@@ -40,7 +40,7 @@ def rule_file(folder: Path, body: str, name: str = "my_rules.py") -> Path:
 
 
 def test_a_rule_loads_from_a_module_or_a_file_and_says_whether_it_needs_the_answer(tmp_path):
-    assert load_rule("engines.arithmetic:exact_match").needs_answer
+    assert load_rule("engines.demo.arithmetic:exact_match").needs_answer
     path = rule_file(tmp_path, """
         from helper_words import WORD  # a neighbour of the rule file: its folder is on sys.path
 
@@ -55,8 +55,8 @@ def test_a_rule_loads_from_a_module_or_a_file_and_says_whether_it_needs_the_answ
 
 @pytest.mark.parametrize("spec, words", [
     ("no_such_module_here:f", ["cannot import module 'no_such_module_here'", "PYTHONPATH", "reward.rule=path/to/no_such_module_here.py:f"]),
-    ("engines.arithmetic:no_such_function", ["engines.arithmetic has no function 'no_such_function'"]),
-    ("engines.arithmetic", ["neither 'module:function' nor 'path/to/file.py:function'"]),
+    ("engines.demo.arithmetic:no_such_function", ["engines.demo.arithmetic has no function 'no_such_function'"]),
+    ("engines.demo.arithmetic", ["neither 'module:function' nor 'path/to/file.py:function'"]),
     ("missing/rules.py:f", ["no file", "missing/rules.py"]),
 ])
 def test_a_rule_that_cannot_be_imported_is_named(spec, words):
@@ -102,7 +102,7 @@ def test_prompts_without_the_answer_the_rule_reads_fail_before_engines_load(prep
         run_train(prepared, "name=no-answers", "dp=1", f"data.prompts={prompts}", "reward.genrm_weight=0", "reward.rule_weight=1")
     text = str(err.value)
     assert f"{prompts}" in text and "field 'answer' is missing or null in 3 of 3 rows (first prompt_id 1)" in text
-    assert "reward.rule engines.arithmetic:exact_match" in text and "answer=None" in text
+    assert "reward.rule engines.demo.arithmetic:exact_match" in text and "answer=None" in text
     assert "engines (rollout=" not in text  # the host's log: no engine was loaded
     assert wrote_nothing(Path(prepared) / "runs" / "no-answers")
 
@@ -210,7 +210,7 @@ def test_the_cli_ends_a_failed_run_with_its_cause_on_one_line(prepared):
                           "reward.rule=no_such_rules:score"], cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 1, out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("yattflow train: failed: engines.rewards.RewardRuleError: reward.rule: cannot import module "
+    assert last.startswith("yattflow train: failed: engines.host.rewards.RewardRuleError: reward.rule: cannot import module "
                            "'no_such_rules'"), last
     assert last.endswith("stopped before run 'cli-bad-rule' took its first step; run the same command to start it"), last
     # ... and `yattflow status` lists that command-line run beside the deployments' runs

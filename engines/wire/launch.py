@@ -1,37 +1,23 @@
-"""Engine hosts: one long-lived process per DP group that keeps its engines resident.
+"""Starting engine hosts: the controller's side of ``python -m engines.host``.
 
-The DP-group sub-flow is the controller; the host is the muscle. Each Prefect task sends one
-request (``engines/commands.py``) over the host's channel (``engines/channel.py``); the host's
-``Worker`` (``engines/worker.py``) reads the inputs from object storage, computes, writes its
-outputs atomically and answers with a typed result.
-
-This module is the process: ``python -m engines.host`` serves one DP group, and ``LocalHosts``
-starts, supervises and stops a run's hosts as local subprocesses (``flows/hosts.py`` starts
-them as flow runs on a GPU work pool instead). The hosts of one run form a
-``torch.distributed`` group (NCCL when the trainer is on CUDA, gloo on CPU), so the train step
-is a real collective (``engines/distributed.py``).
+``HostProcess`` starts one engine-host process and reads its ``READY`` line; ``LocalHosts``
+starts, supervises and stops a run's hosts as local subprocesses (``flows/hosts.py`` starts them
+as flow runs on a GPU work pool instead, each of which starts a ``HostProcess``). Nothing here
+imports an engine: a controller that starts hosts loads no model.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import functools
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
-from multiprocessing.connection import Listener
 from pathlib import Path
 
-import psutil
-
-from engines import faults
-from engines.channel import HostError, answer, connect, disconnect
+from engines.wire.channel import HostError, connect, disconnect
 
 
 class HostProcess:
@@ -43,7 +29,7 @@ class HostProcess:
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = devices
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines flood the run's output
-        project_root = str(Path(__file__).resolve().parent.parent)
+        project_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [project_root, env.get("PYTHONPATH")]))
         cmd = [sys.executable, "-m", "engines.host", "--rank", str(rank), "--world", str(world),
                "--threads", str(threads), "--bind", bind]
@@ -142,93 +128,3 @@ class LocalHosts:
             if dead or time.monotonic() > deadline:
                 return dead
             await asyncio.sleep(0.1)
-
-
-def _exit_with_parent() -> None:
-    """A host never outlives the run that started it (no orphaned engines holding devices)."""
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os.killpg(0, signal.SIGKILL)  # this host and every process its engines started
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
-EVERY_INTERFACE = ("0.0.0.0", "::", "")
-
-
-def advertised_address(bind: str) -> str:
-    """The address the controller and the other hosts reach this host at."""
-    if bind not in EVERY_INTERFACE:
-        return bind
-    # YATTFLOW_HOST_ADDRESS: set it on nodes whose hostname does not resolve to a routable
-    # address (e.g. a Kubernetes pod: the downward API's status.podIP).
-    return os.environ.get("YATTFLOW_HOST_ADDRESS") or socket.gethostbyname(socket.gethostname())
-
-
-def pin_interface(bind: str) -> None:
-    """Have gloo's and NCCL's sockets use ``bind``'s network interface.
-
-    Left alone, gloo listens on the address the hostname resolves to and NCCL on an interface of
-    its choosing, whatever ``--bind`` says. Set here, before torch.distributed starts, so that the
-    engines' own groups (Megatron-Core's, vLLM's processes) get it too; it wins over a value in
-    the environment, since the bind address is the promise. Listening everywhere needs nothing."""
-    if bind in EVERY_INTERFACE:
-        return
-    names = [name for name, addresses in psutil.net_if_addrs().items() if any(a.address == bind for a in addresses)]
-    if not names:
-        raise HostError(f"--bind {bind}: no network interface has this address")
-    os.environ["GLOO_SOCKET_IFNAME"] = names[0]
-    os.environ["NCCL_SOCKET_IFNAME"] = "=" + names[0]  # "=": this interface, not every name it is a prefix of
-
-
-def serve(rank: int, world: int, threads: int, bind: str = "127.0.0.1") -> None:
-    """Listen on ``bind``, answer one controller's commands until ``shutdown``.
-
-    Nothing of the host listens beyond ``bind``: the channel, rank 0's torch.distributed
-    rendezvous and gloo's (NCCL's) sockets all bind there (``pin_interface``).
-
-    A host belongs to one run: if the controller's connection ends without ``shutdown`` (the
-    run crashed or was cancelled), the host exits rather than hold its devices.
-    """
-    from engines.worker import Worker  # torch and the engines' imports: after the parent watch is up
-
-    secret = bytes.fromhex(os.environ.pop("YATTFLOW_HOST_SECRET"))
-    _exit_with_parent()
-    pin_interface(bind)
-    # Rank 0 serves the DP group's rendezvous. Its socket is bound and listening from now on, so
-    # the port READY announces stays ours until the setup hands the socket to the store.
-    rendezvous = socket.create_server((bind, 0)) if rank == 0 and world > 1 else None
-    worker = Worker(rank, world, threads, rendezvous)
-    with Listener((bind, 0), authkey=secret) as listener:
-        address = advertised_address(bind)
-        dist_port = rendezvous.getsockname()[1] if rendezvous else 0
-        print(f"READY {address}:{listener.address[1]} {dist_port}", flush=True)
-        # Nobody reads our stdout after READY: send whatever comes later (engine libraries and
-        # the processes they spawn write there) to stderr, so a full pipe can never block us.
-        os.dup2(2, 1)
-        answer(listener.accept(), functools.partial(_handle, worker, {}), rank)
-
-
-def _handle(worker, seen: dict, request):
-    """``worker.handle``, after the fault ``YATTFLOW_FAULTS`` plans for this point, if any (engines/faults.py).
-    A request without a step (``train_step``, ``sync_weights``) belongs to the step of the last one with."""
-    seen["step"] = getattr(request, "step", seen.get("step"))
-    faults.inject(request.stage, seen["step"], worker.rank)
-    return worker.handle(request)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="yattflow engine host (started by the training run)")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--bind", default="127.0.0.1", help="listen address (0.0.0.0: reachable from other nodes)")
-    args = parser.parse_args()
-    serve(args.rank, args.world, args.threads, args.bind)
-
-
-if __name__ == "__main__":
-    main()

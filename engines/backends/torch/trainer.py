@@ -1,205 +1,26 @@
-"""torch/transformers engines: the CPU default and the numerical reference.
+"""``TorchTrainer``: GRPO/DAPO policy training with transformers, the CPU default and the
+numerical reference.
 
-``TorchGenerator`` serves both roles that generate text (policy rollout and the
-generative reward model); ``TorchTrainer`` trains the policy with data parallelism over
-``torch.distributed`` (gloo on CPU, NCCL on GPUs). Both speak Hugging Face parameter names, so
-the vLLM and Megatron-Core backends can take their place behind the same methods.
-
-Both run on the device they are given (default: the current CUDA device, else the CPU), with
-model, buffers and optimizer state there. On CUDA the forward passes run under bf16 autocast
-(parameters and Adam state stay in the model's dtype, fp32 by default) with SDPA attention and
-the fused AdamW: the plain-PyTorch GPU baseline. On the CPU they compute in the model's dtype
-without autocast, the fp32 reference the other engines are tested against.
+It trains the policy with data parallelism over ``torch.distributed`` (gloo on CPU, NCCL on
+GPUs) and speaks Hugging Face parameter names, so the Megatron-Core backend can take its place
+behind the same methods. It runs on the device it is given (default: the current CUDA device,
+else the CPU), with model, buffers and optimizer state there; on CUDA with the fused AdamW.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy as copy_module
-import io
 import os
-from typing import Iterable, Iterator, Literal
+from typing import Iterator, Literal
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from engines import algorithms
-from engines.channel import progress
-from engines.protocols import FrozenCheckpoint, Generation, TrainBatch
-
-
-def load_model(model_dir: str, dtype: str = "float32", device: torch.device | str = "cpu"):
-    # imported here, not at the top: engine hosts import this module for TrainBatch and the
-    # checkpoint helpers, and transformers adds ~100 MB per host (64 timing-stub hosts: 6 GB)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.padding_side = "left"
-    # SDPA: flash / memory-efficient kernels on CUDA (transformers' default too, here made explicit)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
-    return tokenizer, model.to(device)
-
-
-def resolve_device(device: torch.device | str | None) -> torch.device:
-    if device is None:
-        from engines.distributed import default_device
-
-        return default_device()
-    return torch.device(device)
-
-
-def forward_precision(device: torch.device, autocast: bool | None):
-    """The context the engines' forward passes run in: bf16 autocast (``autocast`` None: on
-    CUDA only) or nothing (the model's own dtype)."""
-    if autocast is None:
-        autocast = device.type == "cuda"
-    if autocast:
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(token t | tokens < t) for every position t >= 1; shape [batch, len-1]."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, :-1].float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-
-
-class TorchGenerator:
-    """Sampling with per-token log-probabilities, and weight updates by HF name.
-
-    ``device``: where the model lives and computes (None: the current CUDA device, else the CPU);
-    ``autocast``: bf16 autocast of the forward passes (None: on CUDA only)."""
-
-    def __init__(self, model_dir: str, dtype: str = "float32", device: torch.device | str | None = None,
-                 autocast: bool | None = None):
-        self.device = resolve_device(device)
-        self.autocast = autocast
-        self.tokenizer, self.model = load_model(model_dir, dtype, self.device)
-        self.model.eval()
-
-    @torch.no_grad()
-    def generate(
-        self,
-        prompts: list[str],
-        n: int = 1,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_new_tokens: int = 16,
-        seed: int = 0,
-        greedy: bool = False,
-    ) -> list[Generation]:
-        tok = self.tokenizer
-        # input ids and mask only: a tokenizer that adds token_type_ids makes generate() refuse them
-        batch = tok([p for p in prompts for _ in range(n)], return_tensors="pt", padding=True, return_token_type_ids=False).to(self.device)
-        if not greedy:  # greedy draws nothing: leave the process-wide RNG alone (a judge on another
-            torch.manual_seed(seed)  # thread must not reseed the rollout's sampling: placement.mode=partial)
-        with forward_precision(self.device, self.autocast):
-            out = self.model.generate(
-                **batch,
-                do_sample=not greedy,
-                temperature=temperature if not greedy else None,
-                top_p=top_p if not greedy else None,
-                top_k=None,
-                max_new_tokens=max_new_tokens,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
-            )
-        new_tokens = out.sequences[:, batch["input_ids"].shape[1] :]
-        logits = torch.stack(out.logits, dim=1).float() / (1.0 if greedy else temperature)
-        token_logprobs = torch.log_softmax(logits, -1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-        results = []
-        for row in range(new_tokens.shape[0]):
-            ids = new_tokens[row].tolist()
-            end = ids.index(tok.eos_token_id) + 1 if tok.eos_token_id in ids else len(ids)
-            prompt_ids = batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist()
-            results.append(
-                Generation(
-                    prompt_index=row // n,
-                    prompt_ids=prompt_ids,
-                    response_ids=ids[:end],
-                    response=tok.decode(ids[:end], skip_special_tokens=True),
-                    logprobs=token_logprobs[row, :end].tolist(),
-                    truncated=tok.eos_token_id not in ids[:end],
-                )
-            )
-        return results
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy Hugging Face-named tensors into the model; returns the count updated."""
-        params = dict(self.model.named_parameters())
-        count = 0
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                params[name].copy_(tensor)
-                count += 1
-        return count
-
-    # The reference engine stays resident: on a GPU beside the others, on a CPU nothing moves.
-    def sleep(self) -> None:
-        pass
-
-    def wake(self) -> None:
-        pass
-
-
-def pad_batch(batch: TrainBatch, pad_id: int):
-    """Right-padded ids, attention mask and response mask (aligned with logprobs[:, 1:])."""
-    seqs = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), width), dtype=torch.long)
-    resp = torch.zeros((len(seqs), width - 1))
-    old = torch.zeros((len(seqs), width - 1))
-    for i, (p, r, lp) in enumerate(zip(batch.prompt_ids, batch.response_ids, batch.old_logprobs)):
-        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-        attn[i, : len(p) + len(r)] = 1
-        resp[i, len(p) - 1 : len(p) - 1 + len(r)] = 1
-        old[i, len(p) - 1 : len(p) - 1 + len(r)] = torch.tensor(lp)
-    return ids, attn, resp, old
-
-
-def micro_batches(batch: TrainBatch, max_tokens: int | None) -> list[TrainBatch]:
-    """``batch`` cut into forward passes of at most ``max_tokens`` *padded* tokens each (rows x
-    longest row, what :func:`pad_batch` computes), so that short rows are padded to short rows
-    rather than to the minibatch's longest. ``None``: one pass, rows in their order; empty: none.
-
-    Rows are sorted longest first and cut into consecutive passes: the fewest passes the budget
-    allows (as many forwards as filling each pass greedily) and, among those, the cuts that pad
-    least, so a pass does not mix long and short rows when another cut avoids it. A row longer
-    than ``max_tokens`` is a pass of its own. Passes come longest first (running out of memory
-    shows on the first). Cost: rows x rows-per-pass steps.
-
-    Which rows share a pass changes only float summation order: every pass's loss is
-    normalised by the whole (DP-global) minibatch's counts and gradients accumulate."""
-    if not len(batch):
-        return []
-    if max_tokens is None:
-        return [batch]
-    length = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-    order = sorted(range(len(batch)), key=lambda i: -length[i])  # stable: ties keep their order
-    width = [length[i] for i in order]  # a pass of sorted rows i..j is padded to width[i]
-    # best[j]: (passes, padded tokens) of the best cut of the first j sorted rows; first[j]: where its last pass starts
-    best: list[tuple[int, int]] = [(0, 0)]
-    first: list[int] = [0]
-    lo = 0  # the first row that can open a pass ending at row j (never decreases with j)
-    for j in range(len(order)):
-        while lo < j and (j - lo + 1) * width[lo] > max_tokens:
-            lo += 1
-        options = ((best[i][0] + 1, best[i][1] + (j - i + 1) * width[i], i) for i in range(lo, j + 1))
-        passes, padded, i = min(options)
-        best.append((passes, padded))
-        first.append(i)
-    cuts, j = [], len(order)
-    while j:
-        cuts.append((first[j], j))
-        j = first[j]
-    fields = (batch.prompt_ids, batch.response_ids, batch.old_logprobs, batch.advantages)
-    return [TrainBatch(*([field[k] for k in order[a:b]] for field in fields)) for a, b in reversed(cuts)]
+from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
+from engines.backends.batching import micro_batches, pad_batch
+from engines.backends.torch.model import forward_precision, load_model, resolve_device, sequence_logprobs
+from engines.rl import algorithms
 
 
 class TorchTrainer:
@@ -208,7 +29,7 @@ class TorchTrainer:
     Gradients are summed with one all-reduce over a flat buffer, and the loss of every
     rank is normalised by the *global* token (or sequence) count, so each replica takes
     exactly the step one process would take on the concatenated batch. Both all-reduces are of
-    tensors on ``device``, over the default group (NCCL on CUDA: ``engines/distributed.py``).
+    tensors on ``device``, over the default group (NCCL on CUDA: ``engines/backends/distributed.py``).
 
     ``device`` and ``autocast``: as for :class:`TorchGenerator`; the reference model lives there
     too, and on CUDA the optimizer is the fused AdamW (its state is created on the device).
@@ -300,7 +121,7 @@ class TorchTrainer:
             total = self._global_sum(local_tokens if aggregation == "token" else float(len(part)))
             loss_value = 0.0
             for micro in micro_batches(part, micro_batch_tokens):
-                progress()  # the host's heartbeat: a long train step is moving (engines/channel.py)
+                report_progress()  # the host's heartbeat: a long train step is moving
                 # the named regions are what a profile of the step shows (bench/train_step.py)
                 with record_function("pad_batch"):
                     ids, attn, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
@@ -441,13 +262,3 @@ def copy_state(obj, into=None):
         return copy_module.deepcopy(node)
 
     return walk(obj, ())
-
-
-def to_bytes(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def from_bytes(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=True)

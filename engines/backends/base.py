@@ -2,10 +2,10 @@
 
 A *generator* samples completions (the policy's rollout engine, the GenRM judge); a *trainer*
 updates the policy. torch (transformers), vLLM, Megatron-Core and the timing stubs implement
-them (``engines/factory.py`` builds the one a config names). Weights cross between the two
+them (``engines/backends/build.py`` builds the one a config names). Weights cross between the two
 with Hugging Face parameter names; models come in and go out as Hugging Face folders.
 
-``sleep`` / ``wake`` are placement (``engines/worker.py``, ``Worker.take``): under full
+``sleep`` / ``wake`` are placement (``engines/host/worker.py``, ``Worker.take``): under full
 colocation each engine gives the group's devices back before the next one takes them. An
 engine with nothing to release (torch engines, vLLM on a CPU) implements them as no-ops.
 """
@@ -14,6 +14,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Literal, Protocol, runtime_checkable
+
+
+_progress: Callable[[], None] = lambda: None
+
+
+def on_progress(callback: Callable[[], None]) -> None:
+    """Where ``report_progress`` goes: the engine host sets its heartbeat here
+    (``engines.wire.channel.progress``); elsewhere (tests, benchmarks) progress goes nowhere."""
+    global _progress
+    _progress = callback
+
+
+def report_progress() -> None:
+    """An engine finished a piece of work (a generated chunk, a trained micro-batch): a host whose
+    engines report nothing for ``timeouts.stage_s`` is hung."""
+    _progress()
 
 
 @dataclass

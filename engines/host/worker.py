@@ -3,7 +3,7 @@
 ``Worker`` reads top to bottom like one RL step: validate_inputs → setup_engines → rollout →
 genrm_score (or rollout_and_score, partial colocation) → dynamic_filter → train_step →
 sync_weights → checkpoint, then evaluate and export_policy around the run. Each stage takes its
-``engines.commands`` request and answers its result; ``Worker.handle`` dispatches a request to
+``engines.wire.commands`` request and answers its result; ``Worker.handle`` dispatches a request to
 its stage by type. Every stage reads its inputs from object storage and writes its outputs there
 atomically; requests and results carry URIs and metrics, never sample data.
 """
@@ -25,17 +25,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engines import balance, distributed, factory, rewards, validation
-from engines.algorithms import group_advantages, overlong_penalty
-from engines.channel import progress
-from engines.checkpointing import Checkpoints
-from engines.commands import (Checkpoint, CheckpointResult, CheckpointWait, CheckpointWaitResult, DynamicFilter,
+from engines.host import balance, rewards, validation
+
+from engines.backends import distributed, build
+from engines.rl.algorithms import group_advantages, overlong_penalty
+from engines.wire.channel import progress
+from engines.host.checkpointing import Checkpoints
+from engines.wire.commands import (Checkpoint, CheckpointResult, CheckpointWait, CheckpointWaitResult, DynamicFilter,
                               DynamicFilterResult, Evaluate, EvaluateResult, ExportPolicy, ExportPolicyResult, GenRMScore,
                               GenRMScoreResult, Ping, PingResult, Request, Result, Rollout, RolloutAndScore,
                               RolloutAndScoreResult, RolloutResult, SetupEngines, SetupEnginesResult, SyncWeights,
                               SyncWeightsResult, TrainStep, TrainStepResult, ValidateInputs, ValidateInputsResult)
 from engines.config import RunConfig
-from engines.protocols import Generator, Trainer
+from engines.backends.base import Generator, Trainer
 from storage import datasets, objectstore
 
 log = logging.getLogger("yattflow.host")
@@ -99,11 +101,11 @@ class Worker:
             self.rendezvous = None  # the store's now
             distributed.init_process_groups(device, self.rank, self.world, store, timeout)
         policy_dir = objectstore.local_folder(cfg.uri(cfg.model.policy))
-        self.trainer = factory.make_trainer(cfg, policy_dir, device)
-        self.policy = factory.make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads, device)
+        self.trainer = build.make_trainer(cfg, policy_dir, device)
+        self.policy = build.make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads, device)
         self.judge = None
         if cfg.reward.genrm_weight > 0:
-            self.judge = factory.make_judge(cfg, objectstore.local_folder(cfg.uri(cfg.model.judge)), self.threads, device)
+            self.judge = build.make_judge(cfg, objectstore.local_folder(cfg.uri(cfg.model.judge)), self.threads, device)
         self.rule = rewards.load_rule(cfg.reward.rule) if cfg.reward.rule else None
         self.awake = {"policy", "judge", "trainer"}  # all loaded, all on the devices
         self.engine_loads += 1
@@ -155,7 +157,7 @@ class Worker:
         The rollout engine and the judge are both resident. This thread generates the wave chunk
         by chunk and puts every finished chunk on a bounded queue (``placement.queue_size``; a full
         queue makes the generator wait); a feeder thread hands the chunks as they come to the judge
-        (``factory.JudgeProcess``: a process on its own share of the devices, so neither engine
+        (``build.JudgeProcess``: a process on its own share of the devices, so neither engine
         waits for the other's Python) and collects the scores while the rest of the wave is still
         generating. On a CPU the group's threads are split between the two."""
         cfg, r = self.config, request
@@ -273,7 +275,7 @@ class Worker:
         """One GRPO/DAPO update; gradients are all-reduced across every DP group.
 
         With ``train.balance_tokens`` the groups first even out their work
-        (``engines.balance.balanced_batch``); the update is the same without it, up to float
+        (``engines.host.balance.balanced_batch``); the update is the same without it, up to float
         summation order."""
         t = self.config.train
         start = time.perf_counter()
@@ -297,7 +299,7 @@ class Worker:
 
     @handle.register
     def checkpoint(self, request: Checkpoint) -> CheckpointResult:
-        """This rank's share of a checkpoint (``engines/checkpointing.py``), written in the
+        """This rank's share of a checkpoint (``engines/host/checkpointing.py``), written in the
         background with ``checkpoint.asynchronous``; the controller commits the manifest."""
         self.take(*self.awake | {"trainer"})  # awake after sync_weights anyway; a sleeping trainer is never read
         return self.checkpoints.save(self.trainer, request.uri, self.config.checkpoint.asynchronous)
@@ -345,7 +347,7 @@ class Worker:
         """Make ``engines`` (of "policy", "judge", "trainer") the ones holding the group's devices:
         the others release them first (``sleep``: vLLM offloads its weights and drops its KV
         cache; the Megatron trainer moves weights, gradients and optimizer state to host memory,
-        ``engines/offload.py``), then these wake. Answers the seconds the switch took.
+        ``engines/backends/megatron/offload.py``), then these wake. Answers the seconds the switch took.
 
         Full colocation switches at every stage (rollout → score → train → sync); partial keeps
         policy and judge resident together through ``rollout_and_score``, and training still
@@ -378,7 +380,7 @@ class Worker:
 
     def _generate_chunk(self, step: int, wave: int, k: int, chunk: list[dict]) -> list[dict]:
         """Rollout rows of chunk ``k`` of a wave: G samples per prompt, prompt-major."""
-        progress()  # the host's heartbeat (engines/channel.py): each chunk is a piece of work done
+        progress()  # the host's heartbeat (engines/wire/channel.py): each chunk is a piece of work done
         ro = self.config.rollout
         gens = self.policy.generate([row["prompt"] for row in chunk], n=ro.samples_per_prompt, temperature=ro.temperature,
                                     top_p=ro.top_p, max_new_tokens=ro.max_new_tokens,

@@ -1,12 +1,12 @@
 """The command contract between a DP group's controller and its engine host: one typed request
 and one typed result per stage, each stage named once (its request's ``stage``).
 
-A task builds a request, ``engines/channel.py`` carries it as JSON (never pickles: the host is a
+A task builds a request, ``engines/wire/channel.py`` carries it as JSON (never pickles: the host is a
 way into a process that holds the model), the host's ``Worker`` dispatches on its type
 (``Worker.handle``) and the task gets the typed result back. Requests hold URIs, positions and
 parameters, never sample data; results hold small metrics.
 
-Adding a stage: a request and its result here, a handler on ``engines.worker.Worker``, a task
+Adding a stage: a request and its result here, a handler on ``engines.host.worker.Worker``, a task
 in ``tasks/stages.py``, a call in the flow.
 """
 
@@ -170,7 +170,7 @@ class DynamicFilter(Request):
 class TrainStepResult(Result):
     loss: float
     clip_fraction: float  # this group's trained tokens whose ratio was clipped (share)
-    # per trained token of this group (engines.algorithms.step_statistics); the stub reports 0
+    # per trained token of this group (engines.rl.algorithms.step_statistics); the stub reports 0
     entropy: float = 0.0
     kl_rollout: float = 0.0
     kl_reference: float = 0.0
@@ -183,7 +183,7 @@ class TrainStepResult(Result):
     params_sha: str  # fingerprint of the trained weights: equal on every replica
     engine_loads: int  # times this host loaded its models (once per run is the point of a host)
     switch_s: float = 0.0
-    # DP token balancing (engines/balance.py)
+    # DP token balancing (engines/host/balance.py)
     tokens_before_balance: float
     sequences_before_balance: int
     rows_received: int

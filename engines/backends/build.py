@@ -13,45 +13,45 @@ import threading
 import traceback
 
 from engines.config import RunConfig
-from engines.protocols import Generation, Generator, Trainer
+from engines.backends.base import Generation, Generator, Trainer
 
 
 def make_trainer(cfg: RunConfig, model_dir: str, device=None) -> Trainer:
     """The train engine the config names, on the policy's Hugging Face folder, on ``device``
-    (None: ``engines.distributed.default_device()``)."""
+    (None: ``engines.backends.distributed.default_device()``)."""
     t = cfg.train
     kwargs = dict(
         lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
         temperature=cfg.rollout.temperature, reference=t.kl_coef > 0, dtype=cfg.model.dtype,
     )
-    if t.backend == "stub":  # timing stub for scale benchmarks, not training (engines/stub.py)
-        from engines.stub import TimingStubTrainer
+    if t.backend == "stub":  # timing stub for scale benchmarks, not training (engines/backends/stub/engines.py)
+        from engines.backends.stub.engines import TimingStubTrainer
 
         return TimingStubTrainer(model_dir, seconds_per_token=t.stub_seconds_per_token)
     if t.backend == "megatron":
-        from engines.megatron_engine import MegatronTrainer
+        from engines.backends.megatron.trainer import MegatronTrainer
 
         return MegatronTrainer(model_dir, tensor_parallel=t.tensor_parallel, distributed_optimizer=t.distributed_optimizer,
                                recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
                                recompute_num_layers=t.recompute_num_layers, recompute_modules=t.recompute_modules,
                                device=device, **kwargs)
-    from engines.torch_engines import TorchTrainer
+    from engines.backends.torch.trainer import TorchTrainer
 
     return TorchTrainer(model_dir, device=device, **kwargs)
 
 
 def make_generator(backend: str, model_dir: str, cfg: RunConfig, threads: int, device=None) -> Generator:
     """A generation engine (policy rollout or GenRM judge) of the named backend."""
-    if backend == "stub":  # timing stub for scale benchmarks, not training (engines/stub.py)
-        from engines.stub import TimingStubGenerator
+    if backend == "stub":  # timing stub for scale benchmarks, not training (engines/backends/stub/engines.py)
+        from engines.backends.stub.engines import TimingStubGenerator
 
         return TimingStubGenerator(model_dir, cfg.rollout.stub_seconds_per_token, (cfg.judge.good, cfg.judge.bad))
     if backend == "vllm":
-        from engines.vllm_engine import VLLMGenerator
+        from engines.backends.vllm.generator import VLLMGenerator
 
         # threads: in a DP host vLLM runs in its own process, which does not inherit torch's setting
         return VLLMGenerator(model_dir, dtype=cfg.model.dtype, seed=cfg.seed, threads=threads)
-    from engines.torch_engines import TorchGenerator
+    from engines.backends.torch.generator import TorchGenerator
 
     return TorchGenerator(model_dir, dtype=cfg.model.dtype, device=device)
 

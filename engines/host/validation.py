@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engines import rewards
+from engines.host import rewards
 from storage import datasets, objectstore
 
 

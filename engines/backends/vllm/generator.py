@@ -52,7 +52,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
-from engines.protocols import Generation
+from engines.backends.base import Generation
 
 log = logging.getLogger(__name__)
 

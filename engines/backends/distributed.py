@@ -12,7 +12,7 @@ group, so CPU tests exercise the same routing the GPU run takes.
 
 Nothing here listens beyond the host's bind address: rank 0 serves the rendezvous store on a
 socket the host bound (:func:`rendezvous_store`), and the host points gloo's and NCCL's sockets
-at the bind address's interface (``engines.host.pin_interface``).
+at the bind address's interface (``engines.host.process.pin_interface``).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def metadata_group() -> dist.ProcessGroup:
     if dist.get_backend() == "gloo":
         return dist.group.WORLD
     raise RuntimeError(f"torch.distributed was initialised with {dist.get_backend()!r} without "
-                       "engines.distributed.init_process_groups: there is no gloo group for CPU metadata")
+                       "engines.backends.distributed.init_process_groups: there is no gloo group for CPU metadata")
 
 
 def all_gather_ints(values: list[int]) -> list[list[int]]:

@@ -8,10 +8,10 @@ storage and Prefect server (``bench/scale.py``). They compute nothing: they *sle
     tokens x ``stub_seconds_per_token``
 
 (the section's config field; its default was measured from the real torch engines with
-``python -m engines.stub --measure``, see :func:`measure`; ``rollout.stub_seconds_per_token``
+``python -m engines.backends.stub.engines --measure``, see :func:`measure`; ``rollout.stub_seconds_per_token``
 serves the policy and the judge stub alike), and return data of the right shape:
 
-- ``generate``: one :class:`engines.torch_engines.Generation` per (prompt, sample) with prompt
+- ``generate``: one :class:`engines.backends.torch.trainer.Generation` per (prompt, sample) with prompt
   ids, response ids, log-probabilities and a ``truncated`` flag; the response length is drawn
   from 1..``max_new_tokens`` (+ a small chance of hitting the cap) by a generator seeded from
   (seed, prompt, sample), so retries and resumes reproduce it. The response *text* is a verdict
@@ -48,16 +48,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
-# Measured on the 2-core CI machine (Nov 2026) with ``python -m engines.stub --measure`` (the
-# test suite's TINY shapes: hidden 32, 1 layer, 16 prompts x 4 samples, 8 new tokens, torch
-# engines, 1 thread). Per generated token for generation, per (prompt + response) token for
-# training. ``rollout.stub_seconds_per_token`` and ``train.stub_seconds_per_token`` default to these.
-# Printed: {"generate": 3.03e-05, "judge": 3.54e-05, "train": 1.41e-05} (33k generated tokens/s,
-# 71k trained tokens/s: per-call overheads included, at these sizes they dominate).
-MEASURED_GENERATE_S_PER_TOKEN = 3.0e-5  # the judge measured 3.5e-5: one field (rollout.*) serves both stubs
-MEASURED_TRAIN_S_PER_TOKEN = 1.4e-5
-
-BOS, EOS, FIRST_ID, ID_RANGE = 1, 2, 4, 60  # the char tokenizer's layout (engines/tiny.py)
+BOS, EOS, FIRST_ID, ID_RANGE = 1, 2, 4, 60  # the char tokenizer's layout (engines/demo/tiny.py)
 
 
 def _sleep(seconds: float) -> None:
@@ -77,7 +68,7 @@ class TimingStubGenerator:
 
     def generate(self, prompts: list[str], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
                  max_new_tokens: int = 16, seed: int = 0, greedy: bool = False) -> list:
-        from engines.protocols import Generation
+        from engines.backends.base import Generation
 
         out, tokens = [], 0
         for i, prompt in enumerate(prompts):
@@ -169,7 +160,7 @@ class TimingStubTrainer:
 
     def freeze_checkpoint(self, local_dir: str, copy: bool, hf_weights: bool):
         """Written now (a few bytes); with ``copy`` and ``hf_weights`` the weights are kept too."""
-        from engines.protocols import FrozenCheckpoint
+        from engines.backends.base import FrozenCheckpoint
 
         written = self.save_checkpoint(local_dir)
         return FrozenCheckpoint(lambda: written, dict(self.export_weights()) if copy and hf_weights else None)
@@ -209,10 +200,11 @@ def measure(repeats: int = 5, threads: int = 1) -> dict:
 
     import torch
 
-    from engines import arithmetic
-    from engines.tiny import build_char_tokenizer, build_tiny_llama
-    from engines.protocols import TrainBatch
-    from engines.torch_engines import TorchGenerator, TorchTrainer
+    from engines.demo import arithmetic
+    from engines.demo.tiny import build_char_tokenizer, build_tiny_llama
+    from engines.backends.base import TrainBatch
+    from engines.backends.torch.generator import TorchGenerator
+    from engines.backends.torch.trainer import TorchTrainer
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="yattflow-stub-measure-") as tmp:

@@ -13,6 +13,7 @@ every rank's files are written, ``storage/runstate.py``):
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import random
@@ -25,10 +26,9 @@ from typing import Callable
 
 import torch
 
-from engines import faults
-from engines.commands import CheckpointResult, CheckpointWaitResult
-from engines.protocols import Trainer
-from engines.torch_engines import from_bytes, to_bytes
+from engines.host import faults
+from engines.wire.commands import CheckpointResult, CheckpointWaitResult
+from engines.backends.base import Trainer
 from storage import objectstore
 from storage.runstate import checkpoint_step
 
@@ -179,3 +179,13 @@ def _test_checkpoint_pause() -> None:
     delay = float(os.environ.get("YATTFLOW_TEST_CHECKPOINT_DELAY_S") or 0)
     if delay > 0:
         time.sleep(delay)
+
+
+def to_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def from_bytes(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=True)

@@ -1,0 +1,62 @@
+"""Padding and micro-batching of a ``TrainBatch``: shared by the torch and Megatron trainers."""
+
+from __future__ import annotations
+
+import torch
+
+from engines.backends.base import TrainBatch
+
+
+def pad_batch(batch: TrainBatch, pad_id: int):
+    """Right-padded ids, attention mask and response mask (aligned with logprobs[:, 1:])."""
+    seqs = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    resp = torch.zeros((len(seqs), width - 1))
+    old = torch.zeros((len(seqs), width - 1))
+    for i, (p, r, lp) in enumerate(zip(batch.prompt_ids, batch.response_ids, batch.old_logprobs)):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        attn[i, : len(p) + len(r)] = 1
+        resp[i, len(p) - 1 : len(p) - 1 + len(r)] = 1
+        old[i, len(p) - 1 : len(p) - 1 + len(r)] = torch.tensor(lp)
+    return ids, attn, resp, old
+
+
+def micro_batches(batch: TrainBatch, max_tokens: int | None) -> list[TrainBatch]:
+    """``batch`` cut into forward passes of at most ``max_tokens`` *padded* tokens each (rows x
+    longest row, what :func:`pad_batch` computes), so that short rows are padded to short rows
+    rather than to the minibatch's longest. ``None``: one pass, rows in their order; empty: none.
+
+    Rows are sorted longest first and cut into consecutive passes: the fewest passes the budget
+    allows (as many forwards as filling each pass greedily) and, among those, the cuts that pad
+    least, so a pass does not mix long and short rows when another cut avoids it. A row longer
+    than ``max_tokens`` is a pass of its own. Passes come longest first (running out of memory
+    shows on the first). Cost: rows x rows-per-pass steps.
+
+    Which rows share a pass changes only float summation order: every pass's loss is
+    normalised by the whole (DP-global) minibatch's counts and gradients accumulate."""
+    if not len(batch):
+        return []
+    if max_tokens is None:
+        return [batch]
+    length = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    order = sorted(range(len(batch)), key=lambda i: -length[i])  # stable: ties keep their order
+    width = [length[i] for i in order]  # a pass of sorted rows i..j is padded to width[i]
+    # best[j]: (passes, padded tokens) of the best cut of the first j sorted rows; first[j]: where its last pass starts
+    best: list[tuple[int, int]] = [(0, 0)]
+    first: list[int] = [0]
+    lo = 0  # the first row that can open a pass ending at row j (never decreases with j)
+    for j in range(len(order)):
+        while lo < j and (j - lo + 1) * width[lo] > max_tokens:
+            lo += 1
+        options = ((best[i][0] + 1, best[i][1] + (j - i + 1) * width[i], i) for i in range(lo, j + 1))
+        passes, padded, i = min(options)
+        best.append((passes, padded))
+        first.append(i)
+    cuts, j = [], len(order)
+    while j:
+        cuts.append((first[j], j))
+        j = first[j]
+    fields = (batch.prompt_ids, batch.response_ids, batch.old_logprobs, batch.advantages)
+    return [TrainBatch(*([field[k] for k in order[a:b]] for field in fields)) for a, b in reversed(cuts)]

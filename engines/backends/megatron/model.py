@@ -1,0 +1,193 @@
+"""Building the Megatron-Core GPT model the trainer trains: the local layer spec with torch's
+fused attention (:class:`SDPAttention`), a ``TransformerConfig`` from a Hugging Face config, and
+Megatron's parallel state for a process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+from engines.backends.distributed import default_device, init_process_groups
+from engines.backends.megatron.mapping import _attention_shape, _check_supported, _qkv_bias, _rope_theta, hf_to_megatron, padded_vocab_size
+
+
+class SDPAttention(MegatronModule):
+    """Megatron-Core core attention on ``torch.nn.functional.scaled_dot_product_attention``.
+
+    The local layer spec's ``DotProductAttention`` materialises the [batch, heads, seq, seq] scores
+    (and their softmax, kept for the backward pass): at 1.2B parameters and seq 2048 an H100 ran
+    out of memory. Torch's SDPA picks a fused kernel instead — flash or memory-efficient attention
+    on CUDA (bf16; ``is_causal`` without a mask tensor), a fused CPU kernel on the CPU — that
+    never holds the scores. Transformer Engine's attention does the same but cannot be installed
+    everywhere; this is a drop-in for the local spec (same constructor and ``forward`` as
+    ``DotProductAttention``; no parameters, so checkpoints are unchanged).
+
+    Layout: query [sq, b, heads, d], key/value [sk, b, kv groups, d] of this TP rank → [sq, b,
+    heads·d]. Grouped-query attention goes to SDPA as is (``enable_gqa``; flash supports it
+    natively); only a mask tensor makes it expand the keys and values (no fused kernel takes both).
+    ``attention_mask``: Megatron's boolean mask, True where attention is *not* allowed; None with
+    a causal ``attn_mask_type`` is plain causal attention (what the trainer uses).
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise NotImplementedError("SDPAttention: context parallelism needs Transformer Engine")
+        if config.softmax_type != "vanilla" or config.window_size is not None:
+            raise NotImplementedError("SDPAttention: only vanilla softmax over the whole causal context")
+        tp = pg_collection.tp.size() if pg_collection is not None else parallel_state.get_tensor_model_parallel_world_size()
+        self.attn_mask_type = attn_mask_type
+        self.heads = divide(config.num_attention_heads, tp)
+        self.groups = divide(config.num_query_groups, tp)
+        self.head_dim = config.kv_channels
+        # Megatron's apply_query_key_layer_scaling divides the scale by the layer number and its
+        # softmax multiplies it back (an fp16 overflow guard): in exact arithmetic, this scale
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPAttention: packed sequences and attention bias need Transformer Engine")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
+        allowed = None
+        if attention_mask is not None:
+            allowed = ~attention_mask  # SDPA's boolean masks say where attention *is* allowed
+            if self.heads != self.groups:
+                k, v = (t.repeat_interleave(self.heads // self.groups, dim=1) for t in (k, v))
+        dropout = self.dropout if self.training else 0.0
+        # the attention dropout draws from the TP-aware RNG stream, as DotProductAttention's does
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
+        with rng:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.scale,
+                is_causal=allowed is None and mask_type == AttnMaskType.causal,
+                enable_gqa=allowed is None and self.heads != self.groups,
+            )
+        sq, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)  # [b, h, s, d] -> [s, b, h·d]
+
+
+def gpt_layer_spec():
+    """Megatron-Core's local (non-Transformer-Engine) GPT layer with :class:`SDPAttention`."""
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def _keep(tensor: torch.Tensor) -> torch.Tensor:
+    """Init method that leaves the tensor alone: every weight is overwritten from the HF folder.
+
+    (``perform_initialization=False`` would skip the random init too, but Megatron then never
+    marks weights as tensor-parallel, and gradient norms count TP shards wrongly.)"""
+    return tensor
+
+
+RecomputeGranularity = Literal["none", "selective", "full"]
+
+
+def transformer_config(hf_config, tensor_parallel: int, dtype: torch.dtype, recompute_granularity: RecomputeGranularity = "none",
+                       recompute_method: Literal["uniform", "block"] = "uniform", recompute_num_layers: int = 1,
+                       recompute_modules: list[str] | tuple[str, ...] = ("core_attn",)) -> TransformerConfig:
+    """``recompute_*``: activation recomputation (Megatron's options of the same names). "full"
+    recomputes whole layers in the backward pass (``recompute_method``: "uniform", every chunk of
+    ``recompute_num_layers`` layers; "block", the first ``recompute_num_layers`` layers), keeping
+    only their inputs; "selective" recomputes the ``recompute_modules`` of every layer."""
+    _check_supported(hf_config)
+    heads, groups, head_dim = _attention_shape(hf_config)
+    recompute = {}
+    if recompute_granularity == "full":
+        recompute = {"recompute_granularity": "full", "recompute_method": recompute_method, "recompute_num_layers": recompute_num_layers}
+    elif recompute_granularity == "selective":
+        recompute = {"recompute_granularity": "selective", "recompute_modules": list(recompute_modules)}
+    elif recompute_granularity != "none":
+        raise ValueError(f"recompute_granularity {recompute_granularity!r}: none, selective or full")
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=_qkv_bias(hf_config),
+        hidden_dropout=0.0,  # RL needs the trainer's log-probs to be the rollout engine's
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tensor_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        init_method=_keep,
+        output_layer_init_method=_keep,
+        embedding_init_method=_keep,
+        # The loss is already normalised by global counts: DDP must sum gradients over DP
+        # ranks, not average them (its default divides by the DP size).
+        calculate_per_token_loss=True,
+        **recompute,
+    )
+
+
+def build_gpt(hf_config, config: TransformerConfig, hf_state: dict, device: torch.device | None = None,
+              layer_spec=None) -> GPTModel:
+    """A GPT model on ``device`` (None: this process's, ``engines.backends.distributed.default_device``)
+    holding this TP rank's share of the Hugging Face weights. ``layer_spec``: the transformer
+    layer (default :func:`gpt_layer_spec`)."""
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec if layer_spec is not None else gpt_layer_spec(),
+        vocab_size=padded_vocab_size(hf_config),
+        max_sequence_length=hf_config.max_position_embeddings,
+        parallel_output=True,  # logits stay split over TP ranks; the log-softmax is vocab-parallel
+        share_embeddings_and_output_weights=hf_config.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=_rope_theta(hf_config),
+    )
+    # Megatron allocates its linear layers on the current CUDA device, but the local spec builds its
+    # norms on the CPU in torch's default dtype: Megatron-LM casts the whole model for bf16
+    # (Float16Module), its optimizers expect parameters of one dtype, and an H100 run failed with
+    # the norms left on the CPU. So the whole model goes to the device and dtype here.
+    model.to(device=device if device is not None else default_device(), dtype=config.params_dtype)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    state = hf_to_megatron(hf_state, hf_config, tp_rank, tp_size)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"HF→Megatron mapping mismatch: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+def _init_distributed(tensor_parallel: int, device: torch.device) -> None:
+    """Join Megatron's parallel state; a single process gets a world of one so that the code
+    path (DDP, optimizer, checkpoints) is the same as in a DP run."""
+    if not dist.is_initialized():
+        init_process_groups(device, 0, 1, dist.HashStore(), timedelta(minutes=10))  # a world of one: no network
+    if parallel_state.model_parallel_is_initialized():
+        current = parallel_state.get_tensor_model_parallel_world_size()
+        if current != tensor_parallel:
+            raise ValueError(f"model parallel state already has TP={current}, asked for TP={tensor_parallel}")
+    else:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+        model_parallel_cuda_manual_seed(0)  # no dropout here, but attention forks this RNG tracker

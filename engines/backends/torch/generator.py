@@ -1,0 +1,95 @@
+"""``TorchGenerator``: sampling with transformers, the CPU default and the numerical reference.
+
+It serves both roles that generate text (policy rollout and the generative reward model) and
+speaks Hugging Face parameter names, so the vLLM backend can take its place behind the same
+methods.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from engines.backends.base import Generation
+from engines.backends.torch.model import forward_precision, load_model, resolve_device
+
+
+class TorchGenerator:
+    """Sampling with per-token log-probabilities, and weight updates by HF name.
+
+    ``device``: where the model lives and computes (None: the current CUDA device, else the CPU);
+    ``autocast``: bf16 autocast of the forward passes (None: on CUDA only)."""
+
+    def __init__(self, model_dir: str, dtype: str = "float32", device: torch.device | str | None = None,
+                 autocast: bool | None = None):
+        self.device = resolve_device(device)
+        self.autocast = autocast
+        self.tokenizer, self.model = load_model(model_dir, dtype, self.device)
+        self.model.eval()
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[str],
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 16,
+        seed: int = 0,
+        greedy: bool = False,
+    ) -> list[Generation]:
+        tok = self.tokenizer
+        # input ids and mask only: a tokenizer that adds token_type_ids makes generate() refuse them
+        batch = tok([p for p in prompts for _ in range(n)], return_tensors="pt", padding=True, return_token_type_ids=False).to(self.device)
+        if not greedy:  # greedy draws nothing: leave the process-wide RNG alone (a judge on another
+            torch.manual_seed(seed)  # thread must not reseed the rollout's sampling: placement.mode=partial)
+        with forward_precision(self.device, self.autocast):
+            out = self.model.generate(
+                **batch,
+                do_sample=not greedy,
+                temperature=temperature if not greedy else None,
+                top_p=top_p if not greedy else None,
+                top_k=None,
+                max_new_tokens=max_new_tokens,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+        new_tokens = out.sequences[:, batch["input_ids"].shape[1] :]
+        logits = torch.stack(out.logits, dim=1).float() / (1.0 if greedy else temperature)
+        token_logprobs = torch.log_softmax(logits, -1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        results = []
+        for row in range(new_tokens.shape[0]):
+            ids = new_tokens[row].tolist()
+            end = ids.index(tok.eos_token_id) + 1 if tok.eos_token_id in ids else len(ids)
+            prompt_ids = batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist()
+            results.append(
+                Generation(
+                    prompt_index=row // n,
+                    prompt_ids=prompt_ids,
+                    response_ids=ids[:end],
+                    response=tok.decode(ids[:end], skip_special_tokens=True),
+                    logprobs=token_logprobs[row, :end].tolist(),
+                    truncated=tok.eos_token_id not in ids[:end],
+                )
+            )
+        return results
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy Hugging Face-named tensors into the model; returns the count updated."""
+        params = dict(self.model.named_parameters())
+        count = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor)
+                count += 1
+        return count
+
+    # The reference engine stays resident: on a GPU beside the others, on a CPU nothing moves.
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass

@@ -1,0 +1,51 @@
+"""Loading a Hugging Face model for the torch engines, and the forward pass both of them share.
+
+On CUDA the forward passes run under bf16 autocast (parameters and Adam state stay in the model's
+dtype, fp32 by default) with SDPA attention: the plain-PyTorch GPU baseline. On the CPU they
+compute in the model's dtype without autocast, the fp32 reference the other engines are tested
+against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def load_model(model_dir: str, dtype: str = "float32", device: torch.device | str = "cpu"):
+    # imported here, not at the top: engine hosts import this module for TrainBatch and the
+    # checkpoint helpers, and transformers adds ~100 MB per host (64 timing-stub hosts: 6 GB)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    # SDPA: flash / memory-efficient kernels on CUDA (transformers' default too, here made explicit)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    return tokenizer, model.to(device)
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        from engines.backends.distributed import default_device
+
+        return default_device()
+    return torch.device(device)
+
+
+def forward_precision(device: torch.device, autocast: bool | None):
+    """The context the engines' forward passes run in: bf16 autocast (``autocast`` None: on
+    CUDA only) or nothing (the model's own dtype)."""
+    if autocast is None:
+        autocast = device.type == "cuda"
+    if autocast:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(token t | tokens < t) for every position t >= 1; shape [batch, len-1]."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, :-1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
