@@ -80,7 +80,7 @@ def build_store(root: str, args) -> None:
 
     rng = random.Random(args.seed)
     rows = [{"prompt_id": i, "prompt": f"{(a := rng.randint(10, 99))}+{(b := rng.randint(10, 99))}=", "answer": str(a + b),
-             "image": None} for i in range(max(args.prompts, 8))]
+             "prompt_row": None} for i in range(max(args.prompts, 8))]
     os.makedirs(os.path.join(root, "data", "train"), exist_ok=True)
     from storage import datasets
 

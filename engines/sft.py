@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engines.backends import multimodal
 from engines.demo.tiny import build_char_tokenizer, build_tiny_llama
 
 
@@ -38,6 +39,9 @@ def sft(
     log: Callable[[str], None] = print,
     resume: dict | None = None,
     save: Callable[[dict], None] | None = None,
+    processor=None,
+    images: list[list[bytes]] | None = None,
+    check_images: list[list[bytes]] | None = None,
 ) -> dict:
     """Train ``model`` on (prompt, completion) pairs until its greedy completions of the
     ``check`` prompts equal their expected completions for a ``target`` fraction of them,
@@ -45,15 +49,26 @@ def sft(
     The loss covers completion tokens (and end-of-sequence) only.
     The learning rate warms up linearly over the first 100 steps, then stays constant:
     a decay tied to a step budget would cool the model before it had converged, and a run
-    continued with a larger ``max_steps`` follows the same schedule."""
+    continued with a larger ``max_steps`` follows the same schedule.
+
+    A vision-language model (``processor`` given) learns from ``images`` (each pair's encoded
+    images; ``check_images`` the check pairs'): its prompts are expanded by the processor and its
+    pixel tensors made per batch, as the RL trainer does."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / 100, 1.0))
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    encoded = [(tokenizer(p)["input_ids"], tokenizer(c, add_special_tokens=False)["input_ids"] + [eos]) for p, c in pairs]
+    prompt_ids = multimodal.PromptIds(processor) if processor is not None else None
+    pixel_cache = multimodal.PixelCache(processor, keep=False) if processor is not None else None
+
+    def encode_prompt(i: int, text: str) -> list[int]:
+        return prompt_ids(text, images[i]) if processor is not None else tokenizer(text)["input_ids"]
+
+    encoded = [(encode_prompt(i, p), tokenizer(c, add_special_tokens=False)["input_ids"] + [eos], i)
+               for i, (p, c) in enumerate(pairs)]
     expected = [tokenizer(c, add_special_tokens=False)["input_ids"] + [eos] for _, c in check]
-    answer_tokens = max(len(c) for c in [c for _, c in encoded] + expected)  # the longest completion, and its end
+    answer_tokens = max(len(c) for c in [c for _, c, _ in encoded] + expected)  # the longest completion, and its end
     start, loss_ema, matched, step, converged = time.perf_counter(), None, None, 0, False
     if resume is not None:
         model.load_state_dict(resume["model"])
@@ -67,15 +82,16 @@ def sft(
     while step < max_steps and not converged:
         model.train()
         chunk = rng.sample(encoded, min(batch_size, len(encoded)))
-        width = max(len(p) + len(c) for p, c in chunk)
+        width = max(len(p) + len(c) for p, c, _ in chunk)
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)
         labels = torch.full((len(chunk), width), -100, dtype=torch.long)
         attn = torch.zeros((len(chunk), width), dtype=torch.long)
-        for i, (p, c) in enumerate(chunk):
+        for i, (p, c, _) in enumerate(chunk):
             ids[i, : len(p) + len(c)] = torch.tensor(p + c)
             labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
             attn[i, : len(p) + len(c)] = 1
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        pixels = pixel_cache.batch([images[k] for _, _, k in chunk], "cpu") if processor is not None else {}
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels, **pixels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -85,7 +101,7 @@ def sft(
         loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
         if step % check_every == 0 or step == max_steps:
             if check:
-                matched = exact_match(model, tokenizer, check, answer_tokens)
+                matched = exact_match(model, tokenizer, check, answer_tokens, processor=processor, images=check_images)
                 converged = target is not None and matched >= target
             log(f"sft step {step}/{max_steps} loss {loss_ema:.4f} held-out exact match {_pct(matched)} "
                 f"({time.perf_counter() - start:.0f}s)")
@@ -102,36 +118,57 @@ def _pct(fraction: float | None) -> str:
 
 
 def start_model(base_dir: str | None, texts: list[str], seed: int, hidden_size: int = 64, num_layers: int = 2,
-                num_heads: int = 2, num_kv_heads: int = 1, init_std: float = 0.1):
-    """The model and tokenizer SFT starts from: the Hugging Face folder ``base_dir``, or (None) a
-    tiny Llama drawn with ``seed`` and a character tokenizer that spells every character of
-    ``texts``, with room for sequences twice the longest of them."""
+                num_heads: int = 2, num_kv_heads: int = 1, init_std: float = 0.1, vision: bool = False):
+    """(model, tokenizer, processor) SFT starts from: the Hugging Face folder ``base_dir`` (a
+    vision-language folder comes with its processor), or (None) a tiny model drawn with ``seed``
+    over a character tokenizer that spells every character of ``texts``, with room for sequences
+    twice the longest of them: a Llama, or with ``vision`` an Idefics3 (``engines/demo/tiny_vision.py``;
+    its language model has ``hidden_size``, ``num_layers`` and ``num_heads``). The processor is None
+    for a text model."""
     if base_dir is not None:
+        processor = multimodal.load_processor(base_dir)
+        if processor is not None:
+            from transformers import AutoModelForImageTextToText
+
+            return AutoModelForImageTextToText.from_pretrained(base_dir, dtype=torch.float32), processor.tokenizer, processor
         tokenizer = AutoTokenizer.from_pretrained(base_dir)
         if tokenizer.pad_token is None:  # many causal LMs ship without one; padding is masked out anyway
             tokenizer.pad_token = tokenizer.eos_token
-        return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), tokenizer
-    tokenizer = build_char_tokenizer(set().union(*texts))
+        return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), tokenizer, None
+    characters = set().union(*texts)
     longest = max(len(t) for t in texts) + 2  # begin and end of sequence
     max_positions = max(64, 1 << (2 * longest - 1).bit_length())
+    if vision:
+        from engines.demo.tiny_vision import build_tiny_idefics3, build_vision_processor
+
+        processor = build_vision_processor(characters)
+        model = build_tiny_idefics3(processor.tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                                    max_positions=max_positions, seed=seed, init_std=init_std)
+        return model, processor.tokenizer, processor
+    tokenizer = build_char_tokenizer(characters)
     model = build_tiny_llama(len(tokenizer), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                              num_kv_heads=num_kv_heads, max_positions=max_positions, seed=seed, init_std=init_std)
-    return model, tokenizer
+    return model, tokenizer, None
 
 
 @torch.no_grad()
-def exact_match(model, tokenizer, expected: list[tuple[str, str]], max_new_tokens: int, batch_size: int = 256) -> float:
-    """The fraction of prompts whose greedy completion is exactly the expected one."""
+def exact_match(model, tokenizer, expected: list[tuple[str, str]], max_new_tokens: int, batch_size: int = 256,
+                processor=None, images: list[list[bytes]] | None = None) -> float:
+    """The fraction of prompts whose greedy completion is exactly the expected one (a vision model:
+    with ``processor`` and each prompt's ``images``)."""
     model.eval()
     hits, side = 0, tokenizer.padding_side
     tokenizer.padding_side = "left"  # generation continues each prompt from its last token
+    suppress = multimodal.image_token_ids(processor) if processor is not None else None
     for i in range(0, len(expected), batch_size):
         rows = expected[i : i + batch_size]
-        # input ids and mask only: some tokenizers add token_type_ids, which generate() refuses
-        batch = tokenizer([p for p, _ in rows], return_tensors="pt", padding=True, return_token_type_ids=False)
+        if processor is not None:
+            batch = multimodal.model_inputs(processor, [p for p, _ in rows], images[i : i + batch_size])
+        else:  # input ids and mask only: some tokenizers add token_type_ids, which generate() refuses
+            batch = tokenizer([p for p, _ in rows], return_tensors="pt", padding=True, return_token_type_ids=False)
         out = model.generate(
             **batch, do_sample=False, max_new_tokens=max_new_tokens, top_k=None, top_p=None, temperature=None,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, suppress_tokens=suppress,
         )
         answers = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         hits += sum(a.strip() == c.strip() for a, (_, c) in zip(answers, rows))

@@ -12,11 +12,13 @@ naming it, rather than write over it.
 
 from __future__ import annotations
 
+import random
+
 import pyarrow as pa
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from engines.demo import arithmetic
+from engines.demo import arithmetic, vision
 from engines.config import RunConfig, load_config
 from engines.backends.torch.generator import TorchGenerator
 from flows.sft import DATASET_MANIFEST, fine_tune, needs_building
@@ -24,7 +26,8 @@ from flows.training import run_label
 from storage import datasets, objectstore
 
 _MODEL_FIELD = {"policy": "model.policy", "judge": "model.judge"}
-SFT_EXAMPLES = pa.schema([pa.field("prompt", pa.string(), nullable=False), pa.field("response", pa.string(), nullable=False)])
+SFT_EXAMPLES = pa.schema([pa.field("prompt", pa.string(), nullable=False), pa.field("response", pa.string(), nullable=False),
+                          pa.field("images", pa.list_(pa.binary()))])
 
 
 def _sft_data(role: str) -> tuple[str, str]:
@@ -37,17 +40,26 @@ def _write_dataset(uri: str, table: pa.Table, schema: pa.Schema) -> None:
     objectstore.write_json(objectstore.join(uri, DATASET_MANIFEST), {"files": ["part-00000.parquet"]})  # last: committed
 
 
-def _prompts(problems: list[tuple[str, str]], first_id: int) -> pa.Table:
-    return pa.table({"prompt_id": pa.array(range(first_id, first_id + len(problems)), pa.int64()),
-                     "prompt": [p for p, _ in problems], "answer": [a for _, a in problems]})
+def _prompts(problems: list[tuple], first_id: int) -> pa.Table:
+    table = pa.table({"prompt_id": pa.array(range(first_id, first_id + len(problems)), pa.int64()),
+                      "prompt": [p[0] for p in problems], "answer": [p[-1] for p in problems]})
+    if problems and len(problems[0]) == 3:  # (prompt, images, answer): the vision demo's
+        table = table.append_column("images", pa.array([p[1] for p in problems], pa.list_(pa.binary())))
+    return table
 
 
-def _examples(pairs: list[tuple[str, str]]) -> pa.Table:
-    return pa.table({"prompt": [p for p, _ in pairs], "response": [c for _, c in pairs]})
+def _examples(pairs: list[tuple[str, str]], images: list[list[bytes]] | None = None) -> pa.Table:
+    return pa.table({"prompt": [p for p, _ in pairs], "response": [c for _, c in pairs],
+                     "images": pa.array(images, pa.list_(pa.binary())) if images is not None else pa.nulls(len(pairs))})
 
 
 def _problems(config: RunConfig) -> tuple[list, list]:
+    """The demo's training and held-out problems: (prompt, answer), or for the vision demo
+    (prompt, [image], answer), the pictures on the two sides drawn apart."""
     p = config.prepare
+    if p.task == "vision":
+        return ([(q, im, a) for q, im, a, _ in vision.make_problems(p.train_prompts, seed=config.seed + 2)],
+                [(q, im, a) for q, im, a, _ in vision.make_problems(p.heldout_prompts, seed=config.seed + 1)])
     heldout = arithmetic.make_problems(p.heldout_prompts, p.digits, seed=config.seed + 1)
     train = arithmetic.make_problems(p.train_prompts, p.digits, seed=config.seed + 2, exclude={q for q, _ in heldout})
     return train, heldout
@@ -64,21 +76,46 @@ def _sft_examples(config: RunConfig, role: str, train, heldout) -> tuple[list, l
             arithmetic.judge_examples(heldout, config.judge.template, seed=config.seed + 1))
 
 
+def _vision_sft_examples(config: RunConfig, train, heldout) -> tuple[tuple, tuple]:
+    """The vision policy's SFT examples (teacher demonstrations; held out: the teacher's most likely
+    answers), each with its picture: ((pairs, images), (pairs, images))."""
+    rng, slip = random.Random(config.seed), config.prepare.teacher_slip
+
+    def digits(answer: str) -> tuple[int, int]:
+        return int(answer[0]), int(answer[2])  # "7+5=21": the digits the picture shows
+
+    demos = [(q, vision.teacher_answer(*digits(a), slip=rng.random() < slip)) for q, _, a in train]
+    likely = [(q, vision.teacher_answer(*digits(a), slip=slip > 0.5)) for q, _, a in heldout]
+    return (demos, [im for _, im, _ in train]), (likely, [im for _, im, _ in heldout])
+
+
 @task(cache_policy=NO_CACHE, task_run_name="make datasets")
 def make_datasets(config: RunConfig) -> dict:
     """The prompt datasets, and the SFT examples of each model still to be trained."""
     train, heldout = _problems(config)
     outputs = [("data.prompts", config.data.prompts, _prompts(train, 0), datasets.PROMPTS),
                ("data.heldout", config.data.heldout, _prompts(heldout, 10_000_000), datasets.PROMPTS)]
-    for role, model in (("policy", config.model.policy), ("judge", config.model.judge)):
-        if needs_building(config.uri(model), _MODEL_FIELD[role]):
-            examples = _sft_examples(config, role, train, heldout)
+    for role, model in _roles(config):
+        if not needs_building(config.uri(model), _MODEL_FIELD[role]):
+            continue
+        if config.prepare.task == "vision":
+            outputs += [("storage.root", path, _examples(pairs, images), SFT_EXAMPLES)
+                        for path, (pairs, images) in zip(_sft_data(role), _vision_sft_examples(config, train, heldout))]
+        else:
             outputs += [("storage.root", path, _examples(pairs), SFT_EXAMPLES)
-                        for path, pairs in zip(_sft_data(role), examples)]
+                        for path, pairs in zip(_sft_data(role), _sft_examples(config, role, train, heldout))]
     for field, path, table, schema in outputs:
         if path is not None and needs_building(config.uri(path), field):
             _write_dataset(config.uri(path), table, schema)
     return {"train": len(train), "heldout": len(heldout)}
+
+
+def _roles(config: RunConfig) -> list[tuple[str, str]]:
+    """The models ``prepare`` builds: the policy, and the GenRM when the reward uses one (the
+    vision demo's reward is the exact-match rule: it has no judge to build)."""
+    if config.prepare.task == "vision":
+        return [("policy", config.model.policy)]
+    return [("policy", config.model.policy), ("judge", config.model.judge)]
 
 
 def sft_model(config: RunConfig, role: str) -> dict:
@@ -89,7 +126,7 @@ def sft_model(config: RunConfig, role: str) -> dict:
     data, heldout = _sft_data(role)
     settings = config.sft.model_copy(update={
         "data": data, "heldout": heldout, "base": None, "output": config.model.policy if policy else config.model.judge,
-        "target": p.sft_target if policy else p.judge_target,
+        "target": p.sft_target if policy else p.judge_target, "vision": p.task == "vision",
         **({} if policy else {"lr": p.judge_sft_lr, "init_std": p.judge_init_std}),
     })
     fields = {"output": _MODEL_FIELD[role], "data": "storage.root", "heldout": "storage.root",
@@ -107,10 +144,11 @@ def sft_model(config: RunConfig, role: str) -> dict:
     return {**result, "heldout_exact_match": accuracy}
 
 
-def heldout_accuracy(model_dir: str, problems: list[tuple[str, str]]) -> float:
+def heldout_accuracy(model_dir: str, problems: list[tuple]) -> float:
     """Greedy exact match on the right answers, through the same loading code as RL's engines."""
-    outs = TorchGenerator(model_dir).generate([q for q, _ in problems], greedy=True, max_new_tokens=8)
-    return sum(o.response == problems[o.prompt_index][1] for o in outs) / len(problems)
+    images = [p[1] for p in problems] if len(problems[0]) == 3 else None
+    outs = TorchGenerator(model_dir).generate([p[0] for p in problems], greedy=True, max_new_tokens=8, images=images)
+    return sum(o.response == problems[o.prompt_index][-1] for o in outs) / len(problems)
 
 
 @flow(name="prepare", flow_run_name=run_label("prepare"))
@@ -118,12 +156,12 @@ def prepare(config_file: str | None = None, overrides: list[str] | None = None) 
     config = load_config(config_file, overrides or [])
     objectstore.check_reachable(config.uri(""))
     outputs = {"data.prompts": config.data.prompts, "data.heldout": config.data.heldout,
-               "model.policy": config.model.policy, "model.judge": config.model.judge}
-    outputs = [*outputs.items(), *(("storage.root", path) for role in _MODEL_FIELD for path in _sft_data(role))]
+               **{_MODEL_FIELD[role]: model for role, model in _roles(config)}}
+    outputs = [*outputs.items(), *(("storage.root", path) for role, _ in _roles(config) for path in _sft_data(role))]
     for field, path in outputs:  # refuse somebody's folder before writing anything
         if path is not None:
             needs_building(config.uri(path), field)
     counts = make_datasets(config)
     # One after the other: torch's global RNG seeds each model's initialisation, and two
     # threads drawing from it at once would make the demo irreproducible.
-    return {"datasets": counts, "policy": sft_model(config, "policy"), "judge": sft_model(config, "judge")}
+    return {"datasets": counts, **{role: sft_model(config, role) for role, _ in _roles(config)}}

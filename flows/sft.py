@@ -37,7 +37,7 @@ DATASET_MANIFEST = "_MANIFEST.json"
 # SFT's resume state, in runs/<name>/<sft name>/: the whole training state, and the step it holds
 STATE, PROGRESS = "state.pt", "progress.json"
 SETUP_FIELDS = ("data", "prompt_field", "response_field", "base", "batch_size", "lr", "hidden_size", "layers", "heads",
-                "kv_heads", "init_std")
+                "kv_heads", "init_std", "vision")
 
 
 class WouldOverwrite(RuntimeError):
@@ -63,10 +63,12 @@ def needs_building(uri: str, field: str) -> bool:
     return True
 
 
-def read_examples(uri: str, prompt_field: str, response_field: str, field: str) -> list[tuple[str, str]]:
-    """(prompt, completion) pairs from the Parquet file or folder ``uri``, in file order."""
+def read_examples(uri: str, prompt_field: str, response_field: str, field: str) -> tuple[list[tuple[str, str]], list | None]:
+    """(prompt, completion) pairs from the Parquet file or folder ``uri``, in file order, and each
+    pair's encoded images when the file has an ``images`` column (else None)."""
     schema = pa.schema([pa.field(prompt_field, pa.string(), nullable=False),
-                        pa.field(response_field, pa.string(), nullable=False)])
+                        pa.field(response_field, pa.string(), nullable=False),
+                        pa.field("images", pa.list_(pa.binary()))])
     try:
         table = datasets.read_table(uri, schema)
     except (datasets.SchemaError, objectstore.StorageError) as e:
@@ -75,7 +77,9 @@ def read_examples(uri: str, prompt_field: str, response_field: str, field: str) 
             "or sft.heldout_field to the names in the file)") from None
     if not len(table):
         raise datasets.SchemaError(f"{field}: {uri} has no rows")
-    return list(zip(table.column(0).to_pylist(), table.column(1).to_pylist()))
+    images = table.column("images")
+    pairs = list(zip(table.column(0).to_pylist(), table.column(1).to_pylist()))
+    return pairs, None if images.null_count == len(table) else [im or [] for im in images.to_pylist()]
 
 
 @task(cache_policy=NO_CACHE, task_run_name="{name}")
@@ -89,11 +93,11 @@ def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields:
     if not needs_building(output, field["output"]):
         logger.info("%s: a model is already committed at %s", name, output)
         return {"uri": output, "skipped": True}
-    pairs = read_examples(config.uri(settings.data), settings.prompt_field, settings.response_field, field["data"])
-    check = []
+    pairs, images = read_examples(config.uri(settings.data), settings.prompt_field, settings.response_field, field["data"])
+    check, check_images = [], None
     if settings.heldout is not None:
-        check = read_examples(config.uri(settings.heldout), settings.prompt_field,
-                              settings.heldout_field or settings.response_field, field["heldout"])
+        check, check_images = read_examples(config.uri(settings.heldout), settings.prompt_field,
+                                            settings.heldout_field or settings.response_field, field["heldout"])
     base = None
     if settings.base is not None:
         try:
@@ -104,16 +108,25 @@ def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields:
     state_folder = objectstore.join(config.run_uri, name)
     setup = settings.model_dump(include=set(SETUP_FIELDS)) | {"seed": config.seed}
     resume = _load_state(objectstore.join(state_folder, STATE), setup)
-    model, tokenizer = start_model(
+    model, tokenizer, processor = start_model(
         base, [text for pair in pairs + check for text in pair], config.seed, hidden_size=settings.hidden_size,
         num_layers=settings.layers, num_heads=settings.heads, num_kv_heads=settings.kv_heads, init_std=settings.init_std,
+        vision=settings.vision,
     )
+    if (images is not None or check_images is not None) and processor is None:
+        raise ConfigError(f"{field['data']}: the examples have an 'images' column, but the model SFT starts from is a text "
+                          f"model: set {field['base']} to a vision-language folder, or sft.vision=true to build a tiny one")
+    if processor is not None and (images is None or (check and check_images is None)):
+        raise ConfigError(f"{field['data']}: a vision-language model learns from examples with an 'images' column "
+                          "(a list of encoded images per example; the prompt holds one image placeholder per image)")
+    scratch = "scratch (a tiny Idefics3, character tokenizer)" if settings.vision else "scratch (a tiny Llama, character tokenizer)"
     logger.info("%s: %d examples, %d held out, from %s, %s parameters", name, len(pairs), len(check),
-                settings.base or "scratch (a tiny Llama, character tokenizer)", f"{sum(p.numel() for p in model.parameters()):,}")
+                settings.base or scratch, f"{sum(p.numel() for p in model.parameters()):,}")
     result = train_sft(
         model, tokenizer, pairs, check, target=settings.target, max_steps=settings.max_steps,
         check_every=settings.check_every, batch_size=settings.batch_size, lr=settings.lr, seed=config.seed,
         log=logger.info, resume=resume, save=lambda state: _save_state(state_folder, state | {"setup": setup}),
+        processor=processor, images=images, check_images=check_images,
     )
     if settings.target is not None and not result["converged"]:
         raise SFTNotConverged(
@@ -124,7 +137,7 @@ def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields:
         )
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        (processor or tokenizer).save_pretrained(tmp)
         objectstore.upload_folder(tmp, output)  # MANIFEST.json last: committed
     objectstore.remove(state_folder)
     logger.info("%s: held-out exact match %s, loss %.4f after %d steps (%.0fs) → %s", name, percent(result["exact_match"]),

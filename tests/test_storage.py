@@ -221,18 +221,21 @@ def test_stage_uri():
 
 
 def test_image_column_survives_every_stage_schema(tmp_path):
-    """Vision-language prompts: image bytes ride along prompts → rollouts → scored → experience
-    (and the carry-over), the way the engine host passes rows on (to_pylist, add fields, write);
-    prompt files without the column still load, with null images."""
-    images = [bytes([i]) * (1000 + i) + os.urandom(64) for i in range(4)]
+    """Vision-language prompts: encoded images are a list column of the prompts (a prompt may
+    carry several); rollouts → scored → experience (and the carry-over) reference the prompt's
+    global row (``prompt_row``), by which a trainer re-reads the images, and never copy the
+    bytes. Prompt files without the column still load, with null images."""
+    images = [[bytes([i]) * (1000 + i) + os.urandom(64)] * (i % 3) for i in range(4)]  # 0, 1 or 2 images
     uri = lambda name: uri_of(tmp_path / f"{name}.parquet")  # noqa: E731
-    datasets.write_table(uri("prompts"), prompts_table(range(4)).append_column("image", pa.array(images, pa.binary())), PROMPTS)
-    prompts = datasets.read_table(uri("prompts"), PROMPTS).to_pylist()
-    assert [p["image"] for p in prompts] == images
+    table = prompts_table(range(4)).append_column("images", pa.array(images, pa.list_(pa.binary())))
+    datasets.write_table(uri("prompts"), table, PROMPTS)
+    prompts = datasets.read_table(uri("prompts"), PROMPTS)
+    assert prompts.schema.field("images").type == pa.list_(pa.binary())
+    assert prompts.column("images").to_pylist() == images
 
     rollouts = rollouts_table(4).to_pylist()
-    for r, p in zip(rollouts, prompts):
-        r["image"] = p.get("image")  # as Worker.rollout does
+    for row, r in enumerate(rollouts):
+        r["prompt_row"] = row  # the reference, not the bytes
     datasets.write_table(uri("rollouts"), pa.Table.from_pylist(rollouts, schema=ROLLOUTS), ROLLOUTS)
     rows = datasets.read_table(uri("rollouts"), ROLLOUTS).to_pylist()
     for r in rows:
@@ -241,14 +244,19 @@ def test_image_column_survives_every_stage_schema(tmp_path):
     rows = [r | {"step": 0, "advantage": 0.5} for r in datasets.read_table(uri("scored"), datasets.SCORED).to_pylist()]
     datasets.write_table(uri("experience"), pa.Table.from_pylist(rows, schema=datasets.EXPERIENCE), datasets.EXPERIENCE)
     datasets.write_table(uri("carry"), pa.Table.from_pylist(rows, schema=datasets.CARRY), datasets.CARRY)
-    for name, schema in (("experience", datasets.EXPERIENCE), ("carry", datasets.CARRY)):
+    for name, schema in (("rollouts", ROLLOUTS), ("scored", datasets.SCORED), ("experience", datasets.EXPERIENCE), ("carry", datasets.CARRY)):
         back = datasets.read_table(uri(name), schema)
-        assert back.schema.field("image").type == pa.binary()
-        assert back.column("image").to_pylist() == images
+        assert not {"image", "images"} & set(back.column_names)  # no stage copies the bytes
+        assert back.schema.field("prompt_row").type == pa.int64()
+        assert back.column("prompt_row").to_pylist() == [0, 1, 2, 3]
         assert back.column("prompt_id").to_pylist() == [0, 1, 2, 3]
+        # the reference leads back to the prompt's images
+        assert [prompts.column("images")[r].as_py() for r in back.column("prompt_row").to_pylist()] == images
 
     pq.write_table(prompts_table([7]), tmp_path / "text-only.parquet")  # a file written before the column existed
-    assert datasets.read_table(uri("text-only"), PROMPTS).column("image").to_pylist() == [None]
+    assert datasets.read_table(uri("text-only"), PROMPTS).column("images").to_pylist() == [None]
+    assert datasets.read_table(uri("rollouts"), ROLLOUTS).schema.field("prompt_row").nullable
+
 
 # ---------------------------------------------------------------- run state, checkpoints
 

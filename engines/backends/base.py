@@ -12,7 +12,7 @@ engine with nothing to release (torch engines, vLLM on a CPU) implements them as
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Iterator, Literal, Protocol, runtime_checkable
 
 
@@ -46,24 +46,41 @@ class Generation:
 
 @dataclass
 class TrainBatch:
-    """Sequences for one optimizer step on this DP rank (may be empty)."""
+    """Sequences for one optimizer step on this DP rank (may be empty): one entry per sequence in
+    every field. A new per-sequence field is one line here: ``take`` (and so ``split``, the
+    micro-batches and the balanced exchange) loops over the fields."""
 
-    prompt_ids: list[list[int]]
+    prompt_ids: list[list[int]]  # vision prompts: as the processor expanded them (image tokens included)
     response_ids: list[list[int]]
     old_logprobs: list[list[float]]
     advantages: list[float]
+    prompt_rows: list[int] | None = None  # each prompt's row in the prompts dataset (where its images are)
+    images: list[list[bytes]] | None = None  # encoded images of each sequence's prompt (None: a text batch)
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def take(self, indices) -> "TrainBatch":
+        """The sequences at ``indices``, in that order."""
+        return TrainBatch(**{f.name: None if (v := getattr(self, f.name)) is None else [v[i] for i in indices]
+                             for f in fields(TrainBatch)})
+
+    @classmethod
+    def concat(cls, parts: list["TrainBatch"]) -> "TrainBatch":
+        """``parts`` one after the other (an optional field stays None if it is None in every part)."""
+        def joined(f) -> list | None:
+            values = [getattr(p, f.name) for p in parts]
+            if f.default is None and all(v is None for v in values):
+                return None
+            return [x for v, p in zip(values, parts) for x in (v if v is not None else [None] * len(p))]
+
+        return cls(**{f.name: joined(f) for f in fields(TrainBatch)})
 
     def split(self, parts: int) -> list["TrainBatch"]:
         """``parts`` minibatches of near-equal size; some may be empty (a rank with little data
         still joins every collective)."""
         bounds = [round(i * len(self) / parts) for i in range(parts + 1)]
-        return [
-            TrainBatch(*(field[bounds[i] : bounds[i + 1]] for field in (self.prompt_ids, self.response_ids, self.old_logprobs, self.advantages)))
-            for i in range(parts)
-        ]
+        return [self.take(range(bounds[i], bounds[i + 1])) for i in range(parts)]
 
 
 @dataclass
@@ -84,8 +101,11 @@ class Generator(Protocol):
     """Samples completions with per-token log-probabilities."""
 
     def generate(self, prompts: list[str], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
-                 max_new_tokens: int = 16, seed: int = 0, greedy: bool = False) -> list[Generation]:
-        """``n`` samples per prompt, prompt-major; ``greedy``: argmax decoding (``seed`` unused)."""
+                 max_new_tokens: int = 16, seed: int = 0, greedy: bool = False,
+                 images: list[list[bytes]] | None = None) -> list[Generation]:
+        """``n`` samples per prompt, prompt-major; ``greedy``: argmax decoding (``seed`` unused).
+        ``images``: each prompt's encoded images (a vision-language model), the prompt text holding
+        the model's image placeholder once per image."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int:
         """Load Hugging Face-named tensors; the count loaded."""

@@ -58,5 +58,4 @@ def micro_batches(batch: TrainBatch, max_tokens: int | None) -> list[TrainBatch]
     while j:
         cuts.append((first[j], j))
         j = first[j]
-    fields = (batch.prompt_ids, batch.response_ids, batch.old_logprobs, batch.advantages)
-    return [TrainBatch(*([field[k] for k in order[a:b]] for field in fields)) for a, b in reversed(cuts)]
+    return [batch.take(order[a:b]) for a, b in reversed(cuts)]

@@ -32,6 +32,10 @@ class PrepareConfig(Section):
     step limit, and the policy's learning rate and initialisation; these fields hold what the judge
     does differently)."""
 
+    task: Literal["arithmetic", "vision"] = Field(
+        "arithmetic", description="The demo task prepare builds: arithmetic (addition as text; a policy and a GenRM) or "
+        "vision (two digits drawn on a picture, read and added by a tiny vision-language policy; its reward is the "
+        "exact-match rule, so no GenRM is built).")
     train_prompts: int = Field(8000, gt=0, description="Training prompts to generate.")
     heldout_prompts: int = Field(500, gt=0, description="Held-out prompts (never trained on) for accuracy.")
     digits: int = Field(2, ge=1, le=6, description="Digits per operand of the addition problems.")
@@ -116,6 +120,11 @@ class SFTConfig(Section):
         "attention starts less uniform, and the demo's policy leaves its loss plateau in 400-800 SFT steps instead of "
         "1000-2500.",
     )
+    vision: bool = Field(
+        False, description="From scratch: a tiny vision-language model (Idefics3, SmolVLM's architecture: a vision tower "
+        "of 56-pixel images, a pixel-shuffle connector and a Llama of hidden_size, layers and heads) instead of a tiny "
+        "Llama; the examples then need an 'images' column (a list of encoded images per example).",
+    )
 
     @model_validator(mode="after")
     def _target_needs_heldout(self):
@@ -131,10 +140,16 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    prompts: str = Field("data/train", description="Prompts dataset (a Parquet file or folder; schema: prompt_id, prompt, answer).")
+    prompts: str = Field(
+        "data/train", description="Prompts dataset (a Parquet file or folder; schema: prompt_id, prompt, answer, and for a "
+        "vision-language policy images: a list of encoded PNG/JPEG images per prompt, whose text holds the model's image "
+        "placeholder once per image).")
     heldout: str | None = Field("data/heldout", description="Held-out prompts for accuracy before/after RL (None: skip).")
     max_prompt_tokens: int = Field(48, gt=0, description="Longer prompts are rejected before training starts.")
     heldout_limit: int = Field(500, gt=0, description="Held-out prompts evaluated.")
+    max_image_bytes: int = Field(
+        20 * 2**20, gt=0, description="An encoded image larger than this fails when its row is read (naming the file, "
+        "prompt_id and image), before anything of its wave trains.")
 
 
 class EvalConfig(Section):
@@ -375,6 +390,9 @@ class TrainConfig(Section):
     clip_low: float = Field(0.2, ge=0, description="Ratio clip below 1 (epsilon_low).")
     clip_high: float = Field(0.28, ge=0, description="Ratio clip above 1 (epsilon_high; DAPO clip-higher).")
     kl_coef: float = Field(0.0, ge=0, description="KL(policy || reference) coefficient; > 0 loads a reference model.")
+    freeze_vision: bool = Field(
+        True, description="Vision-language policy: keep the vision encoder's weights fixed (the connector and the language "
+        "model train). False trains it too.")
     balance_tokens: bool = Field(
         True,
         description="Whether to spread each minibatch's sequences over the DP groups by token count "

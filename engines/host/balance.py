@@ -156,8 +156,7 @@ def presplit(minibatches: list[TrainBatch]) -> TrainBatch:
 class PresplitBatch(TrainBatch):
     @classmethod
     def of(cls, parts: list[TrainBatch]) -> "PresplitBatch":
-        fields = ("prompt_ids", "response_ids", "old_logprobs", "advantages")
-        batch = cls(*([x for p in parts for x in getattr(p, f)] for f in fields))
+        batch = cls(**vars(TrainBatch.concat(parts)))
         batch.parts = list(parts)
         return batch
 
@@ -173,7 +172,8 @@ class PresplitBatch(TrainBatch):
 def to_batch(rows: list[dict]) -> TrainBatch:
     """Experience rows (``storage.datasets.EXPERIENCE``) as a train batch."""
     return TrainBatch([r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows],
-                      [r["logprobs"] for r in rows], [r["advantage"] for r in rows])
+                      [r["logprobs"] for r in rows], [r["advantage"] for r in rows],
+                      prompt_rows=[r.get("prompt_row") for r in rows])
 
 
 def balanced_batch(rank: int, world: int, experience: str, rows: list[dict], minibatches: int,

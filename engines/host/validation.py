@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engines.backends import multimodal
 from engines.host import rewards
 from storage import datasets, objectstore
 
@@ -26,7 +27,8 @@ def check_model_folder(field: str, uri: str, backend: str = "torch") -> str:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - any failure means the folder is unusable
         raise InputError(f"{field}: {uri} is not a readable Hugging Face model folder ({type(e).__name__}: {e})") from e
-    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    text = getattr(config, "text_config", None) or config  # a vision-language model: its language model's heads
+    head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     if backend == "vllm" and not torch.cuda.is_available() and head_size not in VLLM_CPU_HEAD_SIZES:
         raise InputError(
             f"{field}: {uri}/config.json: head size {head_size} (hidden_size / num_attention_heads) is not one "
@@ -38,7 +40,10 @@ def check_model_folder(field: str, uri: str, backend: str = "torch") -> str:
 def validate_inputs(config) -> dict:
     """Model folders load; the reward rule imports, takes (prompt, response, answer) and returns a
     number; the judge's verdict words are tokens its tokenizer knows; prompts match the schema,
-    are non-empty, fit ``max_prompt_tokens``, have unique ids and the answers the rewards read."""
+    are non-empty, fit ``max_prompt_tokens``, have unique ids and the answers the rewards read; a
+    vision-language policy has its processor, each prompt as many images as image placeholders,
+    and images within ``data.max_image_bytes`` (the first prompt's are decoded). Prompts are read a
+    batch of rows at a time (a dataset of images is never held whole)."""
     policy = check_model_folder("model.policy", config.uri(config.model.policy), config.rollout.backend)
     from transformers import AutoTokenizer
 
@@ -46,33 +51,82 @@ def validate_inputs(config) -> dict:
         check_verdict_words(config, AutoTokenizer.from_pretrained(check_model_folder("model.judge", config.uri(config.model.judge),
                                                                                      config.judge.backend)))
     rule = rewards.load_rule(config.reward.rule) if config.reward.rule else None
-    tokenizer = AutoTokenizer.from_pretrained(policy)
+    processor = check_vision(config, policy)
+    tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(policy)
     counts = {}
     for field, path in (("data.prompts", config.data.prompts), ("data.heldout", config.data.heldout)):
         if path is None:
             continue
         uri = config.uri(path)
         try:
-            table = datasets.read_table(uri, datasets.PROMPTS)
+            reader = datasets.PromptReader(uri)
         except objectstore.StorageError as e:
             raise InputError(f"{field}: {e}") from e
-        if len(table) == 0:
+        if len(reader) == 0:
             raise InputError(f"{uri}: no prompts")
-        ids = table.column("prompt_id").to_pylist()
-        if len(set(ids)) != len(ids):
-            raise InputError(f"{uri}: field 'prompt_id' has duplicate values")
-        for pid, prompt in zip(ids, table.column("prompt").to_pylist()):
-            if not prompt.strip():
-                raise InputError(f"{uri}: field 'prompt' is empty (prompt_id {pid})")
-            length = len(tokenizer(prompt)["input_ids"])
-            if length > config.data.max_prompt_tokens:
-                raise InputError(
-                    f"{uri}: field 'prompt' is {length} tokens (prompt_id {pid}); "
-                    f"the limit is data.max_prompt_tokens={config.data.max_prompt_tokens}"
-                )
-        check_answers(config, field, uri, table, rule)
-        counts[field] = len(table)
+        seen: set[int] = set()
+        unanswered: list[int] = []  # prompt_ids without an answer
+        first: dict | None = None
+        for batch in reader.iter_batches(1024):
+            first = first or batch[0]
+            unanswered += [r["prompt_id"] for r in batch if r["answer"] is None]
+            for row in batch:
+                pid, prompt = row["prompt_id"], row["prompt"]
+                if pid in seen:
+                    raise InputError(f"{uri}: field 'prompt_id' has duplicate values (prompt_id {pid})")
+                seen.add(pid)
+                if not prompt.strip():
+                    raise InputError(f"{uri}: field 'prompt' is empty (prompt_id {pid})")
+                check_prompt_images(config, uri, row, processor, first=len(seen) == 1)
+                length = len(tokenizer(prompt)["input_ids"])
+                if length > config.data.max_prompt_tokens:
+                    raise InputError(
+                        f"{uri}: field 'prompt' is {length} tokens (prompt_id {pid}); "
+                        f"the limit is data.max_prompt_tokens={config.data.max_prompt_tokens}"
+                    )
+        check_answers(config, field, uri, first, unanswered, len(reader), rule)
+        counts[field] = len(reader)
     return counts
+
+
+def check_vision(config, policy: str):
+    """A vision-language policy's processor (None for a text model), or an error naming the field:
+    a vision model without a processor, or a trainer that cannot train one."""
+    if not multimodal.is_vision_folder(policy):
+        return None
+    if config.train.backend == "megatron":
+        raise InputError(
+            f"train.backend=megatron: {config.uri(config.model.policy)} is a vision-language model, and yattflow's Megatron "
+            "trainer maps text-only GPT models (engines/backends/megatron/mapping.py). The hybrid Megatron-Bridge and "
+            "slime use (the Hugging Face vision tower beside a Megatron-Core GPT language model) is not built yet: "
+            "use train.backend=torch")
+    try:
+        return multimodal.load_processor(policy)
+    except Exception as e:  # noqa: BLE001 - any failure means no usable processor
+        raise InputError(f"model.policy: {config.uri(config.model.policy)} is a vision-language model without a usable "
+                         f"processor ({type(e).__name__}: {e})") from e
+
+
+def check_prompt_images(config, uri: str, row: dict, processor, first: bool) -> None:
+    """As many images as the prompt has image placeholders, each within data.max_image_bytes (the
+    first prompt's decoded); a text-only policy gets no images."""
+    images, pid = row["images"] or [], row["prompt_id"]
+    if processor is None:
+        if images:
+            raise InputError(f"{uri}: field 'images' holds {len(images)} image(s) for prompt_id {pid}, but model.policy "
+                             f"{config.uri(config.model.policy)} is a text-only model")
+        return
+    mark = multimodal.placeholder(processor)
+    if row["prompt"].count(mark) != len(images):
+        missing = " (the file has no 'images' column)" if row["images"] is None else ""
+        raise InputError(f"{uri}: prompt_id {pid}: field 'prompt' has {row['prompt'].count(mark)} image placeholder(s) "
+                         f"'{mark}' and field 'images' {len(images)} image(s){missing}: one placeholder per image")
+    for i, blob in enumerate(images):
+        where = f"{uri} (prompt_id {pid}): field 'images'[{i}]"
+        if first:
+            multimodal.check_image(blob, where, config.data.max_image_bytes)
+        elif len(blob) > config.data.max_image_bytes:
+            raise InputError(f"{where}: {len(blob):,} bytes, over data.max_image_bytes={config.data.max_image_bytes:,}")
 
 
 def answers_needed_by(config, rule: rewards.Rule | None) -> list[str]:
@@ -83,20 +137,19 @@ def answers_needed_by(config, rule: rewards.Rule | None) -> list[str]:
     return needed
 
 
-def check_answers(config, field: str, uri: str, table, rule: rewards.Rule | None) -> None:
-    """Every prompt has the answer the rewards read, and the rule scores the first one as a number
-    (the reference answer as the response): a rule that cannot fails here, before any engine loads."""
+def check_answers(config, field: str, uri: str, first: dict, unanswered: list[int], rows: int,
+                  rule: rewards.Rule | None) -> None:
+    """Every prompt has the answer the rewards read (``unanswered``: the prompt_ids of the ``rows``
+    that have none), and the rule scores the ``first`` prompt as a number (its reference answer as
+    the response): a rule that cannot fails here, before any engine loads."""
     needed = answers_needed_by(config, rule)
-    answers = table.column("answer")
-    if needed and answers.null_count:
-        missing = [pid for pid, a in zip(table.column("prompt_id").to_pylist(), answers.to_pylist()) if a is None]
+    if needed and unanswered:
         raise InputError(
-            f"{uri} ({field}): field 'answer' is missing or null in {len(missing)} of {len(table)} rows (first prompt_id "
-            f"{missing[0]}), and {' and '.join(needed)} read(s) it: add an 'answer' column, or give the rule a default "
+            f"{uri} ({field}): field 'answer' is missing or null in {len(unanswered)} of {rows} rows (first prompt_id "
+            f"{unanswered[0]}), and {' and '.join(needed)} read(s) it: add an 'answer' column, or give the rule a default "
             "(answer=None) if it does not need one"
         )
     if rule is not None:
-        first = table.slice(0, 1).to_pylist()[0]
         try:
             rule(first["prompt"], first["answer"] or "", first["answer"], first["prompt_id"])
         except rewards.RewardRuleError:

@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from engines.host import balance, rewards, validation
 
-from engines.backends import distributed, build
+from engines.backends import distributed, build, multimodal
 from engines.rl.algorithms import group_advantages, overlong_penalty
 from engines.wire.channel import progress
 from engines.host.checkpointing import Checkpoints
@@ -48,13 +49,41 @@ def stable_seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
 
 
-def prompt_stream(uri: str, rank: int, world: int) -> list[dict]:
-    """DP group ``rank``'s prompts: rows ``rank, rank+world, ...`` of every part file in name order.
+class PromptStream:
+    """DP group ``rank``'s prompts: rows ``rank, rank+world, ...`` of every part file in name order,
+    read a wave at a time (``storage.datasets.PromptReader``: only the row groups a wave needs), so
+    that a host holds the prompts and images of the wave it works on, never the dataset.
 
     New part files that sort after the existing ones only extend each stream, so the cursors of a
     resumed run keep pointing at the same prompts and go on to the new ones
     (``Checkpoints.check_prompt_files`` refuses anything else)."""
-    return datasets.read_table(uri, datasets.PROMPTS).to_pylist()[rank::world]
+
+    def __init__(self, uri: str, rank: int, world: int, max_image_bytes: int = 2**64):
+        self.reader = datasets.PromptReader(uri)
+        self.rank, self.world, self.max_image_bytes = rank, world, max_image_bytes
+
+    def __len__(self) -> int:
+        return len(range(self.rank, len(self.reader), self.world))
+
+    def row(self, position: int) -> int:
+        """The dataset row at ``position`` of this stream (positions wrap around: epochs)."""
+        return self.rank + (position % len(self)) * self.world
+
+    def wave(self, cursor: int, count: int) -> list[dict]:
+        """The ``count`` prompts from stream position ``cursor`` on, each with its dataset row."""
+        rows = [self.row(cursor + i) for i in range(count)]
+        batch = [r | {"prompt_row": row} for r, row in zip(self.reader.rows(rows), rows)]
+        for r in batch:  # a bad image fails as its row is first read: before anything of its wave trains
+            for i, blob in enumerate(r["images"] or []):
+                multimodal.check_image(blob, f"{self.reader.uri} (prompt_id {r['prompt_id']}): field 'images'[{i}]",
+                                       self.max_image_bytes)
+        return batch
+
+    def images(self, rows: list[int]) -> list[list[bytes]]:
+        """The images of the prompts at dataset ``rows`` (each distinct row read once)."""
+        distinct = sorted(set(rows))
+        found = dict(zip(distinct, (r["images"] or [] for r in self.reader.rows(distinct))))
+        return [found[row] for row in rows]
 
 
 class Worker:
@@ -68,7 +97,10 @@ class Worker:
         self.judge: Generator | None = None  # the GenRM (None: no judge)
         self.trainer: Trainer | None = None
         self.rule: rewards.Rule | None = None  # ``reward.rule``, imported
-        self.prompts: list[dict] = []  # this group's stream of prompts (rows rank, rank+world, ...)
+        self.prompts: PromptStream | None = None  # this group's stream of prompts (rows rank, rank+world, ...)
+        self.vision = False  # the policy is a vision-language model: prompts come with images
+        self.judge_sees_images = False  # the judge is a vision-language model too
+        self.placeholder = ""  # the policy's image placeholder (taken out of a text judge's prompt)
         self.checkpoints: Checkpoints | None = None
         self.engine_loads = 0  # times this host loaded its models: once per run is the point of a host
         self.awake: set[str] = set()  # the engines holding the group's devices (see ``take``)
@@ -101,15 +133,20 @@ class Worker:
             self.rendezvous = None  # the store's now
             distributed.init_process_groups(device, self.rank, self.world, store, timeout)
         policy_dir = objectstore.local_folder(cfg.uri(cfg.model.policy))
+        self.vision = multimodal.is_vision_folder(policy_dir)
         self.trainer = build.make_trainer(cfg, policy_dir, device)
         self.policy = build.make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads, device)
         self.judge = None
         if cfg.reward.genrm_weight > 0:
-            self.judge = build.make_judge(cfg, objectstore.local_folder(cfg.uri(cfg.model.judge)), self.threads, device)
+            judge_dir = objectstore.local_folder(cfg.uri(cfg.model.judge))
+            self.judge = build.make_judge(cfg, judge_dir, self.threads, device)
+            self.judge_sees_images = self.vision and multimodal.is_vision_folder(judge_dir)
+        if self.vision:
+            self.placeholder = multimodal.placeholder(multimodal.load_processor(policy_dir))
         self.rule = rewards.load_rule(cfg.reward.rule) if cfg.reward.rule else None
         self.awake = {"policy", "judge", "trainer"}  # all loaded, all on the devices
         self.engine_loads += 1
-        self.prompts = prompt_stream(prompts_uri, self.rank, self.world)
+        self.prompts = PromptStream(prompts_uri, self.rank, self.world, cfg.data.max_image_bytes)
         if request.resume:
             self.checkpoints.load(self.trainer, request.resume)
             self.sync_weights(SyncWeights())
@@ -282,6 +319,9 @@ class Worker:
         switch = self.take("trainer")  # training takes the group's devices (both placement modes)
         rows = datasets.read_table(request.experience, datasets.EXPERIENCE).to_pylist()
         batch, balanced = balance.balanced_batch(self.rank, self.world, request.experience, rows, t.minibatches, t.balance_tokens)
+        if self.vision:  # the rows reference their prompts' images: read them here, on the host that trains them
+            parts = batch.split(t.minibatches)
+            batch = balance.presplit([replace(p, images=self.prompts.images(p.prompt_rows)) for p in parts])
         metrics = self.trainer.train_step(batch, minibatches=t.minibatches, aggregation=t.loss_aggregation, clip_low=t.clip_low,
                                           clip_high=t.clip_high, kl_coef=t.kl_coef, micro_batch_tokens=t.micro_batch_tokens)
         seconds = time.perf_counter() - start
@@ -314,17 +354,21 @@ class Worker:
     def evaluate(self, request: Evaluate) -> EvaluateResult:
         """Greedy decoding of this rank's share of held-out prompts, scored by the reward rule, or
         by the judge's verdict when there is no rule (``flows.training.heldout_metric`` names it)."""
-        rows = datasets.read_table(request.uri, datasets.PROMPTS).slice(0, request.limit).to_pylist()[self.rank :: self.world]
+        reader = datasets.PromptReader(request.uri)  # this rank's share only, images included
+        indices = list(range(self.rank, min(request.limit, len(reader)), self.world))
+        rows = [r | {"prompt_row": i} for r, i in zip(reader.rows(indices), indices)]
         if not rows:
             return EvaluateResult(score_sum=0.0, total=0)
         self.take("policy")
-        outs = self.policy.generate([r["prompt"] for r in rows], greedy=True, max_new_tokens=self.config.rollout.max_new_tokens)
+        outs = self.policy.generate([r["prompt"] for r in rows], greedy=True, max_new_tokens=self.config.rollout.max_new_tokens,
+                                    images=self._images_of(rows))
         answered = [rows[o.prompt_index] | {"response": o.response} for o in outs]
         if self.rule is not None:
             scores = [self.rule(r["prompt"], r["response"], r["answer"], r["prompt_id"]) for r in answered]
         else:
             self.take("judge")
-            scores = [float(v.startswith(self.config.judge.good)) for v in self._verdicts(answered)]
+            verdicts = self._verdicts(answered, [r["images"] or [] for r in answered])
+            scores = [float(v.startswith(self.config.judge.good)) for v in verdicts]
         return EvaluateResult(score_sum=sum(scores), total=len(rows))
 
     @handle.register
@@ -368,7 +412,7 @@ class Worker:
     # -- the pieces both placement modes share (same chunks, same seeds, same judge batches) --
 
     def _wave_prompts(self, cursor: int, count: int) -> list[dict]:
-        batch = [self.prompts[(cursor + i) % len(self.prompts)] for i in range(count)]
+        batch = self.prompts.wave(cursor, count)
         if (cursor + count - 1) // len(self.prompts) > cursor // len(self.prompts):
             log.warning("dp-%d: all %d prompts of this group's stream trained; starting it again (another epoch)", self.rank, len(self.prompts))
         return batch
@@ -384,21 +428,38 @@ class Worker:
         ro = self.config.rollout
         gens = self.policy.generate([row["prompt"] for row in chunk], n=ro.samples_per_prompt, temperature=ro.temperature,
                                     top_p=ro.top_p, max_new_tokens=ro.max_new_tokens,
-                                    seed=stable_seed(self.config.seed, step, self.rank, wave, k))
+                                    seed=stable_seed(self.config.seed, step, self.rank, wave, k), images=self._images_of(chunk))
         return [{
             "prompt_id": chunk[g.prompt_index]["prompt_id"], "sample_index": j % ro.samples_per_prompt,
             "policy_version": self.trainer.version, "wave": wave, "prompt": chunk[g.prompt_index]["prompt"],
             "answer": chunk[g.prompt_index]["answer"],
-            "image": chunk[g.prompt_index].get("image"),  # carried, not read: the engines here are text-only
+            "prompt_row": chunk[g.prompt_index]["prompt_row"],  # where its images are: rollouts never copy them
             "prompt_ids": g.prompt_ids, "response": g.response, "response_ids": g.response_ids,
             "logprobs": g.logprobs, "truncated": g.truncated,
         } for j, g in enumerate(gens)]
 
-    def _verdicts(self, rows: list[dict]) -> list[str]:
-        """The judge's greedy verdict on each row's response (``judge.template``)."""
+    def _images_of(self, prompts: list[dict]) -> list[list[bytes]] | None:
+        """The images of a vision policy's prompts (rows read from the prompts dataset), else None."""
+        return [p["images"] or [] for p in prompts] if self.vision else None
+
+    def _verdicts(self, rows: list[dict], images: list[list[bytes]] | None = None) -> list[str]:
+        """The judge's greedy verdict on each row's response (``judge.template``). A vision-language
+        judge sees the prompt's images too (``images``; default: the training prompts' at each row's
+        ``prompt_row``); a text judge sees the prompt without its image placeholders."""
         cfg = self.config.judge
-        prompts = [cfg.template.format(prompt=r["prompt"], response=r["response"], answer=r["answer"] or "") for r in rows]
-        return [o.response.strip() for o in self.judge.generate(prompts, greedy=True, max_new_tokens=cfg.max_new_tokens)]
+        if not self.judge_sees_images:
+            images = None
+        elif images is None:
+            images = self.prompts.images([r["prompt_row"] for r in rows])
+        prompts = [cfg.template.format(prompt=self._judge_text(r["prompt"]), response=r["response"], answer=r["answer"] or "")
+                   for r in rows]
+        return [o.response.strip() for o in self.judge.generate(prompts, greedy=True, max_new_tokens=cfg.max_new_tokens,
+                                                                  images=images)]
+
+    def _judge_text(self, prompt: str) -> str:
+        if self.vision and not self.judge_sees_images:
+            return prompt.replace(self.placeholder, "")
+        return prompt
 
     def _score_chunk(self, rows: list[dict]) -> list[dict]:
         """``rows`` with their verdicts and rewards (new dicts: the rollout rows are left as they are)."""

@@ -67,8 +67,9 @@ class TimingStubGenerator:
         self.slept_s = 0.0
 
     def generate(self, prompts: list[str], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
-                 max_new_tokens: int = 16, seed: int = 0, greedy: bool = False) -> list:
+                 max_new_tokens: int = 16, seed: int = 0, greedy: bool = False, images=None) -> list:
         from engines.backends.base import Generation
+        # images: carried by the bench's vision runs and not looked at (the stub reads no pixels)
 
         out, tokens = [], 0
         for i, prompt in enumerate(prompts):

@@ -11,6 +11,7 @@ from typing import Iterable
 
 import torch
 
+from engines.backends import multimodal
 from engines.backends.base import Generation
 from engines.backends.torch.model import forward_precision, load_model, resolve_device
 
@@ -25,8 +26,10 @@ class TorchGenerator:
                  autocast: bool | None = None):
         self.device = resolve_device(device)
         self.autocast = autocast
-        self.tokenizer, self.model = load_model(model_dir, dtype, self.device)
+        self.tokenizer, self.model, self.processor = load_model(model_dir, dtype, self.device)
         self.model.eval()
+        # a vision model's image tokens are input only: sampling one would start a fake image
+        self.suppress = multimodal.image_token_ids(self.processor) if self.processor is not None else None
 
     @torch.no_grad()
     def generate(
@@ -38,10 +41,17 @@ class TorchGenerator:
         max_new_tokens: int = 16,
         seed: int = 0,
         greedy: bool = False,
+        images: list[list[bytes]] | None = None,
     ) -> list[Generation]:
         tok = self.tokenizer
-        # input ids and mask only: a tokenizer that adds token_type_ids makes generate() refuse them
-        batch = tok([p for p in prompts for _ in range(n)], return_tensors="pt", padding=True, return_token_type_ids=False).to(self.device)
+        texts = [p for p in prompts for _ in range(n)]
+        if images is not None:
+            if self.processor is None:
+                raise ValueError("images given to a text-only model")
+            batch = multimodal.model_inputs(self.processor, texts, [im for im in images for _ in range(n)]).to(self.device)
+        else:
+            # input ids and mask only: a tokenizer that adds token_type_ids makes generate() refuse them
+            batch = tok(texts, return_tensors="pt", padding=True, return_token_type_ids=False).to(self.device)
         if not greedy:  # greedy draws nothing: leave the process-wide RNG alone (a judge on another
             torch.manual_seed(seed)  # thread must not reseed the rollout's sampling: placement.mode=partial)
         with forward_precision(self.device, self.autocast):
@@ -56,6 +66,7 @@ class TorchGenerator:
                 return_dict_in_generate=True,
                 pad_token_id=tok.pad_token_id,
                 eos_token_id=tok.eos_token_id,
+                suppress_tokens=self.suppress,
             )
         new_tokens = out.sequences[:, batch["input_ids"].shape[1] :]
         logits = torch.stack(out.logits, dim=1).float() / (1.0 if greedy else temperature)

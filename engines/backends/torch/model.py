@@ -14,15 +14,21 @@ import torch
 
 
 def load_model(model_dir: str, dtype: str = "float32", device: torch.device | str = "cpu"):
+    """(tokenizer, model, processor) of a Hugging Face folder: a causal LM (processor None) or a
+    vision-language model with its processor (``engines/backends/multimodal.py``)."""
     # imported here, not at the top: engine hosts import this module for TrainBatch and the
     # checkpoint helpers, and transformers adds ~100 MB per host (64 timing-stub hosts: 6 GB)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    from engines.backends.multimodal import load_processor
+
+    processor = load_processor(model_dir)
+    tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
+    auto = AutoModelForImageTextToText if processor is not None else AutoModelForCausalLM
     # SDPA: flash / memory-efficient kernels on CUDA (transformers' default too, here made explicit)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
-    return tokenizer, model.to(device)
+    model = auto.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    return tokenizer, model.to(device), processor
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
@@ -43,9 +49,14 @@ def forward_precision(device: torch.device, autocast: bool | None):
     return contextlib.nullcontext()
 
 
-def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(token t | tokens < t) for every position t >= 1; shape [batch, len-1]."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
+                      pixels: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """log p(token t | tokens < t) for every position t >= 1; shape [batch, len-1]. ``pixels``: a
+    vision-language model's image inputs (``multimodal.PixelCache.batch``)."""
+    if pixels:  # batches are right-padded: default positions are right, and Qwen-VL derives its 3-D ones
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, **pixels).logits
+    else:
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     logits = logits[:, :-1].float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)

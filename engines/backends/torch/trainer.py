@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from engines.backends import multimodal
 from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
 from engines.backends.batching import micro_batches, pad_batch
 from engines.backends.torch.model import forward_precision, load_model, resolve_device, sequence_logprobs
@@ -47,15 +48,21 @@ class TorchTrainer:
         dtype: str = "float32",
         device: torch.device | str | None = None,
         autocast: bool | None = None,
+        freeze_vision: bool = True,
     ):
         self.device = resolve_device(device)
         self.autocast = autocast
-        self.tokenizer, self.model = load_model(model_dir, dtype, self.device)
+        self.tokenizer, self.model, self.processor = load_model(model_dir, dtype, self.device)
         self.model.train()
         self.reference = load_model(model_dir, dtype, self.device)[1].eval() if reference else None
+        if self.processor is not None and freeze_vision:
+            for name, p in self.model.named_parameters():
+                if is_vision_tower(name):
+                    p.requires_grad_(False)
         # fused: one kernel for all parameters on CUDA; on the CPU torch's default, as always
         fused = True if self.device.type == "cuda" else None
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, fused=fused)
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused)
         self.grad_clip = grad_clip
         self.temperature = temperature
         self.version = 0  # optimizer steps taken: the policy version rollouts are stamped with
@@ -86,6 +93,14 @@ class TorchTrainer:
             p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
 
+    def _pixels(self, batch: TrainBatch, cache: multimodal.PixelCache | None) -> dict | None:
+        """A vision batch's pixel inputs (from ``cache``, kept for one train step), else None."""
+        if batch.images is None:
+            return None
+        if self.processor is None:
+            raise ValueError("a batch with images for a text-only policy")
+        return (cache or multimodal.PixelCache(self.processor)).batch(batch.images, self.device)
+
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """The trainer's log-probabilities of each response token under the current weights."""
@@ -93,7 +108,7 @@ class TorchTrainer:
             return []
         ids, attn, resp, _ = (t.to(self.device) for t in pad_batch(batch, self.tokenizer.pad_token_id))
         with forward_precision(self.device, self.autocast):
-            lp = sequence_logprobs(self.model, ids, attn, self.temperature)
+            lp = sequence_logprobs(self.model, ids, attn, self.temperature, self._pixels(batch, None))
         return [lp[i][resp[i].bool()].tolist() for i in range(len(batch))]
 
     def train_step(
@@ -115,6 +130,7 @@ class TorchTrainer:
         while the compute follows tokens rather than rows x longest row. None: one pass."""
         totals = {"loss": 0.0, "clip_fraction": 0.0, "tokens": 0.0, "grad_norm": 0.0}
         stats = torch.zeros(3, dtype=torch.float64)  # entropy, kl_rollout, kl_reference (token sums)
+        pixel_cache = multimodal.PixelCache(self.processor) if self.processor is not None else None  # this step's images
         for part in batch.split(minibatches):
             self.optimizer.zero_grad(set_to_none=True)
             local_tokens = float(sum(len(r) for r in part.response_ids))
@@ -125,12 +141,13 @@ class TorchTrainer:
                 # the named regions are what a profile of the step shows (bench/train_step.py)
                 with record_function("pad_batch"):
                     ids, attn, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
+                    pixels = self._pixels(micro, pixel_cache)
                 with record_function("forward"), forward_precision(self.device, self.autocast):  # the loss: fp32 either way
-                    logprobs = sequence_logprobs(self.model, ids, attn, self.temperature)
+                    logprobs = sequence_logprobs(self.model, ids, attn, self.temperature, pixels)
                     ref = None
                     if self.reference is not None and kl_coef > 0:
                         with torch.no_grad():
-                            ref = sequence_logprobs(self.reference, ids, attn, self.temperature)
+                            ref = sequence_logprobs(self.reference, ids, attn, self.temperature, pixels)
                 with record_function("loss"):
                     adv = torch.tensor(micro.advantages, dtype=logprobs.dtype, device=self.device)
                     per_token, clipped = algorithms.policy_loss_terms(logprobs, old, adv, clip_low, clip_high, ref, kl_coef)
@@ -215,7 +232,14 @@ class TorchTrainer:
         instead of the live ones (the ``model`` part of a :meth:`checkpoint_state` copy)."""
         # save_pretrained drops keys from the dict it is given (tied weights): give it its own
         self.model.save_pretrained(local_dir, safe_serialization=True, state_dict=dict(tensors) if tensors is not None else None)
-        self.tokenizer.save_pretrained(local_dir)
+        (self.processor or self.tokenizer).save_pretrained(local_dir)
+
+
+def is_vision_tower(name: str) -> bool:
+    """A parameter of a vision-language model's vision encoder (Idefics3/SmolVLM ``vision_model``,
+    Qwen-VL ``visual``, LLaVA ``vision_tower``), by its Hugging Face name; the connector that maps
+    its features into the language model is not part of it (it trains)."""
+    return any(part in name.split(".") for part in ("vision_model", "visual", "vision_tower"))
 
 
 def copy_state(obj, into=None):

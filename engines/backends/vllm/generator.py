@@ -52,6 +52,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
+from engines.backends import multimodal
 from engines.backends.base import Generation
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,10 @@ class VLLMGenerator:
         else:
             kwargs["enable_sleep_mode"] = True
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.processor = multimodal.load_processor(model_dir)
+        self.tokenizer = self.processor.tokenizer if self.processor is not None else AutoTokenizer.from_pretrained(model_dir)
+        # a vision model's image tokens are input only: never sampled (a bias, so logprobs stay defined)
+        self.logit_bias = {i: -100.0 for i in multimodal.image_token_ids(self.processor)} if self.processor else None
         with _environ(env | {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}):
             self.llm = LLM(
                 model=model_dir,
@@ -176,17 +180,24 @@ class VLLMGenerator:
         max_new_tokens: int = 16,
         seed: int = 0,
         greedy: bool = False,
+        images: list[list[bytes]] | None = None,
     ) -> tuple[list[dict], list]:
         """The token prompts and per-request ``SamplingParams`` that ``generate`` submits:
         one request per sample, prompt-major, each with its own seed (so a sample does not
-        depend on what else is in the batch)."""
+        depend on what else is in the batch). A vision prompt's ids hold one placeholder per
+        image, unexpanded: vLLM expands them with the images of ``multi_modal_data``."""
         from vllm import SamplingParams
 
+        if images is not None and self.processor is None:
+            raise ValueError("images given to a text-only model")
         prompt_ids = self.tokenizer(prompts)["input_ids"]  # adds BOS, as TorchGenerator does
         token_prompts, params = [], []
         for i, ids in enumerate(prompt_ids):
+            request = {"prompt_token_ids": ids}
+            if images is not None and images[i]:
+                request["multi_modal_data"] = {"image": [multimodal.decode(b) for b in images[i]]}
             for j in range(n):
-                token_prompts.append({"prompt_token_ids": ids})
+                token_prompts.append(request)
                 params.append(
                     SamplingParams(
                         n=1,
@@ -197,6 +208,7 @@ class VLLMGenerator:
                         logprobs=0,  # the sampled token's logprob only
                         flat_logprobs=True,  # plain lists instead of a dict per token
                         detokenize=False,  # decoded once, in to_generations
+                        logit_bias=self.logit_bias,
                     )
                 )
         return token_prompts, params
@@ -210,8 +222,9 @@ class VLLMGenerator:
         max_new_tokens: int = 16,
         seed: int = 0,
         greedy: bool = False,
+        images: list[list[bytes]] | None = None,
     ) -> list[Generation]:
-        token_prompts, params = self.requests(prompts, n, temperature, top_p, max_new_tokens, seed, greedy)
+        token_prompts, params = self.requests(prompts, n, temperature, top_p, max_new_tokens, seed, greedy, images)
         return self.to_generations(self.llm.generate(token_prompts, params, use_tqdm=False), n)
 
     def to_generations(self, outputs, n: int) -> list[Generation]:
@@ -256,6 +269,8 @@ class VLLMGenerator:
                 save_file(tensors, os.path.join(tmp, "model.safetensors"))
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        if self.processor is not None:  # and cached image embeddings by the old vision tower and connector
+            self.llm.llm_engine.reset_encoder_cache()
         return count
 
     def sleep(self) -> None:

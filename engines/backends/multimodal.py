@@ -1,0 +1,153 @@
+"""Images on the engine host: decoding, the processor's pixel tensors, the image tokens.
+
+Images travel as encoded bytes (PNG/JPEG) from the prompts Parquet to the host that needs them,
+and only there become pixels: the processor of the model's Hugging Face folder (its
+``processor_config.json`` / ``preprocessor_config.json``) turns them into the tensors the vision
+tower takes. Nothing here is model-specific: the processor knows its model's placeholder, its
+expansion into image tokens and its pixel layout.
+
+Prompt ids: a vision prompt's text holds the model's image placeholder once per image; the
+processor expands each into the image tokens the language model sees. Rollout rows and
+``TrainBatch`` carry the *expanded* ids (what the model computes on). vLLM is given the
+unexpanded ids (one placeholder per image) and expands them itself: ids it is given already
+expanded it would expand again, silently (OpenRLHF #1220, TRL #6294).
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+
+class ImageError(ValueError):
+    """An image that cannot be used; the message names where it came from."""
+
+
+def is_vision_config(config) -> bool:
+    """A Hugging Face config of a vision-language model (it has a vision tower)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def load_processor(model_dir: str):
+    """The folder's processor (tokenizer + image processor), or None for a text-only folder."""
+    from transformers import AutoConfig, AutoProcessor
+
+    if not is_vision_config(AutoConfig.from_pretrained(model_dir)):
+        return None
+    processor = AutoProcessor.from_pretrained(model_dir)
+    if not hasattr(processor, "image_processor"):
+        raise ImageError(f"{model_dir}: a vision-language model whose folder has no image processor "
+                         "(processor_config.json or preprocessor_config.json)")
+    return processor
+
+
+def decode(blob: bytes, where: str = "image"):
+    """Encoded bytes → an RGB PIL image, or an ``ImageError`` naming ``where``."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(blob))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise ImageError(f"{where}: not a decodable image ({type(e).__name__}: {e})") from None
+    return image.convert("RGB")
+
+
+def check_image(blob: bytes, where: str, max_bytes: int) -> None:
+    """An encoded image that is within ``max_bytes`` and decodes, else an ``ImageError`` naming
+    ``where`` (the file, prompt_id and image index)."""
+    if len(blob) > max_bytes:
+        raise ImageError(f"{where}: {len(blob):,} bytes, over data.max_image_bytes={max_bytes:,}")
+    decode(blob, where)
+
+
+def image_token_ids(processor) -> list[int]:
+    """The special tokens a processor puts around and in place of images: never to be generated."""
+    tok = processor.tokenizer
+    names = [getattr(processor, a, None) for a in ("image_token", "fake_image_token", "global_image_tag",
+                                                   "vision_start_token", "vision_end_token", "boi_token", "eoi_token")]
+    ids = {tok.convert_tokens_to_ids(n) for n in names if isinstance(n, str)}
+    return sorted(i for i in ids if i is not None and i != tok.unk_token_id)
+
+
+def placeholder(processor) -> str:
+    """The text that stands for one image in a prompt (e.g. ``<image>``)."""
+    return processor.image_token
+
+
+def model_inputs(processor, prompts: list[str], images: list[list[bytes]], padding_side: str = "left") -> dict:
+    """The processor's batch for ``prompts`` and their images: expanded ``input_ids``, the
+    attention mask and the pixel tensors, padded on ``padding_side``."""
+    tok = processor.tokenizer
+    side, tok.padding_side = tok.padding_side, padding_side
+    try:
+        decoded = [[decode(b) for b in row] for row in images]
+        return processor(text=prompts, images=decoded, padding=True, return_tensors="pt")
+    finally:
+        tok.padding_side = side
+
+
+class PromptIds:
+    """A vision prompt's ids as the processor expands them (image tokens in place of each
+    placeholder), remembered by (text, image sizes): how many image tokens an image becomes
+    depends on its size only, so SFT over thousands of examples of a few prompt shapes runs the
+    processor's text side a few times."""
+
+    def __init__(self, processor):
+        self.processor = processor
+        self._ids: dict[tuple, list[int]] = {}
+
+    def __call__(self, text: str, images: list[bytes]) -> list[int]:
+        decoded = [decode(b) for b in images]
+        key = (text, tuple(im.size for im in decoded))
+        if key not in self._ids:
+            self._ids[key] = list(self.processor(text=[text], images=[decoded] if decoded else None)["input_ids"][0])
+        return self._ids[key]
+
+
+class PixelCache:
+    """The processor's pixel tensors of each distinct image list, computed once and kept for as
+    long as this object lives (the trainer keeps one per train step: the G samples of a prompt,
+    its micro-batches and minibatches share one decode and one processing). ``keep=False``: no
+    memory of earlier batches (SFT draws each batch afresh from the whole dataset)."""
+
+    def __init__(self, processor, keep: bool = True):
+        self.processor, self.keep = processor, keep
+        self._cache: dict[tuple[bytes, ...], dict[str, torch.Tensor]] = {}
+
+    def _one(self, images: tuple[bytes, ...]) -> dict[str, torch.Tensor]:
+        if images in self._cache:
+            return self._cache[images]
+        out = self.processor.image_processor([[decode(b) for b in images]], return_tensors="pt")
+        tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+        if self.keep:
+            self._cache[images] = tensors
+        return tensors
+
+    def batch(self, images: list[list[bytes]], device) -> dict[str, torch.Tensor]:
+        """The pixel inputs of a batch of sequences: each sequence's tensors joined along the first
+        dimension (Idefics3's [sequence, image, ...] and Qwen-VL's [patch, ...] alike), a shorter
+        image axis zero-padded (Idefics3 skips all-zero images)."""
+        per_row = [self._one(tuple(row)) for row in images]
+        out = {}
+        for key in per_row[0]:
+            tensors = [r[key] for r in per_row]
+            if tensors[0].dim() > 1 and len({t.shape[1:] for t in tensors}) > 1:  # rows with fewer images
+                width = max(t.shape[1] for t in tensors)
+                tensors = [torch.nn.functional.pad(t, [0, 0] * (t.dim() - 2) + [0, width - t.shape[1]]) for t in tensors]
+            out[key] = torch.cat(tensors).to(device)
+        return out
+
+
+def is_vision_folder(model_dir: str) -> bool:
+    """Whether a local Hugging Face folder holds a vision-language model (its config.json has a
+    ``vision_config``), read without importing transformers (timing-stub hosts never load it)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return json.load(f).get("vision_config") is not None
+    except (OSError, ValueError):
+        return False
