@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_ANALYTICS_ENABLED = false
 export HF_HUB_OFFLINE = 1
 
-.PHONY: install engines system demo test lock bench clean
+.PHONY: install engines system demo vision-demo test lock bench clean
 
 # Installs are locked: requirements/*.lock hold the exact versions CI tested (`make lock`
 # refreshes them), installed with --no-deps so nothing is resolved again on the day.
@@ -46,6 +46,11 @@ system:
 # tiny models built and SFT'd locally. Prints held-out accuracy before and after RL.
 demo: install
 	$(VENV)/bin/yattflow demo -c deployments/demo.yaml
+
+# The vision demo: a tiny vision-language policy (Idefics3) built and SFT'd locally reads two
+# digits off a picture and adds them; RL fixes its carries (docs/vision.md). Data: ./yattflow-data/vision.
+vision-demo: install
+	$(VENV)/bin/yattflow demo -c deployments/vision-demo.yaml
 
 test: engines system
 	$(PY) -m pytest -q -rs --durations=20

