@@ -1,20 +1,22 @@
 """Parallel controllers against a single controller: the parent process's memory and the bytes
-that pass through it, at 1x and 10x data with image-sized samples.
+that pass through it, at 1x and 10x data, with real pictures through a vision-language policy.
 
     .venv/bin/python -m bench.controller                    # ~3 min on 2 CPU cores, ~1 more to prepare
     .venv/bin/python -m bench.controller --store DIR        # prepare into DIR once, reuse it afterwards
     .venv/bin/python -m bench.controller --scales 1,10 --steps 4 --image-kb 200
 
-**Data.** The test suite's tiny prepared store (``TINY`` of bench/overhead.py, built by the real
-``prepare`` flow, as bench/overhead.py builds it), whose training prompts then get an ``image``
-column: ``--image-kb`` (100) KB of deterministic random bytes behind a PNG signature per prompt,
-incompressible like a real compressed image. The tiny text models ignore the image; the engine
-host carries it from the prompt into every rollout row, so it rides through rollouts → scored →
-experience (→ carry-over), G copies per prompt, the way a vision-language sample does. The data
-is about the bytes moved, not about what the model sees. *N x data*: ``sampling.prompts_per_wave``
-and ``sampling.target_groups`` times N (4 and 2 at 1x), so every stage moves N times the rows.
+**Data.** Real pictures through a vision-language policy: the test suite's tiny store (``TINY``
+of bench/overhead.py, built by the real ``prepare`` flow) made as the vision demo's
+(``prepare.task=vision``: a tiny Idefics3 policy SFT'd on pictures of two digits, the exact-match
+rule as the reward, no judge), and every training prompt's picture re-encoded as a real PNG of
+about ``--image-kb`` (100) KB (the same digits enlarged, with pixel noise so that it does not
+compress away). The engine hosts read the pictures of each wave from the prompts dataset, decode
+them and run them through the processor (the rollout engine, and the trainer on its own host, from
+each row's ``prompt_row``); rollouts → scored → experience carry that row, never the bytes.
+*N x data*: ``sampling.prompts_per_wave`` and ``sampling.target_groups`` times N (4 and 2 at 1x),
+so every stage moves N times the rows and the hosts read N times the pictures.
 
-**Variants** (same engines: torch policy + GenRM judge + torch trainer in one engine host per DP
+**Variants** (same engines: the torch policy (rollout) and torch trainer in one engine host per DP
 group; same prompts, seeds, config and stage tasks; ``--dp`` 2 groups; fresh subprocess each):
 
 - **yattflow**: the real ``flows.training:train`` flow (DP-group sub-flows; data moves engine
@@ -181,6 +183,7 @@ class Driver:
     def __init__(self, meter: Meter):
         self.meter = meter
         self.batch = None  # the driver's batch: every group's rows of the last stage
+        self.images = None  # a vision batch: its prompts' raw images and its samples' pixel tensors
 
     def gather_scatter(self, uris: list[str], schema) -> int:
         import pyarrow as pa
@@ -190,7 +193,7 @@ class Driver:
         if not uris:
             return 0
         start = time.perf_counter()
-        self.batch = None  # the previous stage's batch is released first (conservative: no union)
+        self.batch = self.images = None  # the previous stage's batch is released first (conservative: no union)
         tables = []
         for uri in uris:  # gather
             fs, path = objectstore.fs_for(uri)
@@ -209,6 +212,24 @@ class Driver:
         del tables
         self.meter.add("driver_s", time.perf_counter() - start)
         return self.batch.num_rows
+
+    def gather_images(self, config) -> None:
+        """What a driver gathers for a vision-language batch (veRL's ``multi_modal_data`` and
+        ``multi_modal_inputs``): the raw images of the batch's prompts, and the processor's pixel
+        tensors of every sample, held until the next stage's gather."""
+        from engines.backends import multimodal
+        from storage import datasets, objectstore
+
+        start = time.perf_counter()
+        rows = self.batch.column("prompt_row").to_pylist()
+        reader = datasets.PromptReader(config.uri(config.data.prompts))
+        images = {row: r["images"] for row, r in zip(sorted(set(rows)), reader.rows(sorted(set(rows))))}
+        processor = multimodal.load_processor(objectstore.local_folder(config.uri(config.model.policy)))
+        pixels = multimodal.PixelCache(processor, keep=False).batch([images[row] for row in rows], "cpu")
+        self.images = (images, pixels)
+        self.meter.add("gather_arrow", sum(len(b) for ims in images.values() for b in ims)
+                       + sum(t.numel() * t.element_size() for t in pixels.values()))
+        self.meter.add("driver_s", time.perf_counter() - start)
 
 
 def _single_controller_flows():
@@ -237,6 +258,7 @@ def _single_controller_flows():
                 cursors[g] = r.cursor
                 samples += r.samples
             driver.gather_scatter([r.uri for r in rolled], datasets.ROLLOUTS)
+            driver.gather_images(config)  # and, as a vision driver does, the batch's images and pixel tensors
             scored = await asyncio.gather(*(tasks.genrm_score(config, step, g, wave) for g in active))
             rewards += sum(x.reward_mean * r.samples for x, r in zip(scored, rolled))
             driver.gather_scatter([x.uri for x in scored], datasets.SCORED)
@@ -356,28 +378,41 @@ def run_variant(api_url: str, variant: str, overrides: list[str], work: Path) ->
 # --------------------------------------------------------------------------- data
 
 
-def add_images(root: str, kb: int) -> int:
-    """Give every training prompt ``kb`` KB of image-like bytes (unless it has them); the total bytes."""
+# the vision run: the vision demo's task and reward on the tiny store (a 32-wide language model of one head)
+VISION = ["prepare.task=vision", "reward.genrm_weight=0", "reward.rule_weight=1", "sft.heads=1"]
+
+
+def add_pictures(root: str, kb: int) -> int:
+    """Re-encode every training prompt's picture as a real PNG of about ``kb`` KB: the same digits
+    enlarged, with pixel noise that PNG cannot compress away (unless done already); the total bytes."""
+    import io
+
     import numpy as np
     import pyarrow as pa
+    from PIL import Image
 
     from engines.config import load_config
     from storage import datasets, objectstore
 
-    config = load_config(None, TINY + [f"storage.root={root}"])
+    config = load_config(None, TINY + VISION + [f"storage.root={root}"])
+    side = int((kb * 1024 / 1.5) ** 0.5)  # noise of +-8 (4 bits) over 3 channels: ~1.5 bytes a pixel
     total = 0
     for part in objectstore.list_files(config.uri(config.data.prompts), suffix=".parquet"):
         table = datasets.read_table(part, datasets.PROMPTS)
-        images = table.column("image").to_pylist()
-        if all(im is not None and len(im) == kb * 1024 for im in images):
-            total += sum(len(im) for im in images)
+        images = table.column("images").to_pylist()
+        if all(len(im[0]) > kb * 512 for im in images):
+            total += sum(len(im[0]) for im in images)
             continue
-        header = b"\x89PNG\r\n\x1a\n"
-        images = [header + np.random.default_rng(pid).bytes(kb * 1024 - len(header))
-                  for pid in table.column("prompt_id").to_pylist()]
-        table = table.set_column(table.schema.get_field_index("image"), "image", pa.array(images, pa.binary()))
+        rng, out = np.random.default_rng(0), []
+        for (png,) in images:
+            big = np.asarray(Image.open(io.BytesIO(png)).convert("RGB").resize((side, side)), dtype=np.int16)
+            noisy = np.clip(big + rng.integers(-8, 8, big.shape), 0, 255).astype(np.uint8)
+            buffer = io.BytesIO()
+            Image.fromarray(noisy).save(buffer, format="PNG")
+            out.append([buffer.getvalue()])
+        table = table.set_column(table.schema.get_field_index("images"), "images", pa.array(out, pa.list_(pa.binary())))
         datasets.write_table(part, table, datasets.PROMPTS)
-        total += sum(len(im) for im in images)
+        total += sum(len(im[0]) for im in out)
     return total
 
 
@@ -388,13 +423,14 @@ def prepare_store(api_url: str, root: str, work: Path) -> float:
     from storage import objectstore
     from tests.postgres import run_flow_subprocess
 
-    config = load_config(None, TINY + [f"storage.root={root}"])
-    needed = [objectstore.join(config.uri(p), "MANIFEST.json") for p in (config.model.policy, config.model.judge)]
-    needed.append(objectstore.join(config.uri(config.data.prompts), "part-00000.parquet"))
+    config = load_config(None, TINY + VISION + [f"storage.root={root}"])
+    needed = [objectstore.join(config.uri(config.model.policy), "MANIFEST.json"),
+              objectstore.join(config.uri(config.data.prompts), "part-00000.parquet")]
     if all(objectstore.exists(u) for u in needed):
         return 0.0
     start = time.perf_counter()
-    run_flow_subprocess(api_url, "flows.prepare:prepare", log_path=work / "prepare.log", overrides=TINY + [f"storage.root={root}"])
+    run_flow_subprocess(api_url, "flows.prepare:prepare", log_path=work / "prepare.log",
+                        overrides=TINY + VISION + [f"storage.root={root}"])
     return time.perf_counter() - start
 
 
@@ -455,7 +491,7 @@ def ratio(a: float, b: float) -> float | None:
 def report(results: dict, scales: list[int], args) -> tuple[str, list[dict]]:
     rows: list[dict] = []
     lines = [f"\n### Parallel controllers vs a single controller: the parent process (dp={args.dp}, {args.steps} steps, "
-             f"{args.image_kb} KB image per prompt, G=4; torch engines, tiny models; per-iteration figures: mean of steps "
+             f"a ~{args.image_kb} KB PNG per prompt, G=4; torch engines, a tiny VLM; per-iteration figures: mean of steps "
              f"0..{args.steps - 2})\n", "| figure | yattflow | single-controller | ratio (yattflow / single-controller) |",
              "|---|---:|---:|---:|"]
     for scale in scales:
@@ -520,14 +556,14 @@ def main(argv=None) -> dict:
         server = PrefectServer(cluster.url if cluster else None, home=work / "prefect").start()
         print(f"prefect server up on {db} ({time.perf_counter() - t0:.0f}s)", flush=True)
         prep = prepare_store(server.url, root, work)
-        image_bytes = add_images(root, args.image_kb)
-        print(f"store {root} ready ({prep:.0f}s to prepare; {image_bytes / MB:.0f} MB of images on the training prompts)", flush=True)
+        image_bytes = add_pictures(root, args.image_kb)
+        print(f"store {root} ready ({prep:.0f}s to prepare; {image_bytes / MB:.0f} MB of pictures on the training prompts)", flush=True)
         for i, scale in enumerate(scales):
             results[scale] = {}
             for variant in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):  # alternate which goes first
                 name = f"ctl-{'yatt' if variant == 'yattflow' else 'single'}-x{scale}"
                 shutil.rmtree(Path(root) / "runs" / name, ignore_errors=True)  # a fresh run, not a resume
-                overrides = TINY + [
+                overrides = TINY + VISION + [
                     f"storage.root={root}", f"name={name}", f"dp={args.dp}", f"steps={args.steps}", "threads_per_host=1",
                     "data.heldout=null", "checkpoint.every=1000", "rollout.backend=torch", "judge.backend=torch",
                     "train.backend=torch", f"sampling.prompts_per_wave={4 * scale}", f"sampling.target_groups={2 * scale}",

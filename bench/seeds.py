@@ -39,9 +39,9 @@ SFT_STEPS = re.compile(r"policy model: held-out exact match [\d.]+% after (\d+) 
 JUDGE = re.compile(r"judge model: held-out verdict accuracy ([\d.]+)% after (\d+) SFT steps")
 
 
-def run_demo(seed: int, path: str, steps: int | None, root: str) -> dict:
+def run_demo(seed: int, path: str, steps: int | None, root: str, config: str = "deployments/demo.yaml") -> dict:
     env = dict(os.environ, **PATHS[path])
-    command = [sys.executable, "-m", "flows.cli", "demo", "-c", str(ROOT / "deployments" / "demo.yaml"),
+    command = [sys.executable, "-m", "flows.cli", "demo", "-c", str(ROOT / config),
                f"storage.root={root}", f"seed={seed}", *([f"steps={steps}"] if steps else [])]
     start = time.perf_counter()
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -61,21 +61,24 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds")
     parser.add_argument("--paths", default="best,default", help=f"comma-separated float paths: {', '.join(PATHS)}")
-    parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: deployments/demo.yaml's)")
+    parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the config's)")
+    parser.add_argument("--config", default="deployments/demo.yaml",
+                        help="the demo's config, relative to the checkout (deployments/vision-demo.yaml: the vision demo)")
     args = parser.parse_args(argv)
     seeds, paths = [int(s) for s in args.seeds.split(",")], args.paths.split(",")
     unknown = set(paths) - set(PATHS)
     if unknown:
         parser.error(f"--paths: unknown {sorted(unknown)}; choose from {list(PATHS)}")
     cpu = cpu_model()
-    print(f"CPU: {cpu}; {len(seeds)} seeds x {len(paths)} paths, {args.steps or 'the demo.yaml'} RL steps each\n")
+    steps = args.steps or "the config's"
+    print(f"CPU: {cpu}; {args.config}: {len(seeds)} seeds x {len(paths)} paths, {steps} RL steps each\n")
     print("| seed | path | policy SFT steps | SFT % | RL % | lift (points) | GenRM SFT | seconds |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
             for path in paths:
-                r = run_demo(seed, path, args.steps, os.path.join(tmp, f"{path}-{seed}"))
+                r = run_demo(seed, path, args.steps, os.path.join(tmp, f"{path}-{seed}"), args.config)
                 rows.append(r)
                 figures = f"{r['sft']} | {r['rl']} | {r['lift']}" if "failed" not in r else f"failed: {r['failed']} | | "
                 print(f"| {seed} | {path} | {r['sft_steps']} | {figures} | {r['judge']} | {r['seconds']} |", flush=True)

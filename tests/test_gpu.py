@@ -220,3 +220,55 @@ def test_megatron_dp2_over_nccl_with_gloo_metadata(tmp_path):
     assert ranks[0]["gathered"] == ranks[1]["gathered"] == [[0], [1, 1]]
     assert all(torch.equal(ranks[0]["weights"][k], ranks[1]["weights"][k]) for k in ranks[0]["weights"])
     assert ranks[0]["stats"]["loss"] == ranks[1]["stats"]["loss"]
+
+
+@pytest.mark.gpu
+def test_qwen2_5_vl_rolls_out_and_trains_with_images_on_cuda(tmp_path):
+    """The same vision code path as the tiny Idefics3 on the CPU (tests/test_vision.py), on a tiny
+    random Qwen2.5-VL: its processor (Qwen2-VL's image processor needs torchvision, which the GPU
+    image has) expands the placeholder, the torch generator samples with the images, and the
+    trainer's log-probabilities of the same tokens, with the pixel tensors it rebuilds, agree."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    from transformers import Qwen2VLImageProcessor
+
+    from engines.backends.base import TrainBatch
+    from engines.backends.torch.generator import TorchGenerator
+    from engines.backends.torch.trainer import TorchTrainer
+    from engines.demo import vision
+    from engines.demo.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer("0123456789+=sum:")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>",
+                                                                "<|video_pad|>"]})
+    try:
+        processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56),
+                                        tokenizer=tokenizer, video_processor=None)
+    except Exception as e:  # noqa: BLE001 - the CPU machines cannot build it (no torchvision): say so
+        pytest.skip(f"cannot build a Qwen2.5-VL processor here ({type(e).__name__}: {e})")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")}
+    config = Qwen2_5_VLConfig(
+        vision_start_token_id=ids["<|vision_start|>"], image_token_id=ids["<|image_pad|>"],
+        vision_end_token_id=ids["<|vision_end|>"], video_token_id=ids["<|video_pad|>"],
+        vision_config={"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 128,
+                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+                       "fullatt_block_indexes": [1]},
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+                     "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}},
+    )
+    Qwen2_5_VLForConditionalGeneration(config).float().save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    prompt = "<|vision_start|><|image_pad|><|vision_end|>sum:"
+    rows = vision.make_problems(3, seed=0)
+    generator = TorchGenerator(str(tmp_path), device="cuda", autocast=False)
+    gens = generator.generate([prompt] * 3, n=2, max_new_tokens=6, seed=1, images=[im for _, im, *_ in rows])
+    assert all(len(g.prompt_ids) > len(tokenizer(prompt)["input_ids"]) for g in gens)  # the placeholder was expanded
+    trainer = TorchTrainer(str(tmp_path), device="cuda", autocast=False)
+    batch = TrainBatch([g.prompt_ids for g in gens], [g.response_ids for g in gens], [g.logprobs for g in gens],
+                       [0.0] * len(gens), images=[rows[g.prompt_index][1] for g in gens])
+    ref = trainer.logprobs(batch)
+    assert max(abs(a - b) for g, r in zip(gens, ref) for a, b in zip(g.logprobs, r)) < 1e-4
+    assert trainer.train_step(TrainBatch(batch.prompt_ids, batch.response_ids, ref, [1.0, -1.0] * 3,
+                                         images=batch.images))["tokens"] > 0
+    assert torch.cuda.is_available()

@@ -209,3 +209,39 @@ def test_vision_demo_learns(tmp_path):
     before, after = map(float, found.groups())
     print(f"[vision demo] held-out exact match {before}% (SFT) -> {after}% (RL)")
     assert after - before >= 20, (before, after)
+
+
+@pytest.mark.parametrize("judge_kind", ["vision", "text"])
+def test_judge_sees_the_pictures_or_the_text_without_placeholders(vlm, tmp_path, judge_kind):
+    """One engine host's worker, in this process (no Prefect): a rollout of a vision policy, then the
+    GenRM scores it. A vision-language judge is given each prompt's pictures (read back by the
+    rollout rows' ``prompt_row``); a text judge gets the prompt without its image placeholders."""
+    from engines.host.worker import Worker
+    from engines.wire.commands import GenRMScore, Rollout, SetupEngines
+
+    rows = problems(6, seed=4)
+    prompts = write_prompts(tmp_path / "prompts.parquet", [
+        {"prompt_id": i, "prompt": p, "answer": a, "images": im} for i, (p, im, a, _) in enumerate(rows)])
+    judge = vlm
+    if judge_kind == "text":
+        judge = str(tmp_path / "text-judge")
+        tokenizer = build_char_tokenizer("0123456789+=sum:")
+        build_tiny_llama(len(tokenizer), hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1).save_pretrained(judge)
+        tokenizer.save_pretrained(judge)
+    config = config_for(tmp_path, vlm, prompts, f"model.judge={judge}", "reward.genrm_weight=1", "rollout.samples_per_prompt=2", "dp=1")
+    worker = Worker(rank=0, world=1, threads=1)
+    worker.handle(SetupEngines(config=config))
+    seen = []
+    real = worker.judge.generate
+    worker.judge.generate = lambda prompts, **kw: seen.append((prompts, kw.get("images"))) or real(prompts, **kw)
+    out = str(tmp_path / "rollouts.parquet")
+    worker.handle(Rollout(step=0, wave=0, cursor=0, count=3, out=out))
+    worker.handle(GenRMScore(rollouts=out, out=str(tmp_path / "scored.parquet")))
+    (judged, images), = seen
+    rolled = datasets.read_table(out, datasets.ROLLOUTS).to_pylist()
+    assert [r["prompt_row"] for r in rolled] == [0, 0, 1, 1, 2, 2]  # the rows read, G=2 samples each
+    if judge_kind == "vision":
+        assert images == [rows[r["prompt_row"]][1] for r in rolled]
+        assert all(p.count("<image>") == 1 for p in judged)
+    else:
+        assert images is None and not any("<image>" in p for p in judged)
