@@ -464,8 +464,12 @@ def test_new_prompt_files_extend_each_stream_and_reordering_is_refused(tmp_path)
     import pyarrow as pa
 
     from engines.host.checkpointing import Checkpoints
-    from engines.host.worker import prompt_stream
+    from engines.host.prompts import PromptStream
     from storage.datasets import part_files
+
+    def prompt_stream(uri: str, rank: int, world: int) -> list[dict]:  # the whole stream, one epoch
+        stream = PromptStream(uri, rank, world)
+        return stream.wave(0, len(stream))
 
     def part(name: str, ids: range) -> None:
         pq.write_table(pa.table({"prompt_id": list(ids), "prompt": [f"{i}+1=" for i in ids], "answer": ["x"] * len(ids)}),

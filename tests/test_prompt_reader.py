@@ -272,7 +272,7 @@ if how == "reader":
     reader = datasets.PromptReader(uri)
     stream = len(reader) // world  # rows of this rank
     read = lambda first: reader.rows([rank + world * k for k in range(first, first + wave_rows)])
-else:  # what prompt_stream does today: the whole dataset, then every world-th row
+else:  # what the hosts did before PromptStream: the whole dataset, then every world-th row
     rows = datasets.read_table(uri, datasets.PROMPTS).to_pylist()[rank::world]
     stream = len(rows)
     read = lambda first: rows[first : first + wave_rows]
@@ -317,7 +317,7 @@ def test_reader_memory_does_not_grow_with_the_dataset(datasets_1x_10x):
     """Peak RSS reading 20 waves from 2,000 vs 20,000 prompts of 20 KB images (40 vs 400 MB).
 
     Seen on a 2-core AMD EPYC (pyarrow 26): PromptReader 162.8 MB at 1x, 162.6 MB at 10x;
-    read_table then every world-th row (prompt_stream today) 280.9 MB at 1x, 1,032 MB at 10x.
+    read_table then every world-th row (the hosts before PromptStream) 280.9 MB at 1x, 1,032 MB at 10x.
     Before the reader released Arrow's freed pages and decoded on one thread, it grew by 8-30 MB
     here: this bound fails on allocator growth, too."""
     one, ten = datasets_1x_10x

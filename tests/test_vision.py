@@ -140,7 +140,7 @@ def test_bad_vision_inputs_fail_before_engines_load_naming_file_prompt_and_field
 
 
 def test_a_bad_image_fails_when_its_row_is_read(vlm, tmp_path):
-    from engines.host.worker import PromptStream
+    from engines.host.prompts import PromptStream
 
     image = problems(1)[0][1][0]
     rows = [{"prompt_id": i, "prompt": vision.PROMPT, "answer": "x", "images": [image]} for i in range(6)]
