@@ -122,8 +122,14 @@ def test_bad_vision_inputs_fail_before_engines_load_naming_file_prompt_and_field
         assert path in str(e.value)
     with pytest.raises(validation.InputError, match=r"'images'\[0\]: .* over data.max_image_bytes=100"):
         validation.validate_inputs(config_for(tmp_path, vlm, ok, "data.max_image_bytes=100"))
-    with pytest.raises(validation.InputError, match="train.backend=megatron: .* is a vision-language model"):
-        validation.validate_inputs(config_for(tmp_path, vlm, ok, "train.backend=megatron"))
+    # Megatron trains Idefics3/SmolVLM (the Hugging Face tower beside a Megatron GPT), no other family
+    assert validation.validate_inputs(config_for(tmp_path, vlm, ok, "train.backend=megatron")) == {"data.prompts": 1}
+    other = tmp_path / "other-vlm"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "qwen2_vl", "vision_config": {}}')
+    with pytest.raises(validation.InputError, match="train.backend=megatron: .* vision-language model of model_type 'qwen2_vl'.*"
+                                                    r"\('idefics3', 'smolvlm'\) only"):
+        validation.check_vision(config_for(tmp_path, vlm, ok, "train.backend=megatron"), str(other))
 
     text_model = tmp_path / "text-model"
     tokenizer = build_char_tokenizer()

@@ -34,7 +34,7 @@ def make_trainer(cfg: RunConfig, model_dir: str, device=None) -> Trainer:
         return MegatronTrainer(model_dir, tensor_parallel=t.tensor_parallel, distributed_optimizer=t.distributed_optimizer,
                                recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
                                recompute_num_layers=t.recompute_num_layers, recompute_modules=t.recompute_modules,
-                               device=device, **kwargs)
+                               device=device, freeze_vision=t.freeze_vision, **kwargs)
     from engines.backends.torch.trainer import TorchTrainer
 
     return TorchTrainer(model_dir, device=device, freeze_vision=t.freeze_vision, **kwargs)

@@ -151,3 +151,15 @@ def is_vision_folder(model_dir: str) -> bool:
             return json.load(f).get("vision_config") is not None
     except (OSError, ValueError):
         return False
+
+
+def folder_model_type(model_dir: str) -> str | None:
+    """A local Hugging Face folder's ``model_type`` (config.json), read without transformers."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError):
+        return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engines.backends import multimodal
+from engines.backends.megatron.vision import VISION_MODELS as MEGATRON_VISION_MODELS  # imports no Megatron
 from engines.host import rewards
 from storage import datasets, objectstore
 
@@ -95,11 +96,14 @@ def check_vision(config, policy: str):
     if not multimodal.is_vision_folder(policy):
         return None
     if config.train.backend == "megatron":
-        raise InputError(
-            f"train.backend=megatron: {config.uri(config.model.policy)} is a vision-language model, and yattflow's Megatron "
-            "trainer maps text-only GPT models (engines/backends/megatron/mapping.py). The hybrid Megatron-Bridge and "
-            "slime use (the Hugging Face vision tower beside a Megatron-Core GPT language model) is not built yet: "
-            "use train.backend=torch")
+        model_type = multimodal.folder_model_type(policy)
+        if model_type not in MEGATRON_VISION_MODELS:
+            raise InputError(
+                f"train.backend=megatron: {config.uri(config.model.policy)} is a vision-language model of model_type "
+                f"{model_type!r}, and yattflow's Megatron trainer pairs the Hugging Face vision tower with a Megatron-Core "
+                f"GPT language model for {tuple(MEGATRON_VISION_MODELS)} only (engines/backends/megatron/vision.py): its language "
+                "model must be a mapped Llama and its image features must fill the image-token positions, which other "
+                "families (Qwen-VL's 3-D rotary positions, LLaVA's, Gemma 3's) do not satisfy: use train.backend=torch")
     try:
         return multimodal.load_processor(policy)
     except Exception as e:  # noqa: BLE001 - any failure means no usable processor

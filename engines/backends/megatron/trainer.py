@@ -14,13 +14,16 @@ Tensor-parallel ranks of one DP replica must be given the same batch. Methods ma
 *collective* must be called on every rank, in the same order.
 
 Megatron-Core has no Hugging Face converter for GPT models: ``mapping.py`` holds the Llama/Qwen2
-mapping, ``model.py`` builds the model.
+mapping, ``model.py`` builds the model. A vision-language model (Idefics3/SmolVLM) keeps its
+Hugging Face vision tower and connector as torch modules beside the Megatron GPT language model
+(``vision.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from pathlib import Path
 from typing import Iterator, Literal
 
@@ -36,9 +39,11 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
 
+from engines.backends import multimodal
 from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
 from engines.backends.batching import micro_batches, pad_batch
 from engines.backends.distributed import default_device
+from engines.backends.megatron import vision
 from engines.backends.megatron.mapping import _param_to_hf, load_hf_state, padded_vocab_size
 from engines.backends.megatron.model import RecomputeGranularity, _init_distributed, build_gpt, transformer_config
 from engines.backends.megatron.offload import Offload, trainer_tensors
@@ -69,14 +74,25 @@ class MegatronTrainer:
         recompute_num_layers: int = 1,
         recompute_modules: list[str] | tuple[str, ...] = ("core_attn",),
         device: torch.device | str | None = None,
+        freeze_vision: bool = True,  # a vision-language model's tower takes no gradient (as TorchTrainer's)
     ):
         # Megatron allocates on the *current* CUDA device: a device given here becomes it
         self.device = torch.device(device) if device is not None else default_device()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         _init_distributed(tensor_parallel, self.device)
+        self.model_dir = model_dir
         self.hf_config = AutoConfig.from_pretrained(model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # a vision-language model: its processor, its image tokens (never sampled: outside the
+        # distribution, as in TorchTrainer) and the language model's own config
+        self.processor = multimodal.load_processor(model_dir)
+        self.banned = None
+        self.text_config = self.hf_config
+        if self.processor is not None:
+            vision.check_supported(self.hf_config)
+            self.text_config = vision.text_config(self.hf_config)
+            self.banned = multimodal.image_token_ids(self.processor)
+        self.tokenizer = self.processor.tokenizer if self.processor is not None else AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer.padding_side = "left"
         self.temperature = temperature
         # Megatron without Transformer Engine or Apex steps torch's AdamW, whose distributed
@@ -86,11 +102,18 @@ class MegatronTrainer:
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype {dtype!r}: float32 or bfloat16 (float16 would need loss scaling)")
         torch_dtype = getattr(torch, dtype)
-        self.config = transformer_config(self.hf_config, tensor_parallel, torch_dtype, recompute_granularity,
+        self.config = transformer_config(self.text_config, tensor_parallel, torch_dtype, recompute_granularity,
                                          recompute_method, recompute_num_layers, recompute_modules)
         hf_state = load_hf_state(model_dir)
 
-        model = build_gpt(self.hf_config, self.config, hf_state, self.device)
+        def build(freeze_vision: bool):
+            if self.processor is None:
+                return build_gpt(self.hf_config, self.config, hf_state, self.device)
+            gpt = build_gpt(self.text_config, self.config, vision.text_state(hf_state), self.device)
+            vision.attach(gpt, self.hf_config, hf_state, self.device, torch_dtype, freeze_vision)
+            return gpt
+
+        model = build(freeze_vision)
         self.model = DistributedDataParallel(
             config=self.config,
             ddp_config=DistributedDataParallelConfig(
@@ -100,7 +123,7 @@ class MegatronTrainer:
         )
         self.reference = None
         if reference:
-            self.reference = build_gpt(self.hf_config, self.config, hf_state, self.device).eval()
+            self.reference = build(True).eval()
             self.reference.requires_grad_(False)
         del hf_state
 
@@ -129,24 +152,38 @@ class MegatronTrainer:
         self._offload = Offload(self.device)
 
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        per_rank = padded_vocab_size(self.hf_config) // tensor_parallel
+        per_rank = padded_vocab_size(self.text_config) // tensor_parallel
         vocab_ids = torch.arange(tp_rank * per_rank, (tp_rank + 1) * per_rank, device=self.device)
-        padding = vocab_ids >= self.hf_config.vocab_size
+        padding = vocab_ids >= self.text_config.vocab_size
         self._vocab_padding = padding if padding.any() else None  # this rank's logits of padded ids
+        self._banned = None  # this rank's logits of the image tokens
+        if self.banned:
+            banned = torch.isin(vocab_ids, torch.tensor(self.banned, device=self.device))
+            self._banned = banned if banned.any() else None
 
     # --- forward -------------------------------------------------------------------------
 
-    def _token_logprobs(self, model, ids: torch.Tensor) -> torch.Tensor:
+    def _token_logprobs(self, model, ids: torch.Tensor, pixels: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """log p(token t | tokens < t) for t >= 1; shape [batch, len-1] (on every TP rank).
 
         Sequences are right-padded, so causal attention alone keeps real tokens away from
         padding, and positions 0..n-1 are the ones Hugging Face gives them. No mask tensor: the
         layers' causal mask type lets SDPA use its causal kernels (a [seq, seq] mask would rule
-        flash attention out)."""
+        flash attention out). ``pixels``: a vision batch's image inputs, whose features the
+        connector puts in place of the image tokens' embeddings (``vision.py``)."""
         batch, length = ids.shape
         positions = torch.arange(length, device=ids.device).expand(batch, length)
-        logits = model(input_ids=ids, position_ids=positions, attention_mask=None)
-        logits = logits[:, :-1].float() / self.temperature
+        decoder_input = None
+        if pixels:
+            gpt = model.module if isinstance(model, DistributedDataParallel) else model
+            features = vision.image_features(gpt.hf_vision, self.hf_config, **pixels)
+            embeddings = gpt.embedding(input_ids=ids, position_ids=positions)  # [seq, batch, hidden]
+            decoder_input = vision.merge(embeddings, ids, features, self.hf_config.image_token_id)
+        logits = model(input_ids=ids, position_ids=positions, attention_mask=None, decoder_input=decoder_input)
+        logits = logits[:, :-1].float()
+        if self._banned is not None:  # as TorchTrainer's ``without``: finite, before the temperature
+            logits = logits.masked_fill(self._banned, -1e9)
+        logits = logits / self.temperature
         if self._vocab_padding is not None:
             logits = logits.masked_fill(self._vocab_padding, float("-inf"))
         return -vocab_parallel_cross_entropy(logits, ids[:, 1:])
@@ -158,8 +195,16 @@ class MegatronTrainer:
         if not len(batch):
             return []
         ids, _, resp, _ = pad_batch(batch, self.tokenizer.pad_token_id)
-        lp = self._token_logprobs(self.model, ids.to(self.device)).cpu()
+        lp = self._token_logprobs(self.model, ids.to(self.device), self._pixels(batch, None)).cpu()
         return [lp[i][resp[i].bool()].tolist() for i in range(len(batch))]
+
+    def _pixels(self, batch: TrainBatch, cache: multimodal.PixelCache | None) -> dict | None:
+        """A vision batch's pixel inputs (from ``cache``, kept for one train step), else None."""
+        if batch.images is None:
+            return None
+        if self.processor is None:
+            raise ValueError("a batch with images for a text-only policy")
+        return (cache or multimodal.PixelCache(self.processor)).batch(batch.images, self.device)
 
     # --- training ------------------------------------------------------------------------
 
@@ -188,6 +233,7 @@ class MegatronTrainer:
         totals = {"loss": 0.0, "clip_fraction": 0.0, "tokens": 0.0, "grad_norm": 0.0}
         stats = torch.zeros(3, dtype=torch.float64, device=self.device)  # entropy, kl_rollout, kl_reference (token sums)
         self.model.train()
+        pixel_cache = multimodal.PixelCache(self.processor) if self.processor is not None else None  # this step's images
         for part in batch.split(minibatches):
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -201,11 +247,12 @@ class MegatronTrainer:
                 report_progress()  # the host's heartbeat: a long train step is moving (engines/wire/channel.py)
                 with self.model.no_sync() if k < len(passes) - 1 else contextlib.nullcontext():
                     ids, _, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
-                    logprobs = self._token_logprobs(self.model, ids)
+                    pixels = self._pixels(micro, pixel_cache)
+                    logprobs = self._token_logprobs(self.model, ids, pixels)
                     ref = None
                     if self.reference is not None and kl_coef > 0:
                         with torch.no_grad():
-                            ref = self._token_logprobs(self.reference, ids)
+                            ref = self._token_logprobs(self.reference, ids, pixels)
                     adv = torch.tensor(micro.advantages, dtype=logprobs.dtype, device=self.device)
                     per_token, clipped = algorithms.policy_loss_terms(logprobs, old, adv, clip_low, clip_high, ref, kl_coef)
                     # global ``total`` (not this pass's own count): the passes' losses sum to the minibatch's
@@ -267,11 +314,18 @@ class MegatronTrainer:
             if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
                 shards = [torch.empty_like(local) for _ in range(tp_size)]
                 dist.all_gather(shards, local.contiguous(), group=tp_group)
-            for hf_name, tensor in _param_to_hf(name, shards, self.hf_config).items():
+            vision_name = vision.hf_name(name)
+            if vision_name is not None:  # the Hugging Face vision tower or connector: its own name
+                yield vision_name, shards[0].to("cpu", copy=True).contiguous()
+                continue
+            for hf_name, tensor in _param_to_hf(name, shards, self.text_config).items():
+                if self.processor is not None:
+                    hf_name = vision.to_vlm_name(hf_name)
                 yield hf_name, tensor.to("cpu", copy=True).contiguous()
 
     def save_hf(self, local_dir: str, tensors: dict[str, torch.Tensor] | None = None) -> None:
-        """config.json, model.safetensors (HF names) and the tokenizer. Collective over TP;
+        """config.json, model.safetensors (HF names) and the tokenizer (a vision model's processor,
+        and its generation_config.json, as ``save_pretrained`` writes). Collective over TP;
         TP rank 0 of each DP replica writes. ``tensors``: Hugging Face-named weights taken
         earlier (``dict(export_weights())``, host-memory copies) to write instead of the live
         ones; then nothing is collective and any thread may call it."""
@@ -282,7 +336,13 @@ class MegatronTrainer:
         os.makedirs(local_dir, exist_ok=True)
         self.hf_config.save_pretrained(local_dir)
         save_file(tensors, os.path.join(local_dir, "model.safetensors"), metadata={"format": "pt"})
-        self.tokenizer.save_pretrained(local_dir)
+        if self.processor is None:
+            self.tokenizer.save_pretrained(local_dir)
+            return
+        self.processor.save_pretrained(local_dir)
+        generation = os.path.join(self.model_dir, "generation_config.json")
+        if os.path.exists(generation):
+            shutil.copyfile(generation, os.path.join(local_dir, "generation_config.json"))
 
     # --- checkpoints ---------------------------------------------------------------------
 
