@@ -140,6 +140,16 @@ class PixelCache:
         return out
 
 
+def pixels(processor, batch, device, cache: PixelCache | None = None) -> dict[str, torch.Tensor] | None:
+    """A trainer's pixel inputs for a ``TrainBatch`` with images (from ``cache``, which a trainer
+    keeps for one train step), else None."""
+    if batch.images is None:
+        return None
+    if processor is None:
+        raise ValueError("a batch with images for a text-only policy")
+    return (cache or PixelCache(processor)).batch(batch.images, device)
+
+
 def is_vision_folder(model_dir: str) -> bool:
     """Whether a local Hugging Face folder holds a vision-language model (its config.json has a
     ``vision_config``), read without importing transformers (timing-stub hosts never load it)."""

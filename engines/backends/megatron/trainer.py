@@ -195,16 +195,9 @@ class MegatronTrainer:
         if not len(batch):
             return []
         ids, _, resp, _ = pad_batch(batch, self.tokenizer.pad_token_id)
-        lp = self._token_logprobs(self.model, ids.to(self.device), self._pixels(batch, None)).cpu()
+        pixels = multimodal.pixels(self.processor, batch, self.device)
+        lp = self._token_logprobs(self.model, ids.to(self.device), pixels).cpu()
         return [lp[i][resp[i].bool()].tolist() for i in range(len(batch))]
-
-    def _pixels(self, batch: TrainBatch, cache: multimodal.PixelCache | None) -> dict | None:
-        """A vision batch's pixel inputs (from ``cache``, kept for one train step), else None."""
-        if batch.images is None:
-            return None
-        if self.processor is None:
-            raise ValueError("a batch with images for a text-only policy")
-        return (cache or multimodal.PixelCache(self.processor)).batch(batch.images, self.device)
 
     # --- training ------------------------------------------------------------------------
 
@@ -247,7 +240,7 @@ class MegatronTrainer:
                 report_progress()  # the host's heartbeat: a long train step is moving (engines/wire/channel.py)
                 with self.model.no_sync() if k < len(passes) - 1 else contextlib.nullcontext():
                     ids, _, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
-                    pixels = self._pixels(micro, pixel_cache)
+                    pixels = multimodal.pixels(self.processor, micro, self.device, pixel_cache)
                     logprobs = self._token_logprobs(self.model, ids, pixels)
                     ref = None
                     if self.reference is not None and kl_coef > 0:

@@ -95,14 +95,6 @@ class TorchTrainer:
             p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
 
-    def _pixels(self, batch: TrainBatch, cache: multimodal.PixelCache | None) -> dict | None:
-        """A vision batch's pixel inputs (from ``cache``, kept for one train step), else None."""
-        if batch.images is None:
-            return None
-        if self.processor is None:
-            raise ValueError("a batch with images for a text-only policy")
-        return (cache or multimodal.PixelCache(self.processor)).batch(batch.images, self.device)
-
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """The trainer's log-probabilities of each response token under the current weights."""
@@ -110,7 +102,8 @@ class TorchTrainer:
             return []
         ids, attn, resp, _ = (t.to(self.device) for t in pad_batch(batch, self.tokenizer.pad_token_id))
         with forward_precision(self.device, self.autocast):
-            lp = sequence_logprobs(self.model, ids, attn, self.temperature, self._pixels(batch, None), self.banned)
+            pixels = multimodal.pixels(self.processor, batch, self.device)
+            lp = sequence_logprobs(self.model, ids, attn, self.temperature, pixels, self.banned)
         return [lp[i][resp[i].bool()].tolist() for i in range(len(batch))]
 
     def train_step(
@@ -143,7 +136,7 @@ class TorchTrainer:
                 # the named regions are what a profile of the step shows (bench/train_step.py)
                 with record_function("pad_batch"):
                     ids, attn, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
-                    pixels = self._pixels(micro, pixel_cache)
+                    pixels = multimodal.pixels(self.processor, micro, self.device, pixel_cache)
                 with record_function("forward"), forward_precision(self.device, self.autocast):  # the loss: fp32 either way
                     logprobs = sequence_logprobs(self.model, ids, attn, self.temperature, pixels, self.banned)
                     ref = None
