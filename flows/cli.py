@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import signal
@@ -96,6 +97,37 @@ def _prefect_server(port: int, env: dict, log, host: str = "127.0.0.1") -> subpr
                             env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
 
 
+def _started_server(env: dict, log_path: Path, name: str, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """``_prefect_server`` on 127.0.0.1:``port`` (None: a free one), and its API URL, once it
+    answers; RuntimeError naming its log if it does not.
+
+    One start at a time per PREFECT_HOME (an exclusive ``flock`` on a file there): a server's start
+    migrates the database in PREFECT_HOME, and two first commands started together both ran the
+    migration, and one failed (alembic: "expected to match one row"). The next start waits for the
+    one before to answer; by then the database is migrated. (A free port is chosen after the wait,
+    so that nothing else has taken it meanwhile.)"""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path.parent / "yattflow-server-start.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        url = f"http://127.0.0.1:{port}/api"
+        with open(log_path, "ab") as log:
+            proc = _prefect_server(port, env, log)
+        try:
+            deadline = time.time() + 120
+            while not _healthy(url):
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"{name} did not start; see {log_path}")
+                time.sleep(0.25)
+        except BaseException:
+            _stop(proc, name)
+            raise
+    return proc, url
+
+
 @contextlib.contextmanager
 def _local_api():
     """The Prefect API for an in-process command: ``PREFECT_API_URL`` when one is set (environment or
@@ -107,20 +139,10 @@ def _local_api():
     if settings.api.url:
         yield settings.api.url
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}/api"
     log_path = Path(settings.home) / "yattflow-temporary-server.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        proc = _prefect_server(port, {**TEMPORARY_SERVER_SETTINGS, **os.environ, "PREFECT_UI_ENABLED": "0"}, log)
+    proc, url = _started_server({**TEMPORARY_SERVER_SETTINGS, **os.environ, "PREFECT_UI_ENABLED": "0"}, log_path,
+                                "the temporary Prefect server")
     try:
-        deadline = time.time() + 120
-        while not _healthy(url):
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"the temporary Prefect server did not start; see {log_path}")
-            time.sleep(0.25)
         with _use_api(url):
             try:
                 yield url
@@ -133,6 +155,38 @@ def _local_api():
     finally:
         _stop(proc, "the temporary Prefect server")
         os.environ.pop("PREFECT_API_URL", None)
+
+
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c():
+    """SIGTERM (what ``kill``, Kubernetes, Slurm and systemd send) stops the command as Ctrl-C does.
+
+    For every flow run Prefect installs a SIGTERM handler of its own (``capture_sigterm`` in
+    ``prefect.utilities.engine``) that raises ``TerminationSignal`` wherever the main thread is.
+    In an async flow that is often the event loop's own code, waiting for the engine hosts:
+    ``asyncio.run`` then cancels every task and re-raises it (the run crashed, exit 1, a traceback,
+    no stop line); inside a callback asyncio logs it and drops it (the run goes on). Ctrl-C has
+    neither problem: inside ``asyncio.run`` SIGINT cancels the main task, every flow unwinds at its
+    next ``await`` (hosts stopped, lease released) and ``asyncio.run`` raises KeyboardInterrupt. So
+    SIGTERM calls the SIGINT handler of the moment, and Prefect gets that as its own handler
+    (Prefect 3.8 looks the module attribute up each time a flow run starts; tests/test_recovery.py
+    sends SIGTERM at several points of a run, and fails if Prefect stops reading it)."""
+    import prefect.utilities.engine as prefect_engine
+
+    def as_ctrl_c(signum, frame):
+        handler = signal.getsignal(signal.SIGINT)
+        if not callable(handler):  # SIGINT ignored (a shell's background job): SIGTERM still stops the command
+            raise KeyboardInterrupt
+        handler(signal.SIGINT, frame)
+
+    prefects = prefect_engine._prefect_sigterm_handler
+    prefect_engine._prefect_sigterm_handler = as_ctrl_c
+    previous = signal.signal(signal.SIGTERM, as_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        prefect_engine._prefect_sigterm_handler = prefects
 
 
 IN_PROCESS = {
@@ -172,13 +226,9 @@ def _in_process(argv: list[str]) -> int:
     from flows.sft import sft
     from flows.training import train
 
-    def terminated(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, terminated)  # SIGTERM stops a run as Ctrl-C does
     start = time.perf_counter()
     try:
-        with _local_api():
+        with _sigterm_as_ctrl_c(), _local_api():
             if args.command == "sft":
                 result = sft(config_file=args.config, overrides=args.overrides)
                 print(f"\nsft '{config.name}': {_sft_line(result)}")
@@ -187,15 +237,18 @@ def _in_process(argv: list[str]) -> int:
             if args.command in ("train", "demo"):
                 summary = asyncio.run(train(config_file=args.config, overrides=args.overrides))
                 print(f"\nrun '{config.name}': {_heldout_line(summary)}; final policy: {summary['final_model']}")
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):  # (asyncio.run re-raises a cancel that was not only ours)
         where = where_sft_stopped(config) if args.command == "sft" else where_it_stopped(config)
         print(f"\nyattflow {args.command}: {where}", file=sys.stderr, flush=True)
         return 130
     except Exception as e:  # noqa: BLE001 - the traceback is in the log above; the cause goes last, alone
         from storage.lease import RunInUse
+        from storage.runstate import RunStateError
 
-        # another run holds this one: where *it* stands is not this command's to report
-        stopped = f"; {where_it_stopped(config)}" if args.command in ("train", "demo") and not isinstance(e, RunInUse) else ""
+        # another run holds this one: where *it* stands is not this command's to report; an
+        # unreadable state.json: the error already names the checkpoints that stand
+        stopped = (f"; {where_it_stopped(config)}" if args.command in ("train", "demo")
+                   and not isinstance(e, (RunInUse, RunStateError)) else "")
         print(f"\nyattflow {args.command}: failed: {failure_cause(e)}{stopped}", file=sys.stderr, flush=True)
         return 1
     print(f"yattflow {args.command}: done in {time.perf_counter() - start:.0f}s")
@@ -240,16 +293,24 @@ def failure_cause(error: BaseException) -> str:
 
 
 def where_it_stopped(config) -> str:
-    """``stopped at step N of S; last checkpoint: step M; …`` from the run's committed state (steps 1-based)."""
+    """``stopped at step N of S; last checkpoint: step M; …`` from the run's committed state (steps 1-based).
+
+    It reads what may have just failed (a damaged state.json, storage gone): never raises."""
     from storage import objectstore
     from storage.runstate import RunState
 
-    state = RunState.load(config.run_uri)
+    try:
+        state = RunState.load(config.run_uri)
+    except Exception as e:  # noqa: BLE001 - the command's own error is what the person needs; this only adds to it
+        return f"where the run stands is unknown: {failure_cause(e)}"
     if state is None:
         return f"stopped before run '{config.name}' took its first step; run the same command to start it"
     curves = objectstore.join(config.run_uri, "curves.json")
-    points = objectstore.read_json(curves).get("points", []) if objectstore.exists(curves) else []
-    finished = max((p["step"] + 1 for p in points), default=0)
+    try:  # the live curves: the steps trained after the last checkpoint
+        points = objectstore.read_json(curves).get("points", []) if objectstore.exists(curves) else []
+        finished = max((p["step"] + 1 for p in points), default=0)
+    except Exception:  # noqa: BLE001 - without them the last checkpoint is still known
+        finished = state.step + 1
     checkpoint = f"step {state.step + 1}" if state.step >= 0 else "none yet (it starts from step 1)"
     return (f"stopped at step {min(finished + 1, config.steps)} of {config.steps}; last checkpoint: {checkpoint}; "
             "run the same command to continue")
@@ -349,18 +410,13 @@ def server(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, interrupted)
     env = {**SERVER_SETTINGS, **os.environ, "PREFECT_API_URL": api_url}
     log_path = Path(get_current_settings().home) / "yattflow-server.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     procs: list[tuple[subprocess.Popen, str]] = []
     try:
-        with open(log_path, "ab") as log:
-            srv = _prefect_server(args.port, env, log)
-        procs.append((srv, "server"))
-        deadline = time.time() + 120
-        while not _healthy(api_url):
-            if srv.poll() is not None or time.time() > deadline:
-                print(f"yattflow server: the Prefect server did not start; see {log_path}", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+        try:
+            procs.append((_started_server(env, log_path, "the Prefect server", args.port)[0], "server"))
+        except RuntimeError as e:
+            print(f"yattflow server: {e}", file=sys.stderr)
+            return 1
         if not args.no_worker:
             with _use_api(api_url):
                 created = asyncio.run(_ensure_pool(PROCESS_POOL))

@@ -33,7 +33,7 @@ from flows.metrics import GroupStep, StageClock, StepMetrics, Wave
 from flows.tracking import MetricsLog
 from storage import objectstore
 from storage.lease import Lease, verify_held
-from storage.runstate import RunState, checkpoint_uri, commit_checkpoint, discard_uncommitted
+from storage.runstate import RunState, checkpoint_uri, commit_checkpoint, discard_uncommitted, resume_point
 from tasks import stages
 
 
@@ -240,7 +240,11 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
     config = load_config(config_file, overrides or [])
     objectstore.check_reachable(config.uri(""))
     lease = Lease(config.run_uri, config.run.lease_s, flow_run.get_id())
-    await asyncio.to_thread(lease.acquire, config.run.on_conflict == "wait", logger.info)
+    try:
+        await asyncio.to_thread(lease.acquire, config.run.on_conflict == "wait", logger.info)
+    except asyncio.CancelledError:  # stopped (Ctrl-C, SIGTERM) while waiting for another run: so is the waiting thread
+        lease.release()
+        raise
     logger.info("run %s: lease taken (%s)", config.name, lease.uri)
     history: list[StepMetrics] = []  # every step trained, over the attempts (a step redone replaces its first try)
     try:
@@ -269,6 +273,7 @@ async def _attempt(config: RunConfig, history: list[StepMetrics]) -> dict:
     state = RunState.load(run_uri)
     if state is not None and len(state.cursors) != config.dp:
         raise ValueError(f"{run_uri}/state.json: run was started with dp={len(state.cursors)}, config has dp={config.dp}")
+    state = resume_point(run_uri, state, logger.warning)  # its checkpoint damaged since: the newest intact one before
     for uri in discard_uncommitted(run_uri, state):  # a crash mid-write (no manifest), or before state.json
         logger.info("removed %s: a checkpoint that was never committed", uri)
     first = state.step + 1 if state else 0

@@ -65,7 +65,8 @@ class Lease:
             if on_wait and now >= next_note:
                 on_wait(f"waiting for {describe(lease)}")
                 next_note = now + 30
-            time.sleep(min(poll_s, self.ttl_s / 4))
+            if self._stop.wait(min(poll_s, self.ttl_s / 4)):  # released while it waited: its run was stopped
+                raise RunInUse(f"{self.uri}: stopped while waiting for {describe(lease)}")
         _held[self.run_uri] = self
         self._renewer = threading.Thread(target=self._renew_until_released, name="run-lease", daemon=True)
         self._renewer.start()

@@ -23,6 +23,18 @@ class StorageError(RuntimeError):
     """Storage is unreachable or an object is missing/unreadable; the message names the URI."""
 
 
+class StorageIOError(StorageError, OSError):
+    """A read or write that the OS or the object store refused (a full disk, a permission): the
+    message names the URI and the OS's error (``[Errno 28] No space left on device``). Still an
+    OSError for code that catches those."""
+
+
+def os_error(e: OSError) -> str:
+    """The OS's words for a failed read or write: ``[Errno 28] No space left on device`` (without the
+    name of a writer's temporary file, which the URI beside it replaces)."""
+    return f"[Errno {e.errno}] {e.strerror}" if e.errno is not None and e.strerror else f"{type(e).__name__}: {e}"
+
+
 def normalize(uri: str) -> str:
     """A plain path becomes an absolute ``file://`` URI; URIs with a scheme are kept."""
     if "://" in uri:
@@ -61,10 +73,20 @@ def read_bytes(uri: str) -> bytes:
             return f.read()
     except FileNotFoundError as e:
         raise StorageError(f"{uri}: not found") from e
+    except OSError as e:
+        raise StorageIOError(f"{uri}: read failed: {os_error(e)}") from e
 
 
 def write_bytes(uri: str, data: bytes) -> None:
-    """Write one object atomically."""
+    """Write one object atomically; a failed write (a full disk, say) raises StorageError naming
+    the URI and the OS's error, and leaves the old object, or none."""
+    try:
+        _write_bytes(uri, data)
+    except OSError as e:
+        raise StorageIOError(f"{uri}: write failed: {os_error(e)}") from e
+
+
+def _write_bytes(uri: str, data: bytes) -> None:
     fs, path = fs_for(uri)
     if is_local(uri):
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -84,9 +106,13 @@ def write_bytes(uri: str, data: bytes) -> None:
 
 
 def read_json(uri: str) -> dict:
+    return _parse_json(uri, read_bytes(uri))
+
+
+def _parse_json(uri: str, data: bytes):
     try:
-        return json.loads(read_bytes(uri))
-    except json.JSONDecodeError as e:
+        return json.loads(data)
+    except ValueError as e:  # truncated or not JSON (JSONDecodeError), or not even text (UnicodeDecodeError)
         raise StorageError(f"{uri}: not valid JSON ({e})") from e
 
 
@@ -107,7 +133,7 @@ def update_json(uri: str, change: Callable[[dict | None], dict | None]) -> dict 
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(f"{path}.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            current = json.loads(Path(path).read_bytes()) if os.path.exists(path) else None
+            current = _parse_json(uri, Path(path).read_bytes()) if os.path.exists(path) else None
             new = change(current)
             if new is not None:
                 write_json(uri, new)
@@ -144,8 +170,20 @@ def list_files(uri: str, suffix: str = "") -> list[str]:
 
 def remove(uri: str) -> None:
     fs, path = fs_for(uri)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
+    try:
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    except OSError as e:
+        raise StorageIOError(f"{uri}: remove failed: {os_error(e)}") from e
+
+
+def move(uri: str, to: str) -> None:
+    """Move an object or a folder (local: one rename; S3: a copy, then the delete)."""
+    fs, path = fs_for(uri)
+    try:
+        fs.mv(path, fs_for(to)[1], recursive=True)
+    except OSError as e:
+        raise StorageIOError(f"{uri}: move to {to} failed: {os_error(e)}") from e
 
 
 def check_reachable(root: str) -> None:

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 import pytest
 from safetensors.torch import load_file
@@ -24,6 +28,7 @@ from safetensors.torch import load_file
 from flows.training import train
 from storage import objectstore
 from storage.lease import RunInUse
+from storage.runstate import RunState
 from tests.conftest import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,16 +122,21 @@ def test_run_that_keeps_failing_stops_after_its_retries(prepared, faults):
 
 
 def test_bug_in_user_code_is_not_retried(prepared, tmp_path):
-    """A reward rule that raises is the user's bug, not a lost host: the run fails at once."""
+    """A reward rule that raises is the user's bug, not a lost host: the run fails at once, and its
+    last line (what the CLI shows) names the rule, the prompt_id and the response it raised on."""
+    from flows.cli import failure_cause
+
     rule = tmp_path / "broken_rule.py"
     # (the input check before the engines load scores the reference answer: that one passes)
     rule.write_text("def reward(prompt, response, answer):\n    if response == answer:\n        return 1.0\n"
                     "    raise ZeroDivisionError('my bug')\n")
     started = time.monotonic()
-    with pytest.raises(Exception, match="ZeroDivisionError: my bug"):
+    with pytest.raises(Exception, match="ZeroDivisionError: my bug") as failed:
         asyncio.run(train(overrides=[*COMMON, f"storage.root={prepared}", "name=recovery-bug", "steps=2",
                                      f"reward.rule={rule}:reward", "reward.rule_weight=1"]))
     assert time.monotonic() - started < 120
+    assert re.fullmatch(rf"engines.host.rewards.RewardRuleError: reward.rule {re.escape(str(rule))}:reward raised "
+                        r"ZeroDivisionError: my bug on prompt_id \d+, response '.*', answer '\d+'", failure_cause(failed.value))
     no_engine_hosts_left()
 
 
@@ -179,3 +189,121 @@ def test_two_runs_of_one_name_one_writer(prepared):
         if first.poll() is None:
             first.kill()
         first.wait()
+
+
+# ---------------------------------------------------------------- stops and damage (issue 28)
+
+
+def stop_with_sigterm(args: list[str], ready) -> str:
+    """``yattflow train args``, sent SIGTERM once ``ready(output so far, its process)``: it must stop
+    as Ctrl-C does — status 130, the stop line last, and every process it had started gone."""
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    me, deadline = psutil.Process(proc.pid), time.time() + 240
+    try:
+        while not ready("".join(lines), me):
+            assert proc.poll() is None and time.time() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.05)
+        started = me.children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=10)
+    out = "".join(lines)
+    assert code == 130, out[-3000:]
+    assert "TerminationSignal" not in out, out[-3000:]
+    _, alive = psutil.wait_procs(started, timeout=30)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], f"left running: {alive}"
+    return out.strip().splitlines()[-1]
+
+
+def hosts_starting(out: str, me: psutil.Process) -> bool:
+    """The run has started its engine-host processes (they take seconds to answer)."""
+    try:
+        return any("engines.host" in " ".join(p.cmdline()) for p in me.children(recursive=True))
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_sigterm_at_any_moment_stops_like_ctrl_c_and_the_run_resumes_exactly(prepared, uninterrupted, faults):
+    """SIGTERM (what kill, Kubernetes, Slurm and systemd send) to ``yattflow train`` while its engine
+    hosts start, inside a step (a host hung in step 1's scoring: the run waits on it, its event loop
+    idle, where Prefect's own SIGTERM handler made it crash with exit 1), between steps (after the
+    line of step 3), and during the background write of step 3's checkpoint (its writer hung after
+    the first file): each time status 130, the stop line naming the step and the committed
+    checkpoint, nothing left running. The same command then finishes the run, and it trained
+    exactly what the uninterrupted run did."""
+    faults("genrm_score@1:dp-1:hang", "checkpoint_write@3:dp-0:hang")
+    name = "recovery-sigterm"
+    args = [*COMMON, f"storage.root={prepared}", f"name={name}", "timeouts.stage_s=120"]  # the hangs wait for us
+    run_uri = f"file://{prepared}/runs/{name}"
+
+    def stopped(steps: str, checkpoint: str) -> str:
+        return (rf"yattflow train: stopped at step [{steps}] of {STEPS}; last checkpoint: {re.escape(checkpoint)}; "
+                "run the same command to continue")
+
+    last = stop_with_sigterm(args, hosts_starting)
+    assert last == f"yattflow train: stopped before run '{name}' took its first step; run the same command to start it"
+    last = stop_with_sigterm(args, lambda out, _: "fault injection: genrm_score@1:dp-1:hang" in out)
+    assert re.fullmatch(stopped("2", "none yet (it starts from step 1)"), last), last
+    last = stop_with_sigterm(args, lambda out, _: "step 3/6" in out)
+    assert re.fullmatch(stopped("4", "step 2"), last), last
+    # the writer hangs as step 3 ends (its log line may come first) or while step 4 trains
+    last = stop_with_sigterm(args, lambda out, _: "fault injection: checkpoint_write@3:dp-0:hang" in out)
+    assert re.fullmatch(stopped("45", "step 2"), last), last
+    assert RunState.load(run_uri).step == 1  # step 3's checkpoint was never committed
+
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "train", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_training(Path(prepared) / "runs" / name, uninterrupted)
+
+
+def damaged_copy(prepared: str, reference: Path, name: str) -> Path:
+    """A copy of the finished reference run under another name (its lease released), its state and
+    manifests pointing into the copy."""
+    run_dir = Path(prepared) / "runs" / name
+    shutil.copytree(reference, run_dir)
+    for committed in [run_dir / "state.json", *run_dir.glob("checkpoints/*/MANIFEST.json")]:
+        committed.write_text(committed.read_text().replace(str(reference), str(run_dir)))
+    return run_dir
+
+
+def test_an_unreadable_state_json_stops_the_run_naming_it_and_the_intact_checkpoints(prepared, uninterrupted, capsys):
+    """state.json of random bytes: ``yattflow train`` fails before any host starts, its last line naming
+    the file, what is wrong and the checkpoints still intact (the error path, which says where a run
+    stands, does not trip over the same file); nothing is deleted."""
+    from flows.cli import main
+
+    run_dir = damaged_copy(prepared, uninterrupted, "recovery-bad-state")
+    (run_dir / "state.json").write_bytes(bytes(range(128, 256)))  # random bytes, not even text
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*") if "lease" not in p.name)
+    assert main(["train", *COMMON, f"storage.root={prepared}", "name=recovery-bad-state"]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    checkpoints = [f"file://{run_dir}/checkpoints/{step:06d} (after step {step + 1})" for step in (3, 5)]
+    assert last.startswith(f"yattflow train: failed: file://{run_dir}/state.json: not valid JSON "
+                           "('utf-8' codec can't decode")
+    assert f"committed checkpoints still intact: {', '.join(checkpoints)}. Restore state.json" in last
+    assert before == sorted(p.relative_to(run_dir) for p in run_dir.rglob("*") if "lease" not in p.name)
+    no_engine_hosts_left()
+
+
+def test_a_checkpoint_that_lost_its_manifest_is_kept_and_the_run_resumes_exactly_from_the_one_before(prepared,
+                                                                                                      uninterrupted):
+    """The committed checkpoint state.json points at (step 5's) loses its MANIFEST.json: the resume
+    neither deletes it nor fails on it, but sets it aside, says so, resumes from step 3's and trains
+    steps 4 and 5 again, exactly as the uninterrupted run did."""
+    run_dir = damaged_copy(prepared, uninterrupted, "recovery-no-manifest")
+    (run_dir / "checkpoints" / "000005" / "MANIFEST.json").unlink()
+    summary = asyncio.run(train(overrides=[*COMMON, f"storage.root={prepared}", "name=recovery-no-manifest"]))
+    assert [m["step"] for m in summary["history"]] == [4, 5]
+    [aside] = (run_dir / "checkpoints").glob("000005.damaged-*")
+    assert (aside / "trainer-torch" / "trainer.pt").read_bytes() == (
+        uninterrupted / "checkpoints" / "000005" / "trainer-torch" / "trainer.pt").read_bytes()
+    assert RunState.load(f"file://{run_dir}").step == 5  # step 5's checkpoint committed anew
+    assert_same_training(run_dir, uninterrupted)

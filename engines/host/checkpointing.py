@@ -94,21 +94,29 @@ class Checkpoints:
 
         def write() -> list[str]:
             try:
-                files = [f"trainer-{backend}/{f}" for f in frozen.write()]
-                if rank == 0:
-                    trainer.save_hf(os.path.join(tmp, "model"), tensors=frozen.hf_weights)
-                    files += sorted(str(p.relative_to(tmp)) for p in Path(tmp, "model").rglob("*") if p.is_file())
-                objectstore.write_bytes(objectstore.join(uri, f"rng-{rank}.pt"), rng)
-                _test_checkpoint_pause()
-                faults.inject("checkpoint_write", checkpoint_step(uri), rank)
-                for name in files:
-                    objectstore.write_bytes(objectstore.join(uri, name), Path(tmp, name).read_bytes())
-                if rank == 0:  # the prompt files this run's streams (and so the cursors) were read from
-                    objectstore.write_json(objectstore.join(uri, "prompts.json"), {"files": prompt_files})
-                    files.append("prompts.json")
-                return [f"rng-{rank}.pt", *files]
+                return written()
+            except objectstore.StorageError:  # a write to storage: it names its URI and the OS's error
+                raise
+            except OSError as e:  # staging the files in local scratch space
+                raise objectstore.StorageIOError(f"{uri}: staging the checkpoint's files in {tmp} failed: "
+                                                 f"{objectstore.os_error(e)}") from e
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
+
+        def written() -> list[str]:
+            files = [f"trainer-{backend}/{f}" for f in frozen.write()]
+            if rank == 0:
+                trainer.save_hf(os.path.join(tmp, "model"), tensors=frozen.hf_weights)
+                files += sorted(str(p.relative_to(tmp)) for p in Path(tmp, "model").rglob("*") if p.is_file())
+            objectstore.write_bytes(objectstore.join(uri, f"rng-{rank}.pt"), rng)
+            _test_checkpoint_pause()
+            faults.inject("checkpoint_write", checkpoint_step(uri), rank)
+            for name in files:
+                objectstore.write_bytes(objectstore.join(uri, name), Path(tmp, name).read_bytes())
+            if rank == 0:  # the prompt files this run's streams (and so the cursors) were read from
+                objectstore.write_json(objectstore.join(uri, "prompts.json"), {"files": prompt_files})
+                files.append("prompts.json")
+            return [f"rng-{rank}.pt", *files]
 
         return write
 
@@ -167,8 +175,9 @@ class BackgroundWrite:
 
     def result(self) -> dict:
         self._thread.join()
-        if self.error is not None:
-            raise RuntimeError(f"checkpoint write to {self.uri} failed after {self.seconds:.2f}s") from self.error
+        if self.error is not None:  # its cause on the same line: the line a person reads last (a full disk, say)
+            raise RuntimeError(f"checkpoint write to {self.uri} failed after {self.seconds:.2f}s: "
+                               f"{type(self.error).__name__}: {self.error}") from self.error
         return {"uri": self.uri, "files": self.files, "write_s": self.seconds}
 
 

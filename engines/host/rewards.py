@@ -25,7 +25,7 @@ from typing import Callable
 
 
 class RewardRuleError(ValueError):
-    """The reward rule cannot be imported or called, or returned something other than a number."""
+    """The reward rule cannot be imported or called, raised, or returned something other than a number."""
 
 
 @dataclass(frozen=True)
@@ -35,13 +35,30 @@ class Rule:
     needs_answer: bool  # the function's third parameter has no default
 
     def __call__(self, prompt: str, response: str, answer: str | None, prompt_id: int) -> float:
-        value = self.function(prompt, response, answer)
+        try:
+            value = self.function(prompt, response, answer)
+        except Exception as e:  # the user's function: its error, with what it was scoring (the original is the cause)
+            raise RewardRuleError(
+                f"reward.rule {self.spec} raised {type(e).__name__}: {_one_line(e)} on prompt_id {prompt_id}, "
+                f"response {_shown(response)}, answer {_shown(answer)}"
+            ) from e
         if isinstance(value, numbers.Real) and math.isfinite(value):
             return float(value)
         raise RewardRuleError(
             f"reward.rule {self.spec} returned {value!r} ({type(value).__name__}) for prompt_id {prompt_id}: "
             "a reward rule must return a finite number (int, float or bool)"
         )
+
+
+def _one_line(error: BaseException) -> str:
+    """An error's message on one line: the CLI shows an error's last line."""
+    return " ".join(str(error).split()) or "(no message)"
+
+
+def _shown(text: str | None, limit: int = 200) -> str:
+    """``text`` quoted on one line, cut at ``limit`` characters (a response can be a whole generation)."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else f"{shown[:limit]}… ({len(text)} characters)"
 
 
 def load_rule(spec: str) -> Rule:

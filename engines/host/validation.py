@@ -159,11 +159,11 @@ def check_answers(config, field: str, uri: str, first: dict, unanswered: list[in
     if rule is not None:
         try:
             rule(first["prompt"], first["answer"] or "", first["answer"], first["prompt_id"])
-        except rewards.RewardRuleError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the user's function, reported by name
-            raise InputError(f"reward.rule {rule.spec} raised {type(e).__name__}: {e} on prompt_id {first['prompt_id']} of "
-                             f"{uri} (called with its reference answer as the response)") from e
+        except rewards.RewardRuleError as e:
+            if e.__cause__ is None:  # it returned something other than a number: the error says so
+                raise
+            # it raised: the error names the rule, the prompt and the response; this, where they came from
+            raise InputError(f"{e} (the first prompt of {uri}, called with its reference answer as the response)") from e
 
 
 def check_verdict_words(config, tokenizer) -> None:
