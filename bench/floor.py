@@ -12,7 +12,7 @@ group per step and a task per stage pays on this machine and server; bench/scale
 beside every timing-stub run, on the same server, and reports yattflow's overhead against it.
 
 Run on its own, it compares Prefect's default server with one whose task-run recorder writes
-in batches (``flows.cli.SERVER_SETTINGS``, what ``yattflow server`` starts Prefect with), each on
+in batches (``flows.prefect_server.SERVER_SETTINGS``, what ``yattflow server`` starts Prefect with), each on
 its own throwaway PostgreSQL cluster, runs alternating.
 """
 
@@ -74,13 +74,13 @@ async def floor(overrides: list[str], steps: int = 4, tasks: int = STAGE_TASKS, 
 
 
 def temporary_server_shapes(steps: int, repeats: int) -> dict:
-    """At dp=1 on the temporary server a CLI command starts (``flows.cli._local_api``: SQLite,
+    """At dp=1 on the temporary server a CLI command starts (``flows.prefect_server.local_api``: SQLite,
     TEMPORARY_SERVER_SETTINGS), in a throwaway PREFECT_HOME: the run's shape against one sub-flow
     per iteration with and without its tasks, alternating."""
     import os
     import tempfile
 
-    from flows.cli import _local_api
+    from flows.prefect_server import local_api
     from tests.postgres import run_flow_subprocess
 
     shapes = {"iteration + dp-group sub-flows, 5 tasks": {"tasks": STAGE_TASKS},
@@ -88,7 +88,7 @@ def temporary_server_shapes(steps: int, repeats: int) -> dict:
     seconds = {name: [] for name in shapes}
     os.environ.pop("PREFECT_API_URL", None)  # a server of the user's would be used instead of the temporary one
     os.environ["PREFECT_HOME"] = home = tempfile.mkdtemp(prefix="yattflow-bench-floor-")
-    with _local_api() as url:
+    with local_api() as url:
         for _ in range(repeats):
             for name, kwargs in shapes.items():
                 out = run_flow_subprocess(url, "bench.floor:floor", overrides=["dp=1"], steps=steps, env={"PREFECT_HOME": home},
@@ -106,7 +106,7 @@ def main(argv=None) -> dict:
     PostgreSQL cluster), runs alternating between them."""
     import contextlib
 
-    from flows.cli import SERVER_SETTINGS
+    from flows.prefect_server import SERVER_SETTINGS
     from tests.postgres import PostgresCluster, PrefectServer, run_flow_subprocess
 
     p = argparse.ArgumentParser(prog="python -m bench.floor", description=__doc__.split("\n\n")[0])

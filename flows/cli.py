@@ -25,17 +25,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
-import fcntl
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+
+from flows import prefect_server
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout: deployments run from here
 PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
@@ -44,25 +42,6 @@ POOL_TEMPLATES = {PROCESS_POOL: ("process", ROOT / "deployments" / "process-gpu.
                   K8S_POOL: ("kubernetes", ROOT / "deployments" / "kubernetes-gpu.json")}
 TRAIN_DEPLOYMENT = "train/yattflow"
 DEFAULT_PORT = 4200
-PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when its parent dies
-# Settings `yattflow server` and the temporary server start Prefect's server with (the environment
-# overrides each). By default the server's task-run recorder writes every task-run event in a
-# transaction of its own; batched, task states reach the database within a second. The interval
-# must be a whole number of seconds: Prefect 3.8 passes int(flush_interval) to its flush loop, so
-# 0.5 became a loop that never sleeps and kept one CPU core busy for the server's whole life
-# (on a 2-core machine, half of what the engines had).
-SERVER_SETTINGS = {"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
-                   "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1"}
-# The temporary server lives for one command's own flow run, with no UI, worker or deployment
-# runs: it keeps the services that record that run (the task-run recorder: every stage's state is
-# in the database for a later `yattflow server` on this PREFECT_HOME; cancellation clean-up) and
-# switches off the rest (the event feed, automations, schedules, ...). On a 2-core machine the
-# server took 0.27 s of CPU per demo-size RL step, beside the engines; without these services
-# Prefect's floor for an iteration at dp=1 went from 264 to 223 ms (docs/deployments.md).
-TEMPORARY_SERVER_SETTINGS = SERVER_SETTINGS | {
-    f"PREFECT_SERVER_SERVICES_{service}_ENABLED": "false"
-    for service in ("EVENT_PERSISTER", "TRIGGERS", "EVENT_LOGGER", "SCHEDULER", "LATE_RUNS", "FOREMAN",
-                    "PAUSE_EXPIRATIONS", "REPOSSESSOR", "DB_VACUUM", "CLEANUP_RECONCILER")}
 
 
 def _quiet_defaults() -> None:
@@ -80,81 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     if command in PREFECT_COMMANDS:
         return PREFECT_COMMANDS[command](argv[1:])
     return _in_process(argv)
-
-
-def _prefect_server(port: int, env: dict, log, host: str = "127.0.0.1") -> subprocess.Popen:
-    """``prefect server start`` with immediate SQLite write transactions (``flows/prefect_server.py``)
-    on ``host:port``, its output to ``log``. It ends with this process: a parent that dies (even of
-    SIGKILL) takes its server with it (Linux)."""
-
-    def die_with_parent() -> None:
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        except OSError:  # not Linux: the server outlives a killed parent, as Prefect's own would
-            pass
-
-    return subprocess.Popen([sys.executable, "-m", "flows.prefect_server", "server", "start", "--host", host, "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-
-
-def _started_server(env: dict, log_path: Path, name: str, port: int | None = None) -> tuple[subprocess.Popen, str]:
-    """``_prefect_server`` on 127.0.0.1:``port`` (None: a free one), and its API URL, once it
-    answers; RuntimeError naming its log if it does not.
-
-    One start at a time per PREFECT_HOME (an exclusive ``flock`` on a file there): a server's start
-    migrates the database in PREFECT_HOME, and two first commands started together both ran the
-    migration, and one failed (alembic: "expected to match one row"). The next start waits for the
-    one before to answer; by then the database is migrated. (A free port is chosen after the wait,
-    so that nothing else has taken it meanwhile.)"""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path.parent / "yattflow-server-start.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if port is None:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        url = f"http://127.0.0.1:{port}/api"
-        with open(log_path, "ab") as log:
-            proc = _prefect_server(port, env, log)
-        try:
-            deadline = time.time() + 120
-            while not _healthy(url):
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"{name} did not start; see {log_path}")
-                time.sleep(0.25)
-        except BaseException:
-            _stop(proc, name)
-            raise
-    return proc, url
-
-
-@contextlib.contextmanager
-def _local_api():
-    """The Prefect API for an in-process command: ``PREFECT_API_URL`` when one is set (environment or
-    profile), else a temporary server on a free loopback port for this command alone (no UI; its
-    log: ``$PREFECT_HOME/yattflow-temporary-server.log``)."""
-    from prefect.settings import get_current_settings
-
-    settings = get_current_settings()
-    if settings.api.url:
-        yield settings.api.url
-        return
-    log_path = Path(settings.home) / "yattflow-temporary-server.log"
-    proc, url = _started_server({**TEMPORARY_SERVER_SETTINGS, **os.environ, "PREFECT_UI_ENABLED": "0"}, log_path,
-                                "the temporary Prefect server")
-    try:
-        with _use_api(url):
-            try:
-                yield url
-            finally:  # the last log lines and events, while the server still listens
-                from prefect.events.worker import EventsWorker
-                from prefect.logging.handlers import APILogWorker
-
-                APILogWorker.drain_all(timeout=5)
-                EventsWorker.drain_all(timeout=5)
-    finally:
-        _stop(proc, "the temporary Prefect server")
-        os.environ.pop("PREFECT_API_URL", None)
 
 
 @contextlib.contextmanager
@@ -228,7 +132,7 @@ def _in_process(argv: list[str]) -> int:
 
     start = time.perf_counter()
     try:
-        with _sigterm_as_ctrl_c(), _local_api():
+        with _sigterm_as_ctrl_c(), prefect_server.local_api():
             if args.command == "sft":
                 result = sft(config_file=args.config, overrides=args.overrides)
                 print(f"\nsft '{config.name}': {_sft_line(result)}")
@@ -329,41 +233,11 @@ def _api_url() -> str:
 def _reachable_api(command: str) -> str | None:
     """The API URL when a server answers there; else None, after saying so."""
     url = _api_url()
-    if _healthy(url):
+    if prefect_server.healthy(url):
         return url
     print(f"yattflow {command}: no Prefect server at {url} (start one with `yattflow server`, or set PREFECT_API_URL)",
           file=sys.stderr)
     return None
-
-
-def _use_api(url: str):
-    """Point ``prefect`` subprocesses (environment) and this process's client (settings, read once
-    at import: without this a client would start an ephemeral server) at ``url``."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    os.environ["PREFECT_API_URL"] = url
-    return temporary_settings({PREFECT_API_URL: url})
-
-
-def _healthy(api_url: str) -> bool:
-    try:
-        urllib.request.urlopen(f"{api_url}/health", timeout=2)
-        return True
-    except OSError:
-        return False
-
-
-def _stop(proc: subprocess.Popen, name: str, timeout: float = 20) -> None:
-    """SIGINT first (a Prefect worker exits promptly on it, not on SIGTERM), then kill."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        print(f"yattflow: {name} did not stop in {timeout:.0f}s; killing it", file=sys.stderr)
-        proc.kill()
-        proc.wait()
 
 
 async def _ensure_pool(name: str) -> bool:
@@ -399,7 +273,7 @@ def server(argv: list[str]) -> int:
 
     ui_url = f"http://127.0.0.1:{args.port}"
     api_url = f"{ui_url}/api"
-    if _healthy(api_url):
+    if prefect_server.healthy(api_url):
         print(f"yattflow server: a Prefect server already answers at {api_url}", file=sys.stderr)
         return 1
     def interrupted(*_):
@@ -408,17 +282,17 @@ def server(argv: list[str]) -> int:
     # Ctrl-C, and SIGTERM too, stop both children (even where the shell started us with SIGINT ignored)
     signal.signal(signal.SIGINT, interrupted)
     signal.signal(signal.SIGTERM, interrupted)
-    env = {**SERVER_SETTINGS, **os.environ, "PREFECT_API_URL": api_url}
+    env = {**prefect_server.SERVER_SETTINGS, **os.environ, "PREFECT_API_URL": api_url}
     log_path = Path(get_current_settings().home) / "yattflow-server.log"
     procs: list[tuple[subprocess.Popen, str]] = []
     try:
         try:
-            procs.append((_started_server(env, log_path, "the Prefect server", args.port)[0], "server"))
+            procs.append((prefect_server.started_server(env, log_path, "the Prefect server", args.port)[0], "server"))
         except RuntimeError as e:
             print(f"yattflow server: {e}", file=sys.stderr)
             return 1
         if not args.no_worker:
-            with _use_api(api_url):
+            with prefect_server.use_api(api_url):
                 created = asyncio.run(_ensure_pool(PROCESS_POOL))
             if created:
                 print(f"created work pool {PROCESS_POOL} from deployments/process-gpu.json")
@@ -439,7 +313,7 @@ def server(argv: list[str]) -> int:
         return 0
     finally:
         for p, name in reversed(procs):  # the worker first, while the server still answers it
-            _stop(p, name)
+            prefect_server.stop(p, name)
 
 
 def deploy(argv: list[str]) -> int:
@@ -454,7 +328,7 @@ def deploy(argv: list[str]) -> int:
     api_url = _reachable_api("deploy")
     if api_url is None:
         return 1
-    with _use_api(api_url):
+    with prefect_server.use_api(api_url):
         for pool in (PROCESS_POOL, K8S_POOL) if args.kubernetes else (PROCESS_POOL,):
             if asyncio.run(_ensure_pool(pool)):
                 print(f"created work pool {pool} from {POOL_TEMPLATES[pool][1].relative_to(ROOT)}")
@@ -494,7 +368,7 @@ def run(argv: list[str]) -> int:
     parameters = {"overrides": args.overrides} | ({"config_file": args.config} if args.config else {})
     if (api_url := _reachable_api("run")) is None:
         return 1
-    with _use_api(api_url):
+    with prefect_server.use_api(api_url):
         # the name the flow gives itself once it starts (train-demo), already in the Scheduled state
         run_name = f"{args.deployment.split('/')[0]}-{config.name}"
         return asyncio.run(_run(args.deployment, parameters, run_name, args.work_queue, job_variables, args.watch))
@@ -536,7 +410,7 @@ def status(argv: list[str]) -> int:
         return 1
     os.chdir(ROOT)  # run configs and relative storage roots are relative to the checkout, as in the worker
     try:
-        with _use_api(api_url):
+        with prefect_server.use_api(api_url):
             rows = asyncio.run(_status_rows(args.deployment, args.name, args.limit))
     except ObjectNotFound:
         print(f"yattflow status: no deployment {args.deployment} (deploy it: yattflow deploy)", file=sys.stderr)

@@ -17,12 +17,153 @@ waits for it (the server's busy timeout is 60 s) rather than failing; Prefect's 
 untouched, and so is PostgreSQL. yattflow starts every Prefect server it runs through this
 module: ``yattflow server``, and the temporary server of ``yattflow prepare | train | demo``
 when no ``PREFECT_API_URL`` is set.
+
+The rest of this module starts and stops those servers for the CLI (``flows/cli.py``): the
+settings they run with, a start that waits until the server answers (one at a time per
+``PREFECT_HOME``), the temporary server of an in-process command, and pointing this process's
+Prefect client at a server.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import fcntl
+import os
+import signal
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
 from contextlib import asynccontextmanager
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when its parent dies
+# Settings `yattflow server` and the temporary server start Prefect's server with (the environment
+# overrides each). By default the server's task-run recorder writes every task-run event in a
+# transaction of its own; batched, task states reach the database within a second. The interval
+# must be a whole number of seconds: Prefect 3.8 passes int(flush_interval) to its flush loop, so
+# 0.5 became a loop that never sleeps and kept one CPU core busy for the server's whole life
+# (on a 2-core machine, half of what the engines had).
+SERVER_SETTINGS = {"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
+                   "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1"}
+# The temporary server lives for one command's own flow run, with no UI, worker or deployment
+# runs: it keeps the services that record that run (the task-run recorder: every stage's state is
+# in the database for a later `yattflow server` on this PREFECT_HOME; cancellation clean-up) and
+# switches off the rest (the event feed, automations, schedules, ...). On a 2-core machine the
+# server took 0.27 s of CPU per demo-size RL step, beside the engines; without these services
+# Prefect's floor for an iteration at dp=1 went from 264 to 223 ms (docs/deployments.md).
+TEMPORARY_SERVER_SETTINGS = SERVER_SETTINGS | {
+    f"PREFECT_SERVER_SERVICES_{service}_ENABLED": "false"
+    for service in ("EVENT_PERSISTER", "TRIGGERS", "EVENT_LOGGER", "SCHEDULER", "LATE_RUNS", "FOREMAN",
+                    "PAUSE_EXPIRATIONS", "REPOSSESSOR", "DB_VACUUM", "CLEANUP_RECONCILER")}
+
+
+def server_process(port: int, env: dict, log, host: str = "127.0.0.1") -> subprocess.Popen:
+    """``prefect server start`` with immediate SQLite write transactions (``flows/prefect_server.py``)
+    on ``host:port``, its output to ``log``. It ends with this process: a parent that dies (even of
+    SIGKILL) takes its server with it (Linux)."""
+
+    def die_with_parent() -> None:
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except OSError:  # not Linux: the server outlives a killed parent, as Prefect's own would
+            pass
+
+    return subprocess.Popen([sys.executable, "-m", "flows.prefect_server", "server", "start", "--host", host, "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+
+
+def started_server(env: dict, log_path: Path, name: str, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """``server_process`` on 127.0.0.1:``port`` (None: a free one), and its API URL, once it
+    answers; RuntimeError naming its log if it does not.
+
+    One start at a time per PREFECT_HOME (an exclusive ``flock`` on a file there): a server's start
+    migrates the database in PREFECT_HOME, and two first commands started together both ran the
+    migration, and one failed (alembic: "expected to match one row"). The next start waits for the
+    one before to answer; by then the database is migrated. (A free port is chosen after the wait,
+    so that nothing else has taken it meanwhile.)"""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path.parent / "yattflow-server-start.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        url = f"http://127.0.0.1:{port}/api"
+        with open(log_path, "ab") as log:
+            proc = server_process(port, env, log)
+        try:
+            deadline = time.time() + 120
+            while not healthy(url):
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"{name} did not start; see {log_path}")
+                time.sleep(0.25)
+        except BaseException:
+            stop(proc, name)
+            raise
+    return proc, url
+
+
+@contextlib.contextmanager
+def local_api():
+    """The Prefect API for an in-process command: ``PREFECT_API_URL`` when one is set (environment or
+    profile), else a temporary server on a free loopback port for this command alone (no UI; its
+    log: ``$PREFECT_HOME/yattflow-temporary-server.log``)."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    if settings.api.url:
+        yield settings.api.url
+        return
+    log_path = Path(settings.home) / "yattflow-temporary-server.log"
+    proc, url = started_server({**TEMPORARY_SERVER_SETTINGS, **os.environ, "PREFECT_UI_ENABLED": "0"}, log_path,
+                                "the temporary Prefect server")
+    try:
+        with use_api(url):
+            try:
+                yield url
+            finally:  # the last log lines and events, while the server still listens
+                from prefect.events.worker import EventsWorker
+                from prefect.logging.handlers import APILogWorker
+
+                APILogWorker.drain_all(timeout=5)
+                EventsWorker.drain_all(timeout=5)
+    finally:
+        stop(proc, "the temporary Prefect server")
+        os.environ.pop("PREFECT_API_URL", None)
+
+
+def use_api(url: str):
+    """Point ``prefect`` subprocesses (environment) and this process's client (settings, read once
+    at import: without this a client would start an ephemeral server) at ``url``."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    os.environ["PREFECT_API_URL"] = url
+    return temporary_settings({PREFECT_API_URL: url})
+
+
+def healthy(api_url: str) -> bool:
+    try:
+        urllib.request.urlopen(f"{api_url}/health", timeout=2)
+        return True
+    except OSError:
+        return False
+
+
+def stop(proc: subprocess.Popen, name: str, timeout: float = 20) -> None:
+    """SIGINT first (a Prefect worker exits promptly on it, not on SIGTERM), then kill."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"yattflow: {name} did not stop in {timeout:.0f}s; killing it", file=sys.stderr)
+        proc.kill()
+        proc.wait()
+
 
 
 def immediate_sqlite_writes() -> None:

@@ -288,7 +288,7 @@ def test_two_first_servers_on_one_new_prefect_home_both_start(tmp_path):
     """Two commands that start their temporary server at the same moment on a new PREFECT_HOME:
     both servers answer (they start one at a time; at once, both ran the database migration and
     one failed: alembic "expected to match one row", or "duplicate column name")."""
-    from flows.cli import TEMPORARY_SERVER_SETTINGS, _started_server, _stop
+    from flows.prefect_server import TEMPORARY_SERVER_SETTINGS, started_server, stop
 
     home = tmp_path / "home"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | TEMPORARY_SERVER_SETTINGS | {
@@ -297,7 +297,7 @@ def test_two_first_servers_on_one_new_prefect_home_both_start(tmp_path):
 
     def start(n: int) -> None:
         try:
-            started.append(_started_server(env, home / f"server-{n}.log", f"server {n}")[0])
+            started.append(started_server(env, home / f"server-{n}.log", f"server {n}")[0])
         except RuntimeError as e:
             errors.append(f"{e}:\n{(home / f'server-{n}.log').read_text()[-3000:]}")
 
@@ -311,4 +311,4 @@ def test_two_first_servers_on_one_new_prefect_home_both_start(tmp_path):
         assert len(started) == 2
     finally:
         for proc in started:
-            _stop(proc, "a test server")
+            stop(proc, "a test server")

@@ -32,7 +32,7 @@ from prefect.client.schemas.filters import (
     FlowRunFilterName,
 )
 
-from flows.cli import SERVER_SETTINGS
+from flows.prefect_server import SERVER_SETTINGS
 from tests.conftest import TINY
 from tests.helpers import assert_steps_completed, children, read_run_tree
 
@@ -553,7 +553,7 @@ def test_train_without_a_server_runs_on_a_temporary_one_whose_sqlite_writes_neve
     # ... and it is gone
     assert not subprocess.run(["pgrep", "-f", f"flows.prefect_server.*{home}"], capture_output=True).stdout
     # It recorded every stage's task run (a later `yattflow server` on this PREFECT_HOME shows them) and
-    # nothing a one-command server does not need: no event feed (flows.cli.TEMPORARY_SERVER_SETTINGS)
+    # nothing a one-command server does not need: no event feed (flows.prefect_server.TEMPORARY_SERVER_SETTINGS)
     with contextlib.closing(sqlite3.connect(home / "prefect.db")) as db:
         states = db.execute("SELECT state_type FROM task_run WHERE name LIKE 'train_step dp=%'").fetchall()
         events = db.execute("SELECT count(*) FROM events").fetchone()[0]
