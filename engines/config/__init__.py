@@ -6,7 +6,7 @@ Load it from YAML and override any field with ``key=value`` (dotted keys, YAML v
 
 A wrong key or value fails with a message that names the file and the field.
 Paths without a scheme are relative to ``storage.root``. The sections and their defaults are in
-``engines/config/sections.py``.
+``engines/config/sections.py`` (the ``train`` section: ``engines/config/train.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from engines.config.sections import (
     Section, StorageConfig, PrepareConfig, SFTConfig, ModelConfig, DataConfig, EvalConfig, RolloutConfig,
-    JudgeConfig, RewardConfig, SamplingConfig, PlacementConfig, TrainConfig, CheckpointConfig, HostsConfig,
+    JudgeConfig, RewardConfig, SamplingConfig, PlacementConfig, CheckpointConfig, HostsConfig,
     RunControlConfig, RetriesConfig, TimeoutsConfig,
 )
+from engines.config.train import TrainConfig
 from storage import objectstore
 
 

@@ -1,0 +1,90 @@
+"""The ``train`` section of the run configuration: the training engine, its optimiser and the RL
+loss. Beside ``sections.py`` because it grows with every trainer feature."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from engines.config.sections import MEASURED_TRAIN_S_PER_TOKEN, Section
+
+
+class TrainConfig(Section):
+    backend: Literal["torch", "megatron", "stub"] = Field(
+        "torch", description="Training engine: torch (transformers) or megatron (Megatron-Core); stub: timing stub for scale "
+        "benchmarks, not training (sleeps, then one real all-reduce of a tiny tensor)."
+    )
+    stub_seconds_per_token: float = Field(
+        MEASURED_TRAIN_S_PER_TOKEN, ge=0,
+        description="backend=stub only (timing stub for scale benchmarks, not training): seconds slept per (prompt + "
+        "response) token of the group's batch; measured with `python -m engines.backends.stub.engines --measure`.",
+    )
+    tensor_parallel: int = Field(
+        1, gt=0, description="Megatron-Core tensor-parallel size inside a DP group (the local engine hosts run 1 process per group, so 1 only)."
+    )
+    distributed_optimizer: bool = Field(False, description="Megatron-Core distributed optimizer (optimizer state sharded over DP).")
+    recompute_granularity: Literal["none", "selective", "full"] = Field(
+        "none",
+        description="Megatron-Core activation recomputation: activations are dropped in the forward pass and recomputed "
+        "in the backward pass, trading compute for activation memory. full: whole transformer layers (only their "
+        "inputs are kept; see recompute_method); selective: the recompute_modules of every layer; none: keep everything.",
+    )
+    recompute_method: Literal["uniform", "block"] = Field(
+        "uniform",
+        description="recompute_granularity=full: uniform recomputes every chunk of recompute_num_layers layers (keeping "
+        "each chunk's input); block recomputes only the first recompute_num_layers layers and keeps the rest.",
+    )
+    recompute_num_layers: int = Field(
+        1, gt=0, description="recompute_granularity=full: layers per recomputed chunk (uniform) or layers recomputed (block)."
+    )
+    recompute_modules: list[Literal["core_attn", "mlp"]] = Field(
+        ["core_attn"],
+        description="recompute_granularity=selective: the parts of each layer recomputed. core_attn: the attention "
+        "itself (little to gain with the engine's fused SDPA attention, which keeps no seq x seq scores); mlp: the "
+        "feed-forward block (its 4x-wide activations: the larger saving).",
+    )
+    lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    minibatches: int = Field(2, gt=0, description="Optimizer steps per rollout batch.")
+    micro_batch_tokens: int | None = Field(
+        4096,
+        gt=0,
+        description="Padded tokens (sequences x longest sequence) per forward/backward pass. Each minibatch's sequences "
+        "are sorted by length and cut into the fewest passes of at most this size (padding least among those), gradients "
+        "accumulating before the minibatch's one optimizer step: the update is the same (up to float summation order), "
+        "a DP group's compute follows its tokens rather than rows x its longest row, and activation memory is bounded. "
+        "Set it about where one pass saturates the device (a minibatch that fits in one pass is not split). "
+        "None: one pass per minibatch, padded to its longest sequence.",
+    )
+    loss_aggregation: Literal["token", "sequence"] = Field(
+        "token", description="token: DAPO token-level mean; sequence: GRPO per-sequence mean."
+    )
+    advantage_scale: Literal["std", "none"] = Field("std", description="std: GRPO/DAPO; none: Dr. GRPO.")
+    clip_low: float = Field(0.2, ge=0, description="Ratio clip below 1 (epsilon_low).")
+    clip_high: float = Field(0.28, ge=0, description="Ratio clip above 1 (epsilon_high; DAPO clip-higher).")
+    kl_coef: float = Field(0.0, ge=0, description="KL(policy || reference) coefficient; > 0 loads a reference model.")
+    freeze_vision: bool = Field(
+        True, description="Vision-language policy: keep the vision encoder's weights fixed (the connector and the language "
+        "model train). False trains it too.")
+    balance_tokens: bool = Field(
+        True,
+        description="Whether to spread each minibatch's sequences over the DP groups by token count "
+        "(prompt + response, Karmarkar–Karp) before the train step, so that no group waits on a heavier one. "
+        "The update is the same either way (up to float summation order); only which group computes which sequence changes.",
+    )
+
+    @field_validator("tensor_parallel", "distributed_optimizer", "recompute_granularity", "recompute_method",
+                     "recompute_num_layers", "recompute_modules")
+    @classmethod
+    def _megatron_only(cls, value, info):
+        default = TrainConfig.model_fields[info.field_name].default
+        if value != default and info.data.get("backend") != "megatron":
+            raise ValueError("needs train.backend: megatron")
+        if info.field_name == "tensor_parallel" and value > 1:
+            # MegatronTrainer shards layers over TP ranks, but a local engine host is one process
+            # per DP group; hosts per TP rank are not wired into the flows yet.
+            raise ValueError("> 1 is not supported by the engine hosts yet (one process per DP group)")
+        return value
