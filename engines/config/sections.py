@@ -1,5 +1,5 @@
 """The sections of the run configuration (``RunConfig`` in ``engines/config/__init__.py``): every
-field with its default and its help text. This file is the only place defaults are defined."""
+field with its default and its help text. This file and ``train.py`` beside it are the only places defaults are defined."""
 
 from __future__ import annotations
 
