@@ -1,7 +1,11 @@
-"""Hugging Face <-> Megatron-Core parameter mapping for GPT models (Llama, Qwen2).
+"""Hugging Face <-> Megatron-Core parameter mapping for GPT models, driven by the name tables of
+``architectures.py``.
 
 Megatron-Core has no Hugging Face converter for GPT models; ``hf_to_megatron`` and
-``megatron_to_hf`` are the Llama/Qwen2 mapping of the local (non-Transformer-Engine) layer spec.
+``megatron_to_hf`` move tensors between the two through an architecture's table (the local,
+non-Transformer-Engine layer spec's names). A load is strict both ways: ``hf_to_megatron`` fails
+naming every Hugging Face tensor the table left unconsumed (a q/k norm dropped without a word would
+train a different model), ``model.build_gpt`` every Megatron parameter left unfilled.
 """
 
 from __future__ import annotations
@@ -12,70 +16,50 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from engines.backends.megatron.architectures import Rule, architecture, attention_shape
+
 # Megatron splits the vocabulary evenly over TP ranks. Padding it to a fixed multiple (rather than
 # to a multiple of the TP size) keeps checkpoint shapes independent of the TP size; real
 # vocabularies (Llama 3: 128256, Qwen2: 151936) are already multiples and get no padding.
 VOCAB_MULTIPLE = 128
-SUPPORTED_MODELS = ("llama", "qwen2")
+# Hugging Face tensors that carry no weights: rotary tables some older checkpoints saved (recomputed)
+IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 
-# ---------------------------------------------------------------------------------------------
-# Hugging Face <-> Megatron mapping
-# ---------------------------------------------------------------------------------------------
+class MappingError(RuntimeError):
+    """Hugging Face tensors and Megatron parameters do not correspond one to one."""
 
 
 def padded_vocab_size(hf_config) -> int:
     return -(-hf_config.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
-def _attention_shape(hf_config) -> tuple[int, int, int]:
-    """(query heads, key/value groups, head dim)."""
-    heads = hf_config.num_attention_heads
-    groups = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return heads, groups, head_dim
-
-
-def _rope_theta(hf_config) -> float:
-    params = getattr(hf_config, "rope_parameters", None) or {}  # transformers >= 5
-    scaling = getattr(hf_config, "rope_scaling", None) or {}  # transformers 4
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise NotImplementedError(f"rope_type {rope_type!r} is not mapped to Megatron (only 'default' is)")
-    return float(params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
-
-
-def _check_supported(hf_config) -> None:
-    if hf_config.model_type not in SUPPORTED_MODELS:
-        raise NotImplementedError(f"model_type {hf_config.model_type!r}: only {SUPPORTED_MODELS} are mapped")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise NotImplementedError(f"hidden_act {hf_config.hidden_act!r}: only SwiGLU (silu) is mapped")
-    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
-        raise NotImplementedError("Llama attention_bias/mlp_bias are not mapped")
-    if getattr(hf_config, "use_sliding_window", False):
-        raise NotImplementedError("sliding-window attention is not mapped")
-    _rope_theta(hf_config)
-
-
-def _qkv_bias(hf_config) -> bool:
-    return hf_config.model_type == "qwen2"
+def _rules(hf_config) -> list[tuple[str, tuple[str, ...], Rule]]:
+    """(Megatron name, Hugging Face names, rule) for every parameter of the model."""
+    arch = architecture(hf_config)
+    out = [(r.megatron, r.hf, r) for r in arch.model_rules(hf_config)]
+    for i in range(hf_config.num_hidden_layers):
+        out += [(f"decoder.layers.{i}.{r.megatron}", tuple(f"model.layers.{i}.{h}" for h in r.hf), r) for r in arch.layer]
+    return out
 
 
 def hf_to_megatron(hf_state: dict, hf_config, tp_rank: int = 0, tp_size: int = 1) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors → the state dict of TP rank ``tp_rank`` of a Megatron ``GPTModel``.
+    """Hugging Face tensors → the state dict of TP rank ``tp_rank`` of a Megatron ``GPTModel``;
+    ``MappingError`` if a tensor the table needs is absent or one it does not know is left over.
 
-    Megatron fuses Q, K and V into one ``linear_qkv`` whose rows are grouped per key/value
-    group (that group's query heads, then its key head, then its value head) so that a TP
-    split along rows hands each rank whole groups. ``linear_fc1`` is [gate; up] *per rank*,
-    because each rank applies SwiGLU to its own half-and-half. The vocabulary is padded (zero
-    rows, masked out of the log-softmax) to a multiple of ``VOCAB_MULTIPLE``.
+    Layouts (``architectures.Rule``): Megatron fuses Q, K and V into one ``linear_qkv`` whose rows
+    are grouped per key/value group (that group's query heads, then its key head, then its value
+    head) so that a TP split along rows hands each rank whole groups. ``linear_fc1`` is [gate; up]
+    *per rank*, because each rank applies SwiGLU to its own half-and-half. The vocabulary is
+    padded (zero rows, masked out of the log-softmax) to a multiple of ``VOCAB_MULTIPLE``.
 
-    Names are those of the local layer spec, whose norms are modules of their own
-    (``input_layernorm``, ``pre_mlp_layernorm``); Transformer Engine's spec fuses them into
+    The local layer spec's norms are modules of their own (``input_layernorm``,
+    ``pre_mlp_layernorm``); Transformer Engine's spec fuses them into
     ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``, which is also how the
     local spec names them in ``dist_checkpointing`` checkpoints, so those stay interchangeable.
     """
-    heads, groups, head_dim = _attention_shape(hf_config)
+    _, groups, _ = attention_shape(hf_config)
     vocab = padded_vocab_size(hf_config)
 
     def split(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -83,29 +67,37 @@ def hf_to_megatron(hf_state: dict, hf_config, tp_rank: int = 0, tp_size: int = 1
             raise ValueError(f"dimension {dim} of a {tuple(t.shape)} tensor does not split over {tp_size} TP ranks")
         return t.chunk(tp_size, dim)[tp_rank]
 
-    def vocab_rows(t: torch.Tensor) -> torch.Tensor:
-        return split(torch.cat([t, t.new_zeros(vocab - t.shape[0], *t.shape[1:])]), 0)
-
-    def qkv(kind: str, prefix: str) -> torch.Tensor:
-        q, k, v = (hf_state[f"{prefix}{x}_proj.{kind}"] for x in "qkv")
-        grouped = torch.cat([q.unflatten(0, (groups, -1)), k.unflatten(0, (groups, -1)), v.unflatten(0, (groups, -1))], 1)
-        return split(grouped.flatten(0, 1), 0)
-
-    out = {"embedding.word_embeddings.weight": vocab_rows(hf_state["model.embed_tokens.weight"])}
-    for i in range(hf_config.num_hidden_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[m + "input_layernorm.weight"] = hf_state[h + "input_layernorm.weight"]
-        out[m + "self_attention.linear_qkv.weight"] = qkv("weight", h + "self_attn.")
-        if _qkv_bias(hf_config):
-            out[m + "self_attention.linear_qkv.bias"] = qkv("bias", h + "self_attn.")
-        out[m + "self_attention.linear_proj.weight"] = split(hf_state[h + "self_attn.o_proj.weight"], 1)
-        out[m + "pre_mlp_layernorm.weight"] = hf_state[h + "post_attention_layernorm.weight"]
-        gate, up = hf_state[h + "mlp.gate_proj.weight"], hf_state[h + "mlp.up_proj.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([split(gate, 0), split(up, 0)])
-        out[m + "mlp.linear_fc2.weight"] = split(hf_state[h + "mlp.down_proj.weight"], 1)
-    out["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"]
-    if not hf_config.tie_word_embeddings:
-        out["output_layer.weight"] = vocab_rows(hf_state["lm_head.weight"])
+    rules = _rules(hf_config)
+    absent = [h for _, names, _ in rules for h in names if h not in hf_state]
+    if absent:
+        raise MappingError(f"model_type {hf_config.model_type!r}: Hugging Face tensors the mapping needs are absent: {absent}")
+    out: dict[str, torch.Tensor] = {}
+    for name, hf_names, rule in rules:
+        ts = [hf_state[h] for h in hf_names]
+        if rule.layout == "replicated":
+            out[name] = ts[0]
+        elif rule.layout == "row":
+            out[name] = split(ts[0], 1)
+        elif rule.layout == "vocab":
+            t = ts[0]
+            out[name] = split(torch.cat([t, t.new_zeros(vocab - t.shape[0], *t.shape[1:])]), 0)
+        elif rule.layout == "qkv":
+            grouped = torch.cat([t.unflatten(0, (groups, -1)) for t in ts], 1)
+            out[name] = split(grouped.flatten(0, 1), 0)
+        elif rule.layout == "gate_up":
+            out[name] = torch.cat([split(t, 0) for t in ts])
+        else:
+            raise ValueError(f"{rule}: unknown layout")
+    consumed = {h for _, names, _ in rules for h in names}
+    leftover = [k for k in hf_state if k not in consumed and not IGNORED.fullmatch(k)]
+    if hf_config.tie_word_embeddings and "lm_head.weight" in leftover:
+        # some checkpoints of tied models save the output layer too: it must be the embedding
+        if not torch.equal(hf_state["lm_head.weight"], hf_state["model.embed_tokens.weight"]):
+            raise MappingError("tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
+        leftover.remove("lm_head.weight")
+    if leftover:
+        raise MappingError(f"model_type {hf_config.model_type!r}: Hugging Face tensors the Megatron mapping does not "
+                           f"consume (they would be dropped): {sorted(leftover)}")
     return out
 
 
@@ -124,36 +116,32 @@ def megatron_to_hf(mcore_state: dict | list[dict], hf_config) -> dict[str, torch
 
 
 def _param_to_hf(name: str, shards: list[torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
-    heads, groups, head_dim = _attention_shape(hf_config)
-    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        hf_name = "model.embed_tokens.weight" if name.startswith("embedding") else "lm_head.weight"
-        return {hf_name: torch.cat(shards)[: hf_config.vocab_size]}
-    if name == "decoder.final_layernorm.weight":
-        return {"model.norm.weight": shards[0]}
-    match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
-    if match is None:
-        raise KeyError(f"no Hugging Face name for Megatron parameter {name!r}")
-    h, rest = f"model.layers.{match.group(1)}.", match.group(2)
-    if rest == "input_layernorm.weight":
-        return {h + "input_layernorm.weight": shards[0]}
-    if rest == "pre_mlp_layernorm.weight":
-        return {h + "post_attention_layernorm.weight": shards[0]}
-    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        kind = rest.rsplit(".", 1)[1]
+    """One Megatron parameter (every TP rank's shard, in rank order) → its Hugging Face tensors."""
+    arch = architecture(hf_config)
+    match = LAYER.fullmatch(name)
+    if match:
+        prefix, table, rest = f"model.layers.{match.group(1)}.", arch.layer, match.group(2)
+    else:
+        prefix, table, rest = "", arch.model_rules(hf_config), name
+    rule = next((r for r in table if r.megatron == rest), None)
+    if rule is None:
+        raise MappingError(f"model_type {hf_config.model_type!r}: no Hugging Face name for Megatron parameter {name!r}")
+    hf_names = [prefix + h for h in rule.hf]
+    if rule.layout == "replicated":
+        return {hf_names[0]: shards[0]}
+    if rule.layout == "row":
+        return {hf_names[0]: torch.cat(shards, 1)}
+    if rule.layout == "vocab":
+        return {hf_names[0]: torch.cat(shards)[: hf_config.vocab_size]}
+    if rule.layout == "qkv":
+        heads, groups, head_dim = attention_shape(hf_config)
         grouped = torch.cat(shards).unflatten(0, (groups, -1))
         q, k, v = grouped.split([heads // groups * head_dim, head_dim, head_dim], dim=1)
-        return {f"{h}self_attn.{x}_proj.{kind}": t.flatten(0, 1) for x, t in zip("qkv", (q, k, v))}
-    if rest == "self_attention.linear_proj.weight":
-        return {h + "self_attn.o_proj.weight": torch.cat(shards, 1)}
-    if rest == "mlp.linear_fc1.weight":
+        return {h: t.flatten(0, 1) for h, t in zip(hf_names, (q, k, v))}
+    if rule.layout == "gate_up":
         halves = [s.chunk(2) for s in shards]
-        return {
-            h + "mlp.gate_proj.weight": torch.cat([g for g, _ in halves]),
-            h + "mlp.up_proj.weight": torch.cat([u for _, u in halves]),
-        }
-    if rest == "mlp.linear_fc2.weight":
-        return {h + "mlp.down_proj.weight": torch.cat(shards, 1)}
-    raise KeyError(f"no Hugging Face name for Megatron parameter {name!r}")
+        return {hf_names[0]: torch.cat([g for g, _ in halves]), hf_names[1]: torch.cat([u for _, u in halves])}
+    raise ValueError(f"{rule}: unknown layout")
 
 
 def load_hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:

@@ -24,7 +24,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
 from engines.backends.distributed import default_device, init_process_groups
-from engines.backends.megatron.mapping import _attention_shape, _check_supported, _qkv_bias, _rope_theta, hf_to_megatron, padded_vocab_size
+from engines.backends.megatron.architectures import architecture, rope_scaling, rope_theta
+from engines.backends.megatron.mapping import MappingError, hf_to_megatron, padded_vocab_size
 
 
 class SDPAttention(MegatronModule):
@@ -86,9 +87,11 @@ class SDPAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)  # [b, h, s, d] -> [s, b, h·d]
 
 
-def gpt_layer_spec():
-    """Megatron-Core's local (non-Transformer-Engine) GPT layer with :class:`SDPAttention`."""
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+def gpt_layer_spec(qk_layernorm: bool = False):
+    """Megatron-Core's local (non-Transformer-Engine) GPT layer with :class:`SDPAttention`;
+    ``qk_layernorm``: per-head RMSNorms of queries and keys (``q_layernorm``/``k_layernorm``, kept:
+    only the core attention is swapped)."""
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm))
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
 
@@ -110,9 +113,9 @@ def transformer_config(hf_config, tensor_parallel: int, dtype: torch.dtype, reco
     """``recompute_*``: activation recomputation (Megatron's options of the same names). "full"
     recomputes whole layers in the backward pass (``recompute_method``: "uniform", every chunk of
     ``recompute_num_layers`` layers; "block", the first ``recompute_num_layers`` layers), keeping
-    only their inputs; "selective" recomputes the ``recompute_modules`` of every layer."""
-    _check_supported(hf_config)
-    heads, groups, head_dim = _attention_shape(hf_config)
+    only their inputs; "selective" recomputes the ``recompute_modules`` of every layer. The
+    architecture's own fields (shape, norms, biases) come from its record (``architectures.py``)."""
+    arch = architecture(hf_config)
     recompute = {}
     if recompute_granularity == "full":
         recompute = {"recompute_granularity": "full", "recompute_method": recompute_method, "recompute_num_layers": recompute_num_layers}
@@ -121,18 +124,7 @@ def transformer_config(hf_config, tensor_parallel: int, dtype: torch.dtype, reco
     elif recompute_granularity != "none":
         raise ValueError(f"recompute_granularity {recompute_granularity!r}: none, selective or full")
     return TransformerConfig(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
-        num_attention_heads=heads,
-        num_query_groups=groups,
-        kv_channels=head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=hf_config.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=_qkv_bias(hf_config),
+        **arch.transformer_kwargs(hf_config),
         hidden_dropout=0.0,  # RL needs the trainer's log-probs to be the rollout engine's
         attention_dropout=0.0,
         tensor_model_parallel_size=tensor_parallel,
@@ -153,17 +145,26 @@ def build_gpt(hf_config, config: TransformerConfig, hf_state: dict, device: torc
               layer_spec=None) -> GPTModel:
     """A GPT model on ``device`` (None: this process's, ``engines.backends.distributed.default_device``)
     holding this TP rank's share of the Hugging Face weights. ``layer_spec``: the transformer
-    layer (default :func:`gpt_layer_spec`)."""
+    layer (default :func:`gpt_layer_spec`). Strict: every Megatron parameter is filled from the
+    folder (and ``hf_to_megatron`` consumes every Hugging Face tensor), else ``MappingError``."""
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec if layer_spec is not None else gpt_layer_spec(),
+        transformer_layer_spec=layer_spec if layer_spec is not None else gpt_layer_spec(config.qk_layernorm),
         vocab_size=padded_vocab_size(hf_config),
         max_sequence_length=hf_config.max_position_embeddings,
         parallel_output=True,  # logits stay split over TP ranks; the log-softmax is vocab-parallel
         share_embeddings_and_output_weights=hf_config.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_base=_rope_theta(hf_config),
+        rotary_base=rope_theta(hf_config),
     )
+    scaling = rope_scaling(hf_config)
+    if scaling is not None:
+        # Llama 3's frequency scaling. GPTModel's own rope_scaling passes only the factor and fixes
+        # the other three parameters at Llama 3.1's values; _apply_scaling (transformers' formula)
+        # takes all four, so every checkpoint's own values are used (test_architectures.py checks
+        # the frequencies against transformers').
+        rotary = model.rotary_pos_emb
+        rotary.inv_freq = rotary._apply_scaling(rotary.inv_freq, **scaling)
     # Megatron allocates its linear layers on the current CUDA device, but the local spec builds its
     # norms on the CPU in torch's default dtype: Megatron-LM casts the whole model for bf16
     # (Float16Module), its optimizers expect parameters of one dtype, and an H100 run failed with
@@ -175,7 +176,8 @@ def build_gpt(hf_config, config: TransformerConfig, hf_state: dict, device: torc
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
-        raise RuntimeError(f"HF→Megatron mapping mismatch: missing {missing}, unexpected {unexpected}")
+        raise MappingError(f"model_type {hf_config.model_type!r}: Megatron parameters the Hugging Face folder did not "
+                           f"fill: {missing}; mapped tensors the Megatron model has no parameter for: {unexpected}")
     return model
 
 

@@ -13,8 +13,8 @@ token or sequence counts, so a DP step equals one process stepping on the concat
 Tensor-parallel ranks of one DP replica must be given the same batch. Methods marked
 *collective* must be called on every rank, in the same order.
 
-Megatron-Core has no Hugging Face converter for GPT models: ``mapping.py`` holds the Llama/Qwen2
-mapping, ``model.py`` builds the model. A vision-language model (Idefics3/SmolVLM) keeps its
+Megatron-Core has no Hugging Face converter for GPT models: ``architectures.py`` holds one record
+per mapped family (Llama 3.x, Qwen2/2.5, Qwen3), ``mapping.py`` the conversion, ``model.py`` builds the model. A vision-language model (Idefics3/SmolVLM) keeps its
 Hugging Face vision tower and connector as torch modules beside the Megatron GPT language model
 (``vision.py``).
 """
