@@ -59,7 +59,11 @@ def hf_to_megatron(hf_state: dict, hf_config, tp_rank: int = 0, tp_size: int = 1
     ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``, which is also how the
     local spec names them in ``dist_checkpointing`` checkpoints, so those stay interchangeable.
     """
-    _, groups, _ = attention_shape(hf_config)
+    heads, groups, _ = attention_shape(hf_config)
+    if heads % tp_size or groups % tp_size:
+        # fewer key/value heads than TP ranks would need each rank's copy of a shared head (Megatron
+        # replicates them); the grouped split below would hand rank 0 queries and rank 1 keys
+        raise ValueError(f"{heads} query heads and {groups} key/value heads do not split over {tp_size} TP ranks")
     vocab = padded_vocab_size(hf_config)
 
     def split(t: torch.Tensor, dim: int) -> torch.Tensor:
