@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engines.backends import multimodal
+from engines.backends.megatron import architectures  # imports no Megatron
 from engines.backends.megatron.vision import VISION_MODELS as MEGATRON_VISION_MODELS  # imports no Megatron
 from engines.host import rewards
 from storage import datasets, objectstore
@@ -53,6 +54,8 @@ def validate_inputs(config) -> dict:
                                                                                      config.judge.backend)))
     rule = rewards.load_rule(config.reward.rule) if config.reward.rule else None
     processor = check_vision(config, policy)
+    if processor is None:
+        check_megatron_architecture(config, policy)
     tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(policy)
     counts = {}
     for field, path in (("data.prompts", config.data.prompts), ("data.heldout", config.data.heldout)):
@@ -88,6 +91,21 @@ def validate_inputs(config) -> dict:
         check_answers(config, field, uri, first, unanswered, len(reader), rule)
         counts[field] = len(reader)
     return counts
+
+
+def check_megatron_architecture(config, policy: str) -> None:
+    """With train.backend=megatron, a text policy is of an architecture the Megatron mapping covers
+    (``engines/backends/megatron/architectures.py``), else an error naming the field, the
+    model_type and why: before any engine loads, not as a mapping error inside the trainer."""
+    if config.train.backend != "megatron":
+        return
+    from transformers import AutoConfig
+
+    try:
+        architectures.architecture(AutoConfig.from_pretrained(policy))
+    except architectures.Unsupported as e:
+        raise InputError(f"model.policy: {config.uri(config.model.policy)}/config.json: train.backend=megatron cannot "
+                         f"train it: {e}") from None
 
 
 def check_vision(config, policy: str):
