@@ -201,6 +201,7 @@ REFUSED = {
                r"Qwen2 / Qwen2.5 \(qwen2\), Qwen3 \(dense\) \(qwen3\)",
     "qwen2-sliding": r"model_type 'qwen2' .*sliding-window attention layers",
     "llama-attention-bias": r"attention_bias=true is not mapped",
+    "llama-sliding-window": r"model_type 'llama' .*sliding-window attention layers",  # a Mistral-style window
     "llama-yarn": r"rope_type 'yarn' is not mapped",
 }
 
@@ -217,6 +218,8 @@ def test_unmapped_architectures_are_refused_naming_why(folders, case):
         config = AutoConfig.from_pretrained(folders["llama"])
         if case == "llama-attention-bias":
             config.attention_bias = True
+        elif case == "llama-sliding-window":
+            config.sliding_window = 4096
         else:
             config.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
     with pytest.raises(architectures.Unsupported, match=REFUSED[case]):

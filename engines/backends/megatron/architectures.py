@@ -100,7 +100,10 @@ class Architecture:
         if getattr(hf_config, "attention_bias", False):  # Llama/Qwen3: biases on q, k, v *and* o_proj
             refuse("attention_bias=true is not mapped (biases on q/k/v/o_proj; Megatron's add_qkv_bias covers q/k/v only)")
         sliding = [t for t in (getattr(hf_config, "layer_types", None) or []) if t != "full_attention"]
-        if getattr(hf_config, "use_sliding_window", False) or sliding:
+        # Qwen2/Qwen3 keep a sliding_window that use_sliding_window=false switches off; Mistral-style
+        # configs have no switch: a window there is in use
+        window = getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True)
+        if window or sliding:
             refuse("sliding-window attention layers (use_sliding_window / layer_types) are not mapped: "
                    "every layer must attend to the whole causal context")
         if float(rope_parameters(hf_config).get("partial_rotary_factor", 1.0)) != 1.0:
