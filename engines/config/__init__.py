@@ -12,6 +12,7 @@ Paths without a scheme are relative to ``storage.root``. The sections and their 
 from __future__ import annotations
 
 import textwrap
+import typing
 from pathlib import Path
 
 import yaml
@@ -82,6 +83,9 @@ def describe_fields(section: type[BaseModel] = RunConfig, prefix: str = "") -> l
         default = field.get_default(call_default_factory=True)
         lines.append(f"  {prefix}{name} = {'null' if default is None else default}")
         lines += textwrap.wrap(field.description or "", width=96, initial_indent="      ", subsequent_indent="      ")
+        optional = [a for a in typing.get_args(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if optional:  # a section that is off (None) by default, e.g. train.lora: its fields once set
+            lines += describe_fields(optional[0], f"{prefix}{name}.")
     return lines
 
 

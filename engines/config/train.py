@@ -5,9 +5,34 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from engines.config.sections import MEASURED_TRAIN_S_PER_TOKEN, Section
+
+
+LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(Section):
+    """``train.lora``: train a low-rank adapter (LoRA, through ``peft``) instead of every weight."""
+
+    rank: int = Field(8, gt=0, description="LoRA rank r: each adapted weight W (out x in) trains B (out x r) and A (r x in); "
+                      "the update is B A * alpha / r.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the adapter's output is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input during training (0: none; "
+                           "the merged weights sent to the rollout engine never see it).")
+    target_modules: list[str] = Field(
+        LORA_DEFAULT_TARGETS, min_length=1,
+        description="Modules that get an adapter, by name: an entry matches a module whose dotted name is the entry or "
+        "ends with '.' + entry (peft's rule: 'q_proj' matches every layer's self_attn.q_proj). Every entry must match "
+        "a module of model.policy (checked before the engines load). A vision-language policy's vision encoder gets "
+        "none while train.freeze_vision is on. The default covers the attention and MLP projections of Llama, Qwen, "
+        "Mistral and Gemma models.",
+    )
+    export_merged: bool = Field(
+        False, description="Export: besides the adapter (runs/<name>/final: adapter_config.json and "
+        "adapter_model.safetensors, with the tokenizer), write the merged full model (W + B A * alpha / rank) as a "
+        "Hugging Face folder in runs/<name>/final/merged.")
 
 
 class TrainConfig(Section):
@@ -69,6 +94,11 @@ class TrainConfig(Section):
     freeze_vision: bool = Field(
         True, description="Vision-language policy: keep the vision encoder's weights fixed (the connector and the language "
         "model train). False trains it too.")
+    lora: LoraConfig | None = Field(
+        None, description="LoRA: train only a low-rank adapter of the policy (its optimizer state is the adapter's; "
+        "checkpoints hold the adapter and record the policy folder it adapts; the rollout engine receives merged "
+        "weights). null: train every weight. Set a field to turn it on (train.lora.rank=16), or train.lora={} for the "
+        "defaults below. train.backend torch only.")
     balance_tokens: bool = Field(
         True,
         description="Whether to spread each minibatch's sequences over the DP groups by token count "
@@ -88,3 +118,15 @@ class TrainConfig(Section):
             # per DP group; hosts per TP rank are not wired into the flows yet.
             raise ValueError("> 1 is not supported by the engine hosts yet (one process per DP group)")
         return value
+
+    @model_validator(mode="after")
+    def _lora_on_torch_only(self):
+        if self.lora is not None and self.backend == "megatron":
+            raise ValueError(
+                "train.lora: LoRA is not implemented for train.backend=megatron: the Megatron trainer builds Megatron-Core "
+                "layers (tensor-parallel ColumnParallelLinear/RowParallelLinear with fused QKV and gate/up weights), not "
+                "the transformers modules peft adapts, and its Hugging Face mapping and distributed checkpoints know no "
+                "adapter tensors; use train.backend=torch")
+        if self.lora is not None and self.backend == "stub":
+            raise ValueError("train.lora: the timing stub trains nothing; LoRA needs train.backend=torch")
+        return self

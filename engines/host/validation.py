@@ -56,6 +56,7 @@ def validate_inputs(config) -> dict:
     processor = check_vision(config, policy)
     if processor is None:
         check_megatron_architecture(config, policy)
+    check_lora_targets(config, policy)
     tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(policy)
     counts = {}
     for field, path in (("data.prompts", config.data.prompts), ("data.heldout", config.data.heldout)):
@@ -127,6 +128,30 @@ def check_vision(config, policy: str):
     except Exception as e:  # noqa: BLE001 - any failure means no usable processor
         raise InputError(f"model.policy: {config.uri(config.model.policy)} is a vision-language model without a usable "
                          f"processor ({type(e).__name__}: {e})") from e
+
+
+def check_lora_targets(config, policy: str) -> None:
+    """Every ``train.lora.target_modules`` entry adapts a module of the policy (its modules built
+    from its config.json on the meta device: no weights are read)."""
+    lora = config.train.lora
+    if lora is None:
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from engines.backends.torch import lora as lora_adapter
+
+    vision = multimodal.is_vision_folder(policy)
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(AutoConfig.from_pretrained(policy))
+    freeze_vision = vision and config.train.freeze_vision
+    problems = lora_adapter.unmatched_targets(model, lora.target_modules, freeze_vision)
+    if problems:
+        where = " (the vision encoder is left out: train.freeze_vision is on)" if freeze_vision else ""
+        raise InputError(
+            f"train.lora.target_modules: {'; '.join(f'{t!r} {why}' for t, why in problems.items())} in model.policy "
+            f"{config.uri(config.model.policy)}{where}; its adaptable modules are named "
+            f"{lora_adapter.adaptable_names(model, freeze_vision)}")
 
 
 def check_prompt_images(config, uri: str, row: dict, processor, first: bool) -> None:

@@ -338,10 +338,14 @@ class Worker:
     @handle.register
     def export_policy(self, request: ExportPolicy) -> ExportPolicyResult:
         """The current policy as a Hugging Face folder (MANIFEST.json last). A sleeping trainer
-        is not woken: its weights are read from its host copy."""
+        is not woken: its weights are read from its host copy. With ``train.lora`` the folder is the
+        adapter's, and with ``train.lora.export_merged`` the merged model is in its ``merged/``."""
         if self.rank == 0:
             with tempfile.TemporaryDirectory() as tmp:
                 self.trainer.save_hf(tmp)
+                lora = self.config.train.lora
+                if lora is not None and lora.export_merged:
+                    self.trainer.save_merged(os.path.join(tmp, "merged"))
                 objectstore.upload_folder(tmp, request.uri)
         return ExportPolicyResult(uri=request.uri)
 

@@ -31,6 +31,13 @@ def load_model(model_dir: str, dtype: str = "float32", device: torch.device | st
     return tokenizer, model.to(device), processor
 
 
+def is_vision_tower(name: str) -> bool:
+    """A parameter of a vision-language model's vision encoder (Idefics3/SmolVLM ``vision_model``,
+    Qwen-VL ``visual``, LLaVA ``vision_tower``), by its Hugging Face name; the connector that maps
+    its features into the language model is not part of it (it trains)."""
+    return any(part in name.split(".") for part in ("vision_model", "visual", "vision_tower"))
+
+
 def resolve_device(device: torch.device | str | None) -> torch.device:
     if device is None:
         from engines.backends.distributed import default_device

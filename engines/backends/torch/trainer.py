@@ -9,6 +9,7 @@ else the CPU), with model, buffers and optimizer state there; on CUDA with the f
 
 from __future__ import annotations
 
+import contextlib
 import copy as copy_module
 import os
 from typing import Iterator, Literal
@@ -20,7 +21,8 @@ from torch.profiler import record_function
 from engines.backends import multimodal
 from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
 from engines.backends.batching import micro_batches, pad_batch
-from engines.backends.torch.model import forward_precision, load_model, resolve_device, sequence_logprobs
+from engines.backends.torch import lora as lora_adapter
+from engines.backends.torch.model import forward_precision, is_vision_tower, load_model, resolve_device, sequence_logprobs
 from engines.rl import algorithms
 
 
@@ -34,6 +36,10 @@ class TorchTrainer:
 
     ``device`` and ``autocast``: as for :class:`TorchGenerator`; the reference model lives there
     too, and on CUDA the optimizer is the fused AdamW (its state is created on the device).
+
+    ``lora`` (``train.lora``): train a LoRA adapter only (``engines/backends/torch/lora.py``): the
+    optimizer, checkpoints and ``save_hf`` hold the adapter, ``export_weights`` the merged weights,
+    and the KL reference is the policy with its adapter disabled (no second copy).
     """
 
     def __init__(
@@ -49,15 +55,21 @@ class TorchTrainer:
         device: torch.device | str | None = None,
         autocast: bool | None = None,
         freeze_vision: bool = True,
+        lora=None,
     ):
         self.device = resolve_device(device)
         self.autocast = autocast
         self.tokenizer, self.model, self.processor = load_model(model_dir, dtype, self.device)
+        self.lora = None  # with train.lora: what a checkpoint records of the base (lora_adapter.base_record)
+        if lora is not None:
+            self.model = lora_adapter.wrap(self.model, lora, freeze_vision and self.processor is not None)
+            self.lora = lora_adapter.base_record(model_dir, lora)
         self.model.train()
-        self.reference = load_model(model_dir, dtype, self.device)[1].eval() if reference else None
+        # the KL reference: a second copy of the policy, or with LoRA the policy with its adapter disabled
+        self.reference = load_model(model_dir, dtype, self.device)[1].eval() if reference and lora is None else None
         # a vision model's image tokens are never sampled: outside the policy's distribution here too
         self.banned = multimodal.image_token_ids(self.processor) if self.processor is not None else None
-        if self.processor is not None and freeze_vision:
+        if self.processor is not None and freeze_vision and lora is None:
             for name, p in self.model.named_parameters():
                 if is_vision_tower(name):
                     p.requires_grad_(False)
@@ -140,9 +152,9 @@ class TorchTrainer:
                 with record_function("forward"), forward_precision(self.device, self.autocast):  # the loss: fp32 either way
                     logprobs = sequence_logprobs(self.model, ids, attn, self.temperature, pixels, self.banned)
                     ref = None
-                    if self.reference is not None and kl_coef > 0:
-                        with torch.no_grad():
-                            ref = sequence_logprobs(self.reference, ids, attn, self.temperature, pixels, self.banned)
+                    if kl_coef > 0 and (self.reference is not None or self.lora is not None):
+                        with torch.no_grad(), self._reference() as reference:
+                            ref = sequence_logprobs(reference, ids, attn, self.temperature, pixels, self.banned)
                 with record_function("loss"):
                     adv = torch.tensor(micro.advantages, dtype=logprobs.dtype, device=self.device)
                     per_token, clipped = algorithms.policy_loss_terms(logprobs, old, adv, clip_low, clip_high, ref, kl_coef)
@@ -167,8 +179,18 @@ class TorchTrainer:
         totals["clip_fraction"] /= max(totals["tokens"], 1.0)
         return totals | dict(zip(algorithms.STEP_STATISTICS, (stats / max(totals["tokens"], 1.0)).tolist()))
 
+    def _reference(self):
+        """The KL reference model, for a ``with`` block."""
+        if self.lora is not None:
+            return lora_adapter.base_model_of(self.model)
+        return contextlib.nullcontext(self.reference)
+
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Hugging Face-named tensors, for a generator's ``update_weights``."""
+        """Hugging Face-named tensors, for a generator's ``update_weights``; with LoRA the merged
+        weights under the base model's names."""
+        if self.lora is not None:
+            yield from lora_adapter.merged(self.model, self.model.get_base_model().named_parameters())
+            return
         for name, p in self.model.named_parameters():
             yield name, p.detach()
 
@@ -197,8 +219,14 @@ class TorchTrainer:
         """
         if self.distributed and dist.get_rank() != 0:
             return None
-        live = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
-        return copy_state(live, into)
+        return copy_state(self._live_state(), into)
+
+    def _live_state(self) -> dict:
+        """What a checkpoint holds: model (with LoRA: the adapter, and the base it adapts), optimizer, version."""
+        if self.lora is not None:
+            return {"model": lora_adapter.adapter_state(self.model), "optimizer": self.optimizer.state_dict(),
+                    "version": self.version, "lora": self.lora}
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
 
     def save_checkpoint(self, local_dir: str, state: dict | None = None) -> list[str]:
         """Model, optimizer and version into ``local_dir``; returns the files this rank wrote.
@@ -210,7 +238,7 @@ class TorchTrainer:
             return []
         os.makedirs(local_dir, exist_ok=True)
         if state is None:
-            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
+            state = self._live_state()
         torch.save(state, os.path.join(local_dir, "trainer.pt"))
         return ["trainer.pt"]
 
@@ -218,23 +246,34 @@ class TorchTrainer:
         # read into host memory (a checkpoint may come from another device); load_state_dict
         # copies into the parameters, and the optimizer moves its state to theirs
         state = torch.load(os.path.join(local_dir, "trainer.pt"), weights_only=True, map_location="cpu")
-        self.model.load_state_dict(state["model"])
+        if ("lora" in state) != (self.lora is not None):
+            raise ValueError(f"train.lora: checkpoint {local_dir} was trained {'with' if 'lora' in state else 'without'} LoRA "
+                             f"and this run is {'with' if self.lora is not None else 'without'}: set train.lora as it was")
+        if self.lora is not None:
+            lora_adapter.check_base(state["lora"], self.lora, local_dir)
+            lora_adapter.load_adapter_state(self.model, state["model"], local_dir)
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = state["version"]
 
     def save_hf(self, local_dir: str, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """The policy as a Hugging Face folder; ``tensors``: Hugging Face-named weights to write
-        instead of the live ones (the ``model`` part of a :meth:`checkpoint_state` copy)."""
-        # save_pretrained drops keys from the dict it is given (tied weights): give it its own
-        self.model.save_pretrained(local_dir, safe_serialization=True, state_dict=dict(tensors) if tensors is not None else None)
+        instead of the live ones (the ``model`` part of a :meth:`checkpoint_state` copy). With LoRA
+        the adapter folder (``tensors``: adapter tensors), which peft loads onto the policy folder."""
+        if self.lora is not None:
+            lora_adapter.save_adapter(self.model, local_dir, tensors)
+        else:
+            # save_pretrained drops keys from the dict it is given (tied weights): give it its own
+            self.model.save_pretrained(local_dir, safe_serialization=True, state_dict=dict(tensors) if tensors is not None else None)
         (self.processor or self.tokenizer).save_pretrained(local_dir)
 
-
-def is_vision_tower(name: str) -> bool:
-    """A parameter of a vision-language model's vision encoder (Idefics3/SmolVLM ``vision_model``,
-    Qwen-VL ``visual``, LLaVA ``vision_tower``), by its Hugging Face name; the connector that maps
-    its features into the language model is not part of it (it trains)."""
-    return any(part in name.split(".") for part in ("vision_model", "visual", "vision_tower"))
+    def save_merged(self, local_dir: str) -> None:
+        """With LoRA: the merged model (W + B A * alpha / r) as a Hugging Face folder of the base's
+        architecture, loadable without peft."""
+        self.model.get_base_model().save_pretrained(local_dir, safe_serialization=True,
+                                                    state_dict=lora_adapter.merged_state_dict(self.model))
+        (self.processor or self.tokenizer).save_pretrained(local_dir)
 
 
 def copy_state(obj, into=None):
