@@ -37,7 +37,7 @@ def make_trainer(cfg: RunConfig, model_dir: str, device=None) -> Trainer:
                                device=device, freeze_vision=t.freeze_vision, **kwargs)
     from engines.backends.torch.trainer import TorchTrainer
 
-    return TorchTrainer(model_dir, device=device, freeze_vision=t.freeze_vision, lora=t.lora, **kwargs)
+    return TorchTrainer(model_dir, device=device, freeze_vision=t.freeze_vision, lora=t.lora, seed=cfg.seed, **kwargs)
 
 
 def make_generator(backend: str, model_dir: str, cfg: RunConfig, threads: int, device=None) -> Generator:

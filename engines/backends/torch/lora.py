@@ -67,9 +67,13 @@ def adaptable_names(model: torch.nn.Module, freeze_vision: bool) -> list[str]:
                    if n and adaptable(m) and not (freeze_vision and is_vision_tower(n))})
 
 
-def wrap(model: torch.nn.Module, lora, freeze_vision: bool):
+def wrap(model: torch.nn.Module, lora, freeze_vision: bool, seed: int = 0):
     """``model`` as a ``peft.PeftModel`` with a fresh adapter (``lora``: ``engines.config.train.LoraConfig``
-    or anything with its fields); every base weight frozen. A target that adapts nothing is an error."""
+    or anything with its fields); every base weight frozen. A target that adapts nothing is an error.
+
+    The adapter's random initialisation (``lora_A``; ``lora_B`` starts at zero, so the policy starts
+    as its base) is drawn from ``seed``, not from the process's RNG: every DP replica starts with the
+    same adapter, and the RNG streams of the run are not moved."""
     from peft import LoraConfig, get_peft_model
 
     problems = unmatched_targets(model, lora.target_modules, freeze_vision)
@@ -77,7 +81,10 @@ def wrap(model: torch.nn.Module, lora, freeze_vision: bool):
         raise ValueError(f"train.lora.target_modules: {problems}; adaptable modules: {adaptable_names(model, freeze_vision)}")
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules),
                         exclude_modules=VISION_TOWER_PATTERN if freeze_vision else None, bias="none")
-    return get_peft_model(model, config)
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
 
 
 def is_adapter(name: str) -> bool:

@@ -39,7 +39,8 @@ class TorchTrainer:
 
     ``lora`` (``train.lora``): train a LoRA adapter only (``engines/backends/torch/lora.py``): the
     optimizer, checkpoints and ``save_hf`` hold the adapter, ``export_weights`` the merged weights,
-    and the KL reference is the policy with its adapter disabled (no second copy).
+    and the KL reference is the policy with its adapter disabled (no second copy); ``seed``: the
+    adapter's initialisation, the same on every replica.
     """
 
     def __init__(
@@ -56,13 +57,14 @@ class TorchTrainer:
         autocast: bool | None = None,
         freeze_vision: bool = True,
         lora=None,
+        seed: int = 0,
     ):
         self.device = resolve_device(device)
         self.autocast = autocast
         self.tokenizer, self.model, self.processor = load_model(model_dir, dtype, self.device)
         self.lora = None  # with train.lora: what a checkpoint records of the base (lora_adapter.base_record)
         if lora is not None:
-            self.model = lora_adapter.wrap(self.model, lora, freeze_vision and self.processor is not None)
+            self.model = lora_adapter.wrap(self.model, lora, freeze_vision and self.processor is not None, seed)
             self.lora = lora_adapter.base_record(model_dir, lora)
         self.model.train()
         # the KL reference: a second copy of the policy, or with LoRA the policy with its adapter disabled
