@@ -155,6 +155,7 @@ def assert_same(a, b) -> None:
 
 def test_checkpoint_holds_the_adapter_and_resume_is_exact(host, policy, tmp_path):
     uri = objectstore.normalize(str(tmp_path / "ckpt"))
+    expected = live_state(host.trainer)
     host.checkpoint(Checkpoint(uri=uri))
     files = host.checkpoint_wait(CheckpointWait()).files
     assert {"trainer-torch/trainer.pt", "model/adapter_config.json", "model/adapter_model.safetensors"} <= set(files)
@@ -163,6 +164,10 @@ def test_checkpoint_holds_the_adapter_and_resume_is_exact(host, policy, tmp_path
     saved = torch.load(local / "trainer-torch" / "trainer.pt", weights_only=True)
     assert saved["model"] and all(lora.is_adapter(k) for k in saved["model"])
     assert saved["lora"]["policy"] == policy and saved["lora"]["rank"] == LORA["rank"]
+    assert_same(saved, expected)  # adapter, its AdamW state, version, base: as at save time
+    adapter = load_file(str(local / "model" / "adapter_model.safetensors"))  # peft's names: no adapter name
+    assert adapter.keys() == {k.replace(".default", "") for k in saved["model"]}
+    assert all(torch.equal(adapter[k.replace(".default", "")], v) for k, v in saved["model"].items())
     train_once(host.trainer, seed=5)  # the uninterrupted run (dropout draws from the RNG the checkpoint restores)
     resumed = make_trainer(policy, seed=9)  # another initial adapter, replaced by the checkpoint's
     host.checkpoints.load(resumed, uri)
@@ -233,12 +238,18 @@ def test_lora_on_a_vision_language_policy(tmp_path, freeze):
 def test_a_target_matching_no_module_fails_validation_naming_the_field(policy, tmp_path):
     config = RunConfig.model_validate({"dp": 1, "model": {"policy": policy}, "reward": {"genrm_weight": 0, "rule_weight": 1},
                                        "train": {"lora": {"target_modules": ["q_proj", "qkv_proj"]}}})
-    with pytest.raises(validation.InputError, match=r"train.lora.target_modules: 'qkv_proj' matches no module in "
-                                                    rf"model.policy .*{Path(policy).name}.*'q_proj'"):
+    with pytest.raises(validation.InputError, match=rf"train.lora.target_modules \(model.policy .*{Path(policy).name}\): "
+                                                    r"'qkv_proj' matches no module; its adaptable modules .*'q_proj'"):
         validation.validate_inputs(config)
     config.train.lora = LoraConfig(target_modules=["self_attn"])  # a module LoRA cannot adapt
     with pytest.raises(validation.InputError, match="'self_attn' matches only modules LoRA cannot adapt"):
         validation.check_lora_targets(config, policy)
+    from engines.demo.tiny_hub import save_tiny_hub_model
+
+    qwen3 = str(save_tiny_hub_model("qwen3", tmp_path / "qwen3"))  # input and output embeddings tied
+    config.train.lora = LoraConfig(target_modules=["q_proj", "lm_head"])
+    with pytest.raises(validation.InputError, match="'lm_head' matches lm_head, whose weight is tied to model.embed_tokens"):
+        validation.check_lora_targets(config, qwen3)
 
 
 def test_lora_with_the_megatron_trainer_is_refused_with_the_reason():

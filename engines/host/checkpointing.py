@@ -6,7 +6,8 @@ every rank's files are written, ``storage/runstate.py``):
 
     trainer-{backend}/   the train engine's own format (one file for torch; Megatron
                          ``dist_checkpointing`` shards written by every rank)
-    model/               the policy as a Hugging Face folder (rank 0)
+    model/               the policy as a Hugging Face folder (rank 0); with train.lora the adapter
+                         folder (the base is the policy folder, recorded in trainer-torch/)
     prompts.json         the prompt files the data cursors point into (rank 0)
     rng-{rank}.pt        torch's and Python's RNG states
 """

@@ -149,8 +149,8 @@ def check_lora_targets(config, policy: str) -> None:
     if problems:
         where = " (the vision encoder is left out: train.freeze_vision is on)" if freeze_vision else ""
         raise InputError(
-            f"train.lora.target_modules: {'; '.join(f'{t!r} {why}' for t, why in problems.items())} in model.policy "
-            f"{config.uri(config.model.policy)}{where}; its adaptable modules are named "
+            f"train.lora.target_modules (model.policy {config.uri(config.model.policy)}{where}): "
+            f"{'; '.join(f'{t!r} {why}' for t, why in problems.items())}; its adaptable modules are named "
             f"{lora_adapter.adaptable_names(model, freeze_vision)}")
 
 

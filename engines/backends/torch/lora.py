@@ -46,18 +46,29 @@ def matches(name: str, target: str) -> bool:
 
 
 def unmatched_targets(model: torch.nn.Module, targets: list[str], freeze_vision: bool) -> dict[str, str]:
-    """The entries of ``targets`` that would adapt nothing, each with why: no module of ``model``
-    has that name (the vision encoder left out under ``freeze_vision``), or only modules LoRA cannot
-    adapt do. ``model`` may live on the meta device."""
+    """The entries of ``targets`` that would adapt nothing, or adapt wrongly, each with why: no
+    module of ``model`` has that name (the vision encoder left out under ``freeze_vision``), only
+    modules LoRA cannot adapt do, or one it matches shares its weight with another module (tied
+    input and output embeddings: the adapter would change one use of the weight, and a merged weight
+    both). ``model`` may live on the meta device."""
     modules = [(n, m) for n, m in model.named_modules() if n and not (freeze_vision and is_vision_tower(n))]
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
     problems = {}
     for target in targets:
         hits = [(n, m) for n, m in modules if matches(n, target)]
+        tied = [(n, other) for n, m in hits if adaptable(m) and getattr(m, "weight", None) is not None
+                for other in owners.get(id(m.weight), []) if other != n]
         if not hits:
             problems[target] = "matches no module"
         elif not any(adaptable(m) for _, m in hits):
             kinds = sorted({type(m).__name__ for _, m in hits})
             problems[target] = f"matches only modules LoRA cannot adapt ({', '.join(kinds)}; e.g. {hits[0][0]})"
+        elif tied:
+            problems[target] = (f"matches {tied[0][0]}, whose weight is tied to {tied[0][1]}'s (tie_word_embeddings): "
+                                "an adapter on one use of a shared weight cannot be merged into it")
     return problems
 
 
