@@ -143,16 +143,22 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def base_model_of(model):
-    """The KL reference: ``model`` with its adapter disabled, in eval mode (as a separately loaded
-    reference would be), for the duration of the block."""
+def eval_mode(model):
+    """``model`` in eval mode (no adapter dropout) for the duration of the block."""
     was_training = model.training
     model.eval()
     try:
-        with model.disable_adapter():
-            yield model
+        yield model
     finally:
         model.train(was_training)
+
+
+@contextlib.contextmanager
+def base_model_of(model):
+    """The KL reference: ``model`` with its adapter disabled, in eval mode (as a separately loaded
+    reference would be), for the duration of the block."""
+    with eval_mode(model), model.disable_adapter():
+        yield model
 
 
 def base_record(model_dir: str, lora) -> dict:

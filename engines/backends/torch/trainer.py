@@ -115,7 +115,9 @@ class TorchTrainer:
         if not len(batch):
             return []
         ids, attn, resp, _ = (t.to(self.device) for t in pad_batch(batch, self.tokenizer.pad_token_id))
-        with forward_precision(self.device, self.autocast):
+        # with LoRA in eval mode: adapter dropout would make these random
+        mode = lora_adapter.eval_mode(self.model) if self.lora is not None else contextlib.nullcontext()
+        with forward_precision(self.device, self.autocast), mode:
             pixels = multimodal.pixels(self.processor, batch, self.device)
             lp = sequence_logprobs(self.model, ids, attn, self.temperature, pixels, self.banned)
         return [lp[i][resp[i].bool()].tolist() for i in range(len(batch))]
@@ -273,6 +275,8 @@ class TorchTrainer:
     def save_merged(self, local_dir: str) -> None:
         """With LoRA: the merged model (W + B A * alpha / r) as a Hugging Face folder of the base's
         architecture, loadable without peft."""
+        if self.lora is None:
+            raise ValueError("save_merged: this trainer has no LoRA adapter (train.lora is not set); save_hf writes the model")
         self.model.get_base_model().save_pretrained(local_dir, safe_serialization=True,
                                                     state_dict=lora_adapter.merged_state_dict(self.model))
         (self.processor or self.tokenizer).save_pretrained(local_dir)
