@@ -45,8 +45,9 @@ if str(ROOT) not in sys.path:
 
 ORDER = ["rollout", "balance", "checkpoint", "sampling", "placement", "controller", "embedded", "overhead", "floor", "scale",
          "megatron_gpu"]
-# run on their own only: seeds is the demo ten times over (~40 min), a learning check, not a speed figure
-APART = {"seeds", "vs_trl", "train_step"}
+# run on their own only: seeds is the demo ten times over (~40 min), a learning check, not a speed figure;
+# lora_memory measures memory, not speed
+APART = {"seeds", "vs_trl", "train_step", "lora_memory"}
 QUICK = {
     "rollout": "--repeats 3 --sizes 64,256 --sync-repeats 3",
     "balance": "--repeats 4 --warmup 1",
