@@ -42,6 +42,7 @@ def sft(
     processor=None,
     images: list[list[bytes]] | None = None,
     check_images: list[list[bytes]] | None = None,
+    on_check: Callable[[dict], None] | None = None,
 ) -> dict:
     """Train ``model`` on (prompt, completion) pairs until its greedy completions of the
     ``check`` prompts equal their expected completions for a ``target`` fraction of them,
@@ -53,7 +54,10 @@ def sft(
 
     A vision-language model (``processor`` given) learns from ``images`` (each pair's encoded
     images; ``check_images`` the check pairs'): its prompts are expanded by the processor and its
-    pixel tensors made per batch, as the RL trainer does."""
+    pixel tensors made per batch, as the RL trainer does.
+
+    ``on_check``: called after every check with its figures (step, max_steps, loss, exact_match,
+    seconds) instead of ``log``-ging them as a line."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -103,8 +107,11 @@ def sft(
             if check:
                 matched = exact_match(model, tokenizer, check, answer_tokens, processor=processor, images=check_images)
                 converged = target is not None and matched >= target
-            log(f"sft step {step}/{max_steps} loss {loss_ema:.4f} held-out exact match {_pct(matched)} "
-                f"({time.perf_counter() - start:.0f}s)")
+            seconds = time.perf_counter() - start
+            if on_check is not None:
+                on_check({"step": step, "max_steps": max_steps, "loss": loss_ema, "exact_match": matched, "seconds": seconds})
+            else:
+                log(f"sft step {step}/{max_steps} loss {loss_ema:.4f} held-out exact match {_pct(matched)} ({seconds:.0f}s)")
             if save is not None:
                 save({"model": model.state_dict(), "optimizer": opt.state_dict(), "schedule": sched.state_dict(),
                       "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "step": step, "loss": loss_ema,

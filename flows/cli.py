@@ -41,7 +41,7 @@ PROCESS_POOL, K8S_POOL = "yattflow-process", "yattflow-k8s"
 POOL_TEMPLATES = {PROCESS_POOL: ("process", ROOT / "deployments" / "process-gpu.json"),
                   K8S_POOL: ("kubernetes", ROOT / "deployments" / "kubernetes-gpu.json")}
 TRAIN_DEPLOYMENT = "train/yattflow"
-DEFAULT_PORT = 4200
+DEFAULT_PORT = prefect_server.DEFAULT_PORT
 
 
 def _quiet_defaults() -> None:
@@ -118,6 +118,8 @@ def _in_process(argv: list[str]) -> int:
                + "\n".join(describe_fields()))
     parser.add_argument("-c", "--config", help="run config YAML (default: built-in defaults)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-4 dp=2")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="Prefect's task and flow log lines on the console too (they always go to the log file)")
     args = parser.parse_intermixed_args(argv[1:])
     args.command = argv[0]
 
@@ -126,13 +128,15 @@ def _in_process(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"yattflow: {e}", file=sys.stderr)
         return 2
+    from flows.console import RunConsole, log_path, ui_of_command
     from flows.prepare import prepare
     from flows.sft import sft
     from flows.training import train
 
     start = time.perf_counter()
+    console = RunConsole(log_path(config.storage.root, config.name, args.command), *ui_of_command(), verbose=args.verbose)
     try:
-        with _sigterm_as_ctrl_c(), prefect_server.local_api():
+        with _sigterm_as_ctrl_c(), console, prefect_server.local_api():
             if args.command == "sft":
                 result = sft(config_file=args.config, overrides=args.overrides)
                 print(f"\nsft '{config.name}': {_sft_line(result)}")

@@ -39,6 +39,7 @@ import urllib.request
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+DEFAULT_PORT = 4200  # `yattflow server`'s, and so the UI the embedded default's links point at
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when its parent dies
 # Settings `yattflow server` and the temporary server start Prefect's server with (the environment
 # overrides each). By default the server's task-run recorder writes every task-run event in a

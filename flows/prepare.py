@@ -21,6 +21,7 @@ from prefect.cache_policies import NO_CACHE
 from engines.demo import arithmetic, vision
 from engines.config import RunConfig, load_config
 from engines.backends.torch.generator import TorchGenerator
+from flows.console import shown
 from flows.sft import DATASET_MANIFEST, fine_tune, needs_building
 from flows.training import run_label
 from storage import datasets, objectstore
@@ -140,7 +141,7 @@ def sft_model(config: RunConfig, role: str) -> dict:
     accuracy = heldout_accuracy(objectstore.local_folder(result["uri"]), _problems(config)[1]) if policy else result["exact_match"]
     get_run_logger().info("%s model: held-out %s %.1f%% after %d SFT steps (%.0fs) → %s", role,
                           "exact match" if policy else "verdict accuracy", 100 * accuracy, result["steps"],
-                          result["seconds"], result["uri"])
+                          result["seconds"], result["uri"], extra=shown("note"))
     return {**result, "heldout_exact_match": accuracy}
 
 

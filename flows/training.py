@@ -28,6 +28,7 @@ from engines.wire.commands import CheckpointWaitResult
 from engines.config import RunConfig, load_config
 from flows.sampling import GroupSampling, plan_wave
 from flows.artifacts import Curves, Progress, StepProgress, percent
+from flows.console import shown
 from flows.hosts import engine_hosts
 from flows.metrics import GroupStep, StageClock, StepMetrics, Wave
 from flows.tracking import MetricsLog
@@ -281,7 +282,7 @@ async def _attempt(config: RunConfig, history: list[StepMetrics]) -> dict:
     # steps_per_run: each run (a schedule firing again) continues the training by that many steps
     end = config.steps if config.steps_per_run is None else min(config.steps, first + config.steps_per_run)
     if first >= config.steps:
-        logger.info("run %s already finished %d/%d steps", config.name, first, config.steps)
+        logger.info("run %s already finished %d/%d steps", config.name, first, config.steps, extra=shown("note"))
     elif end < config.steps:
         logger.info("run %s: steps %d to %d of %d in this run (steps_per_run=%d)", config.name, first, end - 1, config.steps, config.steps_per_run)
     metric = heldout_metric(config)
@@ -300,7 +301,7 @@ async def _attempt(config: RunConfig, history: list[StepMetrics]) -> dict:
     await acreate_markdown_artifact(key=f"{config.name}-summary", markdown=_summary_markdown(summary),
                                     description=f"{config.name}: held-out {metric or 'evaluation off'}: {percent(before)} → {percent(after)}")
     if metric:
-        logger.info("held-out %s: before RL %s, after RL %s", metric, percent(before), percent(after))
+        logger.info("held-out %s: before RL %s, after RL %s", metric, percent(before), percent(after))  # (the CLI's last line)
     return summary
 
 
@@ -325,12 +326,14 @@ async def _train_on(hosts, config: RunConfig, state: RunState | None, first: int
         state.heldout_before = await heldout_score(config, "before")
         state.save(run_uri)  # step -1, no checkpoint: a resume starts from the beginning
         if metric:
-            logger.info("held-out %s before RL: %s", metric, percent(state.heldout_before))
+            logger.info("held-out %s before RL: %s", metric, percent(state.heldout_before), extra=shown("note"))
         else:
             logger.info("held-out evaluation: off (data.heldout is not set)")
     run_progress = Progress(f"{config.name}-progress", config.steps, done=first).start(f"{config.name}: {first} of {config.steps} steps done")
     curves = Curves(config.name, run_uri, config.steps, first, state.heldout_before, metric)
     tracking = MetricsLog(config, first, metric)  # TensorBoard (and MLflow) curves
+    logger.info("run %s: %d of %d steps done", config.name, first, config.steps,
+                extra=shown("start", label=f"train {config.name}", done=first, total=config.steps))
     if first == 0:
         tracking.heldout(0, state.heldout_before)
     try:
@@ -359,8 +362,6 @@ async def _steps(config: RunConfig, state: RunState, first: int, end: int, histo
         if metric and config.eval.every and (step + 1) % config.eval.every == 0:
             metrics.heldout = await heldout_score(config, f"step {step}")
             metrics.heldout_checkpoint = checkpoint_uri(run_uri, step) if is_checkpoint_step(config, step, end) else None
-            logger.info("held-out %s after step %d (policy version %d%s): %s", metric, step + 1, metrics.policy_version,
-                        f", checkpoint {metrics.heldout_checkpoint}" if metrics.heldout_checkpoint else "", percent(metrics.heldout))
         cursors, sampling = metrics.cursors, metrics.sampling
         history.append(metrics)
         run_progress.advance(f"{config.name}: {step + 1} of {config.steps} steps done; step {step}: reward "
@@ -372,8 +373,13 @@ async def _steps(config: RunConfig, state: RunState, first: int, end: int, histo
         logger.info(
             "step %d/%d reward %.3f accuracy %.3f kept %d dropped %d waves %d (%.1fs, %.1fs in engines)", step + 1, config.steps,
             metrics.reward, metrics.accuracy, metrics.kept_groups, metrics.dropped_groups, metrics.waves, metrics.step_s,
-            metrics.engine_s,
+            metrics.engine_s, extra=shown("advance", label=f"train {config.name}", done=step + 1, total=config.steps,
+                                          figures=step_figures(metrics)),
         )
+        if metrics.heldout is not None:
+            logger.info("held-out %s after step %d (policy version %d%s): %s", metric, step + 1, metrics.policy_version,
+                        f", checkpoint {metrics.heldout_checkpoint}" if metrics.heldout_checkpoint else "", percent(metrics.heldout),
+                        extra=shown("note"))
         tracking.step(metrics)
         empty_steps = empty_steps + 1 if metrics.kept_groups == 0 else 0
         if empty_steps:
@@ -382,6 +388,12 @@ async def _steps(config: RunConfig, state: RunState, first: int, end: int, histo
     after = await heldout_score(config, "after")
     tracking.heldout(end, after)
     return after
+
+
+def step_figures(metrics: StepMetrics) -> str:
+    """What the console shows of a step: ``reward 0.512, accuracy 48.4%, kept 3, dropped 1, 2.1s``."""
+    return (f"reward {metrics.reward:.3f}, accuracy {percent(metrics.accuracy)}, kept {metrics.kept_groups}, "
+            f"dropped {metrics.dropped_groups}, {metrics.step_s:.1f}s")
 
 
 def _summary_markdown(summary: dict) -> str:

@@ -1,0 +1,210 @@
+"""What a person sees of ``yattflow train | demo | sft | prepare``: a live progress display, and a link
+to each run's page in the Prefect UI, instead of Prefect's log lines.
+
+    train demo ━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━ 12/40 steps 0:00:25 elapsed 0:00:58 left  reward 0.512, ...
+
+The flows say what the console shows in their own log records (``logger.info(..., extra=shown(...))``):
+``start`` a bar (a label, steps done of a total), ``advance`` it (steps done, that step's figures),
+``finish`` it, or print the record's line (``note``: a held-out figure). The records go to the Prefect UI and to the command's log
+file as every other one; on the console only the display shows them. Prefect's own lines (every
+task's and sub-flow's start, end and "View at" link) go to the log file and the UI only, unless
+``--verbose``; warnings and errors still print in full. When the output is not a terminal (CI, a
+file), each advance is one plain line (``train demo: step 12/40 reward ...; 0:00:25 elapsed, ~0:00:58 left``).
+
+Each top-level flow run's page is printed when it starts and again at the end: on the server
+``PREFECT_API_URL`` names, or, with the embedded default (a temporary server on the SQLite database
+in ``PREFECT_HOME``), on the server ``yattflow server`` starts on that database afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+RECORD_FIELD = "yattflow_console"  # the LogRecord attribute that carries what the console shows
+
+
+def shown(kind: str, **fields) -> dict:
+    """``extra`` for a log call that the console shows: ``start`` a bar (label, done, total),
+    ``advance`` it (label, done, total, figures: that step's), ``finish`` it (label, done) and print the
+    record's line, or only print it (``note``)."""
+    return {RECORD_FIELD: {"kind": kind, **fields}}
+
+
+def ui_link(ui_base: str, flow_run_id: str) -> str:
+    return f"{ui_base.rstrip('/')}/runs/flow-run/{flow_run_id}"
+
+
+class RunConsole(logging.Handler):
+    """The console of one in-process command, from ``with`` to its end: the progress display (or
+    plain lines), Prefect's console output down to warnings (unless ``verbose``), every Prefect
+    record in ``log_path``, and the UI links of the top-level flow runs.
+
+    ``ui_base``: the UI the links point at; ``serve``: the command that serves it once this one has
+    ended (the embedded default), or None (a server of the user's)."""
+
+    def __init__(self, log_path: Path, ui_base: str, serve: str | None, verbose: bool = False,
+                 console: Console | None = None):
+        super().__init__(level=logging.INFO)
+        self.log_path, self.ui_base, self.serve, self.verbose = log_path, ui_base, serve, verbose
+        self.console = console or Console()
+        self.live = self.console.is_terminal
+        self.runs: dict[str, str] = {}  # top-level flow run id -> its name, in the order they started
+        self.bars: dict[str, dict] = {}  # label -> the bar's task id, its start, the steps done when it started
+        self.progress: Progress | None = None
+        self._lock = threading.RLock()
+        self._restore: list = []
+
+    # ------------------------------------------------------------------ setup
+    def __enter__(self) -> "RunConsole":
+        from prefect.logging.handlers import PrefectConsoleHandler
+
+        root = logging.getLogger()
+        consoles = [h for h in root.handlers if isinstance(h, PrefectConsoleHandler)]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = logging.FileHandler(self.log_path, encoding="utf-8")
+        self.file.setLevel(logging.INFO)
+        if consoles and consoles[0].formatter is not None:
+            self.file.setFormatter(consoles[0].formatter)  # Prefect's: flow and task run names on each line
+        for handler in consoles:
+            self._restore.append((handler, handler.level, handler.console.file, handler.console.stderr))
+            if not self.verbose:
+                handler.setLevel(logging.WARNING)
+            if self.live:  # through sys.stderr as it is at each write: the display prints it above itself
+                handler.console.file, handler.console.stderr = None, True
+        root.addHandler(self.file)
+        root.addHandler(self)
+        self.say(f"log: {self.log_path}" + ("" if self.verbose else " (Prefect's task and flow lines; --verbose shows them here)"))
+        if self.live:
+            self.progress = Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+                TimeElapsedColumn(), TextColumn("elapsed"), TimeRemainingColumn(), TextColumn("left"),
+                TextColumn("{task.fields[figures]}"), console=self.console, redirect_stdout=True, redirect_stderr=True)
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        root = logging.getLogger()
+        root.removeHandler(self)
+        if self.progress is not None:
+            self.progress.stop()
+        for handler, level, file, stderr in self._restore:
+            handler.setLevel(level)
+            handler.console.file, handler.console.stderr = file, stderr
+        root.removeHandler(self.file)
+        self.file.close()
+        for run_id, name in self.runs.items():
+            self.say(self.link_line(name, run_id))
+
+    def say(self, line: str) -> None:
+        """A line of its own: above the display, or on stdout."""
+        if self.progress is not None:
+            self.progress.console.print(line, highlight=False, markup=False, soft_wrap=True)
+        else:
+            print(line, flush=True)
+
+    def link_line(self, name: str, run_id: str) -> str:
+        link = ui_link(self.ui_base, run_id)
+        if self.serve is None:
+            return f"{name} in the Prefect UI: {link}"
+        return f"{name} in the Prefect UI: {link} (once this command has ended, serve it with: {self.serve})"
+
+    # -------------------------------------------------------------- records
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            with self._lock:
+                self._top_level_run(record)
+                what = getattr(record, RECORD_FIELD, None)
+                if what is not None:
+                    getattr(self, f"_{what['kind']}")(what, record)
+        except Exception:  # noqa: BLE001 - the console never stops a run
+            self.handleError(record)
+
+    def _top_level_run(self, record: logging.LogRecord) -> None:
+        """The first record of a flow run that no task started: print its page."""
+        run_id = getattr(record, "flow_run_id", None)
+        if run_id is None or str(run_id) in self.runs:
+            return
+        from prefect.context import FlowRunContext
+
+        context = FlowRunContext.get()
+        if context is None or context.flow_run is None or str(context.flow_run.id) != str(run_id):
+            return
+        if context.flow_run.parent_task_run_id is None:
+            self.runs[str(run_id)] = context.flow_run.name
+            self.say(self.link_line(context.flow_run.name, str(run_id)))
+
+    def _start(self, what: dict, record=None) -> None:
+        label, done, total = what["label"], what.get("done", 0), what["total"]
+        bar = self.bars.get(label)
+        if self.progress is not None:
+            if bar is not None:
+                self.progress.remove_task(bar["task"])
+            task = self.progress.add_task(label, total=total, completed=done, figures="")
+        else:
+            task = None
+        self.bars[label] = {"task": task, "began": time.monotonic(), "first": done}
+
+    def _advance(self, what: dict, record=None) -> None:
+        label, done, total, figures = what["label"], what["done"], what["total"], what.get("figures", "")
+        if label not in self.bars:
+            self._start({"label": label, "done": max(done - 1, 0), "total": total})
+        bar = self.bars[label]
+        if self.progress is not None:
+            self.progress.update(bar["task"], completed=done, total=total, figures=figures)
+            return
+        elapsed = time.monotonic() - bar["began"]
+        moved = done - bar["first"]
+        left = f", ~{_clock(elapsed / moved * (total - done))} left" if moved > 0 and done < total else ""
+        print(f"{label}: step {done}/{total} {figures}; {_clock(elapsed)} elapsed{left}", flush=True)
+
+    def _finish(self, what: dict, record: logging.LogRecord) -> None:
+        """The bar full at ``done`` steps (an SFT that reached its target early), and the record's line."""
+        bar = self.bars.get(what["label"])
+        if bar is not None and self.progress is not None:
+            self.progress.update(bar["task"], completed=what["done"], total=what["done"])
+        self._note(what, record)
+
+    def _note(self, what: dict, record: logging.LogRecord) -> None:
+        self.say(record.getMessage())
+
+
+def _clock(seconds: float) -> str:
+    return str(timedelta(seconds=round(seconds)))
+
+
+def log_path(storage_root: str, name: str, command: str) -> Path:
+    """Where a command's Prefect records go: ``<storage root>/logs/<name>-<command>.log`` when the
+    root is a local folder, else ``$PREFECT_HOME/yattflow-logs/`` (the object store is not appended to)."""
+    from prefect.settings import get_current_settings
+
+    from storage import objectstore
+
+    root = objectstore.normalize(storage_root)
+    if objectstore.is_local(root):
+        folder = Path(objectstore.fs_for(root)[1]) / "logs"
+    else:
+        folder = Path(get_current_settings().home) / "yattflow-logs"
+    return folder / f"{name}-{command}.log"
+
+
+def ui_of_command() -> tuple[str, str | None]:
+    """(the UI the links point at, the command that serves it afterwards or None): the server of
+    ``PREFECT_API_URL``; else the embedded default, served later by ``yattflow server`` on the same
+    ``PREFECT_HOME``."""
+    from prefect.settings import get_current_settings
+
+    from flows.prefect_server import DEFAULT_PORT
+
+    settings = get_current_settings()
+    if settings.api.url:
+        return settings.ui_url or settings.api.url.removesuffix("/api"), None
+    home = f"PREFECT_HOME={os.environ['PREFECT_HOME']} " if os.environ.get("PREFECT_HOME") else ""
+    return f"http://127.0.0.1:{DEFAULT_PORT}", f"{home}yattflow server"
