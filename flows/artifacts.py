@@ -128,7 +128,8 @@ class StepProgress(Progress):
 
 class Curves(LiveArtifact):
     """``{run}-curves``: reward and accuracy per step, redrawn after every step. The points live
-    in ``runs/{run}/curves.json`` so that a resumed run draws its earlier steps too."""
+    in ``runs/{run}/curves.json`` so that a resumed run draws its earlier steps too (with the run's
+    steps and, once it ends, its held-out figure after the last step: ``yattflow status`` reads them)."""
 
     def __init__(self, run: str, run_uri: str, steps: int, first_step: int, heldout_before: float | None,
                  heldout_metric: str | None = None):
@@ -145,10 +146,14 @@ class Curves(LiveArtifact):
     def add(self, metrics: dict) -> None:
         point = {k: metrics[k] for k in CURVE_FIELDS if k in metrics}
         self.points = [p for p in self.points if p["step"] != point["step"]] + [point]
-        objectstore.write_json(self.uri, {"points": self.points})
+        objectstore.write_json(self.uri, {"points": self.points, "steps": self.steps})
         self._draw()
 
     def finish(self, heldout_after: float | None) -> None:
+        """The run's end: the held-out figure after its last step (kept for ``yattflow status``, until a later step)."""
+        after_step = max((p["step"] + 1 for p in self.points), default=0)
+        objectstore.write_json(self.uri, {"points": self.points, "steps": self.steps, "heldout_after": heldout_after,
+                                          "after_step": after_step})
         self._draw(heldout_after)
 
     def _draw(self, heldout_after: float | None = None) -> None:

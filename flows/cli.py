@@ -401,79 +401,9 @@ async def _run(name: str, parameters: dict, run_name: str, work_queue: str | Non
 
 
 def status(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="yattflow status", description=(
-        "The latest runs of the train flow, from `yattflow run` (a deployment) or `yattflow train` (the command line): "
-        "state, times and the step the run's state.json committed."))
-    parser.add_argument("name", nargs="?", help="only runs with this run name (config `name`)")
-    parser.add_argument("--deployment", help=f"only runs of this flow/deployment (e.g. {TRAIN_DEPLOYMENT})")
-    parser.add_argument("--limit", type=int, default=10, help="rows (default %(default)s)")
-    args = parser.parse_args(argv)
-    from prefect.exceptions import ObjectNotFound
+    from flows.status import status as run_status  # (flows/status.py: where runs stand, with or without a server)
 
-    if (api_url := _reachable_api("status")) is None:
-        return 1
-    os.chdir(ROOT)  # run configs and relative storage roots are relative to the checkout, as in the worker
-    try:
-        with prefect_server.use_api(api_url):
-            rows = asyncio.run(_status_rows(args.deployment, args.name, args.limit))
-    except ObjectNotFound:
-        print(f"yattflow status: no deployment {args.deployment} (deploy it: yattflow deploy)", file=sys.stderr)
-        return 1
-    if not rows:
-        print(f"no flow runs of {args.deployment or 'train'}" + (f" for run '{args.name}'" if args.name else ""))
-        return 0
-    header = ("flow run", "state", "started", "seconds", "run", "steps committed", "started by")
-    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
-    for r in (header, *rows):
-        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
-    return 0
-
-
-async def _status_rows(deployment: str | None, name: str | None, limit: int) -> list[tuple]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowFilter, FlowFilterName,
-                                                FlowRunFilter, FlowRunFilterParentTaskRunId)
-    from prefect.client.schemas.sorting import FlowRunSort
-
-    from engines.config import load_config
-    from storage.runstate import RunState
-
-    async with get_client() as client:
-        if deployment:
-            dep = await client.read_deployment_by_name(deployment)
-            which = {"deployment_filter": DeploymentFilter(id=DeploymentFilterId(any_=[dep.id]))}
-        else:  # every top-level run of the train flow: deployments' and the command line's
-            which = {"flow_filter": FlowFilter(name=FlowFilterName(any_=["train"])),
-                     "flow_run_filter": FlowRunFilter(parent_task_run_id=FlowRunFilterParentTaskRunId(is_null_=True))}
-        runs = await client.read_flow_runs(**which, sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=max(limit * 5, 50))
-        deployments = {d.id: d.name for d in await client.read_deployments()}
-    rows, committed = [], {}
-    for r in runs:
-        params = r.parameters or {}
-        try:
-            config_file = params.get("config_file")
-            config = load_config(ROOT / config_file if config_file else None, params.get("overrides") or [])
-        except ValueError:
-            run_name, step = "?", "?"
-        else:
-            run_name = config.name
-            if config.run_uri not in committed:
-                try:
-                    state = RunState.load(config.run_uri)
-                    committed[config.run_uri] = "-" if state is None else state.step + 1  # steps done
-                except Exception:  # noqa: BLE001 - unreadable storage is shown, not fatal
-                    committed[config.run_uri] = "unreadable"
-            done = committed[config.run_uri]
-            step = f"{done}/{config.steps}" if isinstance(done, int) else done
-        if name and run_name != name:
-            continue
-        started = r.start_time.strftime("%Y-%m-%d %H:%M:%S") if r.start_time else "-"
-        seconds = f"{r.total_run_time.total_seconds():.0f}" if r.start_time else "-"
-        started_by = f"deployment {deployments.get(r.deployment_id, '?')}" if r.deployment_id else "yattflow train"
-        rows.append((r.name, r.state.name if r.state else "?", started, seconds, run_name, step, started_by))
-        if len(rows) >= limit:
-            break
-    return rows
+    return run_status(argv)
 
 
 PREFECT_COMMANDS = {"server": server, "deploy": deploy, "run": run, "status": status}

@@ -152,3 +152,13 @@ def verify_held(run_uri: str) -> None:
     lease = _held.get(run_uri)
     if lease is not None:
         lease.verify()
+
+
+def read(run_uri: str) -> dict | None:
+    """The run's lease as ``lease.json`` holds it (None: never taken), with ``held``: whether a live
+    run holds it now (neither released, expired, nor left by a process of this machine that is gone)."""
+    uri = objectstore.join(run_uri, "lease.json")
+    if not objectstore.exists(uri):
+        return None
+    lease = objectstore.read_json(uri)
+    return lease | {"held": not _free(lease, time.time())}
