@@ -46,6 +46,7 @@ DEFAULT_PORT = prefect_server.DEFAULT_PORT
 
 def _quiet_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")  # nor the client's (its first-run notice took the terminal's first lines)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
