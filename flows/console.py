@@ -1,15 +1,15 @@
 """What a person sees of ``yattflow train | demo | sft | prepare``: a live progress display, and a link
 to each run's page in the Prefect UI, instead of Prefect's log lines.
 
-    train demo ━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━ 12/40 steps 0:00:25 elapsed 0:00:58 left  reward 0.512, ...
+    train demo ━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━ 12/40 steps 0:00:25 elapsed 0:00:58 left reward 0.512, ...
 
 The flows say what the console shows in their own log records (``logger.info(..., extra=shown(...))``):
-``start`` a bar (a label, steps done of a total), ``advance`` it (steps done, that step's figures),
-``finish`` it, or print the record's line (``note``: a held-out figure). The records go to the Prefect UI and to the command's log
+``start`` a bar (what runs, for which run, steps done of a total), ``advance`` it (steps done, that
+step's figures), ``finish`` it, or print the record's line (``note``: a held-out figure). The records go to the Prefect UI and to the command's log
 file as every other one; on the console only the display shows them. Prefect's own lines (every
 task's and sub-flow's start, end and "View at" link) go to the log file and the UI only, unless
 ``--verbose``; warnings and errors still print in full. When the output is not a terminal (CI, a
-file), each advance is one plain line (``train demo: step 12/40 reward ...; 0:00:25 elapsed, ~0:00:58 left``).
+file), each advance is one plain line (``train step 12/40 reward ... (demo: 0:00:25 elapsed, ~0:00:58 left)``).
 
 Each top-level flow run's page is printed when it starts and again at the end: on the server
 ``PREFECT_API_URL`` names, or, with the embedded default (a temporary server on the SQLite database
@@ -32,9 +32,9 @@ RECORD_FIELD = "yattflow_console"  # the LogRecord attribute that carries what t
 
 
 def shown(kind: str, **fields) -> dict:
-    """``extra`` for a log call that the console shows: ``start`` a bar (label, done, total),
-    ``advance`` it (label, done, total, figures: that step's), ``finish`` it (label, done) and print the
-    record's line, or only print it (``note``)."""
+    """``extra`` for a log call that the console shows: ``start`` a bar (name: what runs, e.g. train or
+    sft-policy; run: the run's name; done, total; say: print the record's line too), ``advance`` it (name, run, done, total, figures:
+    that step's), ``finish`` it (name, run, done) and print the record's line, or only print it (``note``)."""
     return {RECORD_FIELD: {"kind": kind, **fields}}
 
 
@@ -142,7 +142,7 @@ class RunConsole(logging.Handler):
             self.say(self.link_line(context.flow_run.name, str(run_id)))
 
     def _start(self, what: dict, record=None) -> None:
-        label, done, total = what["label"], what.get("done", 0), what["total"]
+        label, done, total = f"{what['name']} {what['run']}", what.get("done", 0), what["total"]
         bar = self.bars.get(label)
         if self.progress is not None:
             if bar is not None:
@@ -151,11 +151,13 @@ class RunConsole(logging.Handler):
         else:
             task = None
         self.bars[label] = {"task": task, "began": time.monotonic(), "first": done}
+        if what.get("say"):
+            self.say(record.getMessage())
 
     def _advance(self, what: dict, record=None) -> None:
-        label, done, total, figures = what["label"], what["done"], what["total"], what.get("figures", "")
+        label, done, total, figures = f"{what['name']} {what['run']}", what["done"], what["total"], what.get("figures", "")
         if label not in self.bars:
-            self._start({"label": label, "done": max(done - 1, 0), "total": total})
+            self._start(what | {"done": max(done - 1, 0)})
         bar = self.bars[label]
         if self.progress is not None:
             self.progress.update(bar["task"], completed=done, total=total, figures=figures)
@@ -163,11 +165,11 @@ class RunConsole(logging.Handler):
         elapsed = time.monotonic() - bar["began"]
         moved = done - bar["first"]
         left = f", ~{_clock(elapsed / moved * (total - done))} left" if moved > 0 and done < total else ""
-        print(f"{label}: step {done}/{total} {figures}; {_clock(elapsed)} elapsed{left}", flush=True)
+        print(f"{what['name']} step {done}/{total} {figures} ({what['run']}: {_clock(elapsed)} elapsed{left})", flush=True)
 
     def _finish(self, what: dict, record: logging.LogRecord) -> None:
         """The bar full at ``done`` steps (an SFT that reached its target early), and the record's line."""
-        bar = self.bars.get(what["label"])
+        bar = self.bars.get(f"{what['name']} {what['run']}")
         if bar is not None and self.progress is not None:
             self.progress.update(bar["task"], completed=what["done"], total=what["done"])
         self._note(what, record)

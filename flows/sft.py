@@ -121,21 +121,20 @@ def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields:
         raise ConfigError(f"{field['data']}: a vision-language model learns from examples with an 'images' column "
                           "(a list of encoded images per example; the prompt holds one image placeholder per image)")
     scratch = "scratch (a tiny Idefics3, character tokenizer)" if settings.vision else "scratch (a tiny Llama, character tokenizer)"
-    label = f"{name} {config.name}"  # the console's bar: sft-policy demo
     logger.info("%s: %d examples, %d held out, from %s, %s parameters", name, len(pairs), len(check),
                 settings.base or scratch, f"{sum(p.numel() for p in model.parameters()):,}",
-                extra=shown("start", label=label, done=resume["step"] if resume else 0, total=settings.max_steps))
+                extra=shown("start", name=name, run=config.name, done=resume["step"] if resume else 0, total=settings.max_steps))
 
     def checked(c: dict) -> None:
         logger.info("%s step %d/%d loss %.4f held-out exact match %s (%.0fs)", name, c["step"], c["max_steps"], c["loss"],
                     percent(c["exact_match"]), c["seconds"], extra=shown(
-                        "advance", label=label, done=c["step"], total=c["max_steps"],
+                        "advance", name=name, run=config.name, done=c["step"], total=c["max_steps"],
                         figures=f"loss {c['loss']:.4f}, held-out exact match {percent(c['exact_match'])}"))
 
     result = train_sft(
         model, tokenizer, pairs, check, target=settings.target, max_steps=settings.max_steps,
         check_every=settings.check_every, batch_size=settings.batch_size, lr=settings.lr, seed=config.seed,
-        log=logger.info, resume=resume, save=lambda state: _save_state(state_folder, state | {"setup": setup}),
+        log=lambda line: logger.info(line, extra=shown("note")), resume=resume, save=lambda state: _save_state(state_folder, state | {"setup": setup}),
         processor=processor, images=images, check_images=check_images, on_check=checked,
     )
     if settings.target is not None and not result["converged"]:
@@ -152,7 +151,7 @@ def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields:
     objectstore.remove(state_folder)
     logger.info("%s: held-out exact match %s, loss %.4f after %d steps (%.0fs) → %s", name, percent(result["exact_match"]),
                 result["loss"], result["steps"], result["seconds"], output,
-                extra=shown("finish", label=label, done=result["steps"]))
+                extra=shown("finish", name=name, run=config.name, done=result["steps"]))
     return {"uri": output, **result}
 
 

@@ -332,8 +332,8 @@ async def _train_on(hosts, config: RunConfig, state: RunState | None, first: int
     run_progress = Progress(f"{config.name}-progress", config.steps, done=first).start(f"{config.name}: {first} of {config.steps} steps done")
     curves = Curves(config.name, run_uri, config.steps, first, state.heldout_before, metric)
     tracking = MetricsLog(config, first, metric)  # TensorBoard (and MLflow) curves
-    logger.info("run %s: %d of %d steps done", config.name, first, config.steps,
-                extra=shown("start", label=f"train {config.name}", done=first, total=config.steps))
+    logger.info("run %s: %d of %d steps done%s", config.name, first, config.steps, "; continuing" if first else "",
+                extra=shown("start", name="train", run=config.name, done=first, total=config.steps, say=first > 0))
     if first == 0:
         tracking.heldout(0, state.heldout_before)
     try:
@@ -373,7 +373,7 @@ async def _steps(config: RunConfig, state: RunState, first: int, end: int, histo
         logger.info(
             "step %d/%d reward %.3f accuracy %.3f kept %d dropped %d waves %d (%.1fs, %.1fs in engines)", step + 1, config.steps,
             metrics.reward, metrics.accuracy, metrics.kept_groups, metrics.dropped_groups, metrics.waves, metrics.step_s,
-            metrics.engine_s, extra=shown("advance", label=f"train {config.name}", done=step + 1, total=config.steps,
+            metrics.engine_s, extra=shown("advance", name="train", run=config.name, done=step + 1, total=config.steps,
                                           figures=step_figures(metrics)),
         )
         if metrics.heldout is not None:
