@@ -1,8 +1,10 @@
 """``yattflow``: the command line.
 
 In-process (on the server ``PREFECT_API_URL`` names, else on a temporary local server started for
-the command and stopped after it, on Prefect's default SQLite database). Ctrl-C or SIGTERM stop a
-run, saying the step it stopped at and its last checkpoint; the same command continues it:
+the command and stopped after it, on Prefect's default SQLite database), with a progress display
+and each run's UI page (``flows/console.py``; ``--verbose``: Prefect's log lines on the console too).
+Ctrl-C or SIGTERM stop a run, saying the step it stopped at and its last checkpoint; the same
+command continues it:
 
     yattflow sft     [-c run.yaml] [key=value ...]   supervised fine-tuning on your Parquet (or resume it)
     yattflow prepare [-c run.yaml] [key=value ...]   build the demo's datasets and tiny models
@@ -14,9 +16,9 @@ The Prefect way (a server, a worker on a work pool, deployments from deployments
     yattflow server [--port 4200]                    local Prefect server + a process worker; Ctrl-C stops both
     yattflow deploy [--kubernetes]                   create the work pool(s) if missing, then `prefect deploy`
     yattflow run    [-c run.yaml] [key=value ...]    a flow run of train/yattflow; prints its URL
-    yattflow status [name]                           latest train runs (deployed or CLI), with the step each reached
+    yattflow status [name]                           each run from storage; with a server, its flow-run state too
 
-``deploy``, ``run`` and ``status`` talk to ``PREFECT_API_URL`` (environment or Prefect profile),
+``deploy``, ``run`` and ``status`` (which needs none) talk to ``PREFECT_API_URL`` (environment or Prefect profile),
 or to the server ``yattflow server`` starts (http://127.0.0.1:4200/api) when none is set.
 """
 
