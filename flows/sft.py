@@ -134,7 +134,8 @@ def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields:
     result = train_sft(
         model, tokenizer, pairs, check, target=settings.target, max_steps=settings.max_steps,
         check_every=settings.check_every, batch_size=settings.batch_size, lr=settings.lr, seed=config.seed,
-        log=lambda line: logger.info(line, extra=shown("note")), resume=resume, save=lambda state: _save_state(state_folder, state | {"setup": setup}),
+        log=lambda line: logger.info(line, extra=shown("note")), resume=resume,
+        save=lambda state: _save_state(state_folder, state | {"setup": setup}),
         processor=processor, images=images, check_images=check_images, on_check=checked,
     )
     if settings.target is not None and not result["converged"]:

@@ -284,7 +284,8 @@ async def _attempt(config: RunConfig, history: list[StepMetrics]) -> dict:
     if first >= config.steps:
         logger.info("run %s already finished %d/%d steps", config.name, first, config.steps, extra=shown("note"))
     elif end < config.steps:
-        logger.info("run %s: steps %d to %d of %d in this run (steps_per_run=%d)", config.name, first, end - 1, config.steps, config.steps_per_run)
+        logger.info("run %s: steps %d to %d of %d in this run (steps_per_run=%d)", config.name, first, end - 1, config.steps,
+                    config.steps_per_run, extra=shown("note"))
     metric = heldout_metric(config)
     async with engine_hosts(config) as hosts:  # local subprocesses, or flow runs on a GPU pool (flows/hosts.py)
         try:
@@ -301,7 +302,7 @@ async def _attempt(config: RunConfig, history: list[StepMetrics]) -> dict:
     await acreate_markdown_artifact(key=f"{config.name}-summary", markdown=_summary_markdown(summary),
                                     description=f"{config.name}: held-out {metric or 'evaluation off'}: {percent(before)} → {percent(after)}")
     if metric:
-        logger.info("held-out %s: before RL %s, after RL %s", metric, percent(before), percent(after))  # (the CLI's last line)
+        logger.info("held-out %s: before RL %s, after RL %s", metric, percent(before), percent(after))
     return summary
 
 
