@@ -125,11 +125,13 @@ def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields:
                 settings.base or scratch, f"{sum(p.numel() for p in model.parameters()):,}",
                 extra=shown("start", name=name, run=config.name, done=resume["step"] if resume else 0, total=settings.max_steps))
 
+    goal = "" if settings.target is None else f" (stops at {percent(settings.target)})"  # else at max_steps, what the bar counts to
+
     def checked(c: dict) -> None:
         logger.info("%s step %d/%d loss %.4f held-out exact match %s (%.0fs)", name, c["step"], c["max_steps"], c["loss"],
                     percent(c["exact_match"]), c["seconds"], extra=shown(
                         "advance", name=name, run=config.name, done=c["step"], total=c["max_steps"],
-                        figures=f"loss {c['loss']:.4f}, held-out exact match {percent(c['exact_match'])}"))
+                        figures=f"loss {c['loss']:.4f}, held-out exact match {percent(c['exact_match'])}{goal}"))
 
     result = train_sft(
         model, tokenizer, pairs, check, target=settings.target, max_steps=settings.max_steps,
