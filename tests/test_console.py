@@ -43,6 +43,7 @@ def _embedded_env(home: Path) -> dict:
 def terminal_run(prepared, tmp_path_factory) -> dict:
     """``yattflow train`` in a 160x40 pty: what it wrote, and when each piece came."""
     home = tmp_path_factory.mktemp("console-home")
+    began = time.monotonic()
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *TINY, f"storage.root={prepared}", "name=console",
@@ -73,6 +74,7 @@ def terminal_run(prepared, tmp_path_factory) -> dict:
     os.close(master)
     text = b"".join(c for _, c in chunks).decode(errors="replace")
     assert code == 0, text[-3000:]
+    print(f"\n[console] yattflow train ({STEPS} steps, embedded default) in a pty: {ended - began:.0f}s")
     return {"chunks": chunks, "text": text, "ended": ended, "home": home, "root": prepared}
 
 
