@@ -137,7 +137,8 @@ def test_status_without_a_server_says_where_the_run_stands(terminal_run):
 @needs_browser
 def test_the_printed_link_opens_the_run_after_the_command_ended(terminal_run, tmp_path):
     """``yattflow server`` on the run's PREFECT_HOME (the command the run printed, on a free port):
-    the printed page shows the run Completed, its iterations, and a step's stage tasks with their states."""
+    the printed page shows the run Completed, its iterations, and a step's stage tasks with their
+    states; ``yattflow status`` adds the run's flow-run state."""
     pytest.importorskip("playwright", reason="needs the Python package playwright")
     plain = _plain(terminal_run["text"])
     link, run_id, home = LINK.search(plain).groups()
@@ -165,6 +166,12 @@ def test_the_printed_link_opens_the_run_after_the_command_ended(terminal_run, tm
         text = browser.text()
         n = text.count(" dp=0")
         assert n >= len(stages) and f"({n} Completed)" in text, text
+        # with the server up, `yattflow status` puts the run's flow-run state beside its storage row
+        status = subprocess.run([sys.executable, "-m", "flows.cli", "status", "console", "--root", terminal_run["root"]],
+                                cwd=ROOT, env=_embedded_env(terminal_run["home"]) | {"PREFECT_API_URL": f"http://127.0.0.1:{port}/api"},
+                                capture_output=True, text=True, timeout=120)
+        assert status.returncode == 0, status.stderr
+        assert re.search(rf"console\s+{STEPS}/{STEPS}\s+step {STEPS}\s.*\sfree\s+Completed \(train-console\)", status.stdout), status.stdout
     finally:
         browser.close()
         server.send_signal(2)
