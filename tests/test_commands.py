@@ -131,5 +131,11 @@ def test_watchdog_lets_a_long_moving_command_finish_and_calls_a_still_one_hung(m
             with pytest.raises(channel.HostLost, match=r"'ping' hung: no progress for \d+s \(timeouts.stage_s=1.5\)"):
                 client.call(Ping())
             assert time.monotonic() - started < 3.5
+            # the abandoned command's answer still arrives; no later command may take it for its own
+            time.sleep(3.0)
+            with pytest.raises(channel.HostLost, match="channel unusable for 'shutdown': 'ping' hung"):
+                client.call(Shutdown())
+            client.end()  # cuts the channel instead of asking
+            return
         client.close()
         server.join(10)

@@ -51,10 +51,15 @@ class HostClient:
         self.timeout_s, self.stage_s = timeout_s, stage_s
         self._conn: Connection = Client(address, authkey=secret)
         self._lock = threading.Lock()
+        # Why the channel is out of step, once a command gave up waiting for its answer: that
+        # answer may still arrive, and the next command would read it as its own.
+        self._abandoned: str | None = None
 
     def call(self, request: Request) -> tuple[Result, list[str]]:
         stage = request.stage
         with self._lock:
+            if self._abandoned is not None:
+                raise HostLost(f"dp-{self.group}: channel unusable for '{stage}': {self._abandoned}")
             try:
                 self._conn.send_bytes(json.dumps({"stage": stage, "fields": request.model_dump(mode="json")}).encode())
                 reply = self._reply(stage)
@@ -74,10 +79,11 @@ class HostClient:
         while True:
             now = time.monotonic()
             if now - moved > self.stage_s:
-                raise HostLost(f"dp-{self.group}: '{stage}' hung: no progress for {now - moved:.0f}s (timeouts.stage_s="
-                               f"{self.stage_s:g})")
+                self._abandoned = f"'{stage}' hung: no progress for {now - moved:.0f}s (timeouts.stage_s={self.stage_s:g})"
+                raise HostLost(f"dp-{self.group}: {self._abandoned}")
             if now - start > self.timeout_s:
-                raise HostError(f"dp-{self.group}: '{stage}' got no answer within {self.timeout_s:.0f}s (host_timeout_s)")
+                self._abandoned = f"'{stage}' got no answer within {self.timeout_s:.0f}s (host_timeout_s)"
+                raise HostError(f"dp-{self.group}: {self._abandoned}")
             if not self._conn.poll(BEAT_S):
                 continue
             message = json.loads(self._conn.recv_bytes())
@@ -89,8 +95,8 @@ class HostClient:
     def end(self) -> None:
         """Ask the host to shut down and close the channel. A channel still busy with a command
         (a failed run's other groups, waiting in a collective) is cut instead: the waiting call
-        wakes and fails with ``HostLost``."""
-        if self._lock.acquire(timeout=1.0):
+        wakes and fails with ``HostLost``. A channel whose last command was abandoned is cut too."""
+        if self._abandoned is None and self._lock.acquire(timeout=1.0):
             self._lock.release()
             try:
                 self.call(Shutdown())
