@@ -226,6 +226,12 @@ class RewardConfig(Section):
         "A module must be importable by the engine hosts (PYTHONPATH or the working directory). None: no rule.",
     )
     rule_weight: float = Field(0.0, ge=0, description="Weight of the rule reward.")
+    format_rule: str | None = Field(
+        None, description="A second rule, named and called like `rule`, for the response's form rather than its "
+        "answer: e.g. engines.rl.math_rules:boxed_format (an answer in \\boxed{}) or engines.rl.math_rules:answer_tags "
+        "(<answer>...</answer>). Added to the reward with format_weight; the held-out score is `rule`'s alone. None: none.",
+    )
+    format_weight: float = Field(0.0, ge=0, description="Weight of the format rule's reward.")
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty over the last N tokens (0: off).")
     overlong_penalty: float = Field(1.0, ge=0, description="Penalty at the length cap.")
 
@@ -233,6 +239,8 @@ class RewardConfig(Section):
     def _some_reward(self):
         if self.genrm_weight == 0 and (self.rule is None or self.rule_weight == 0):
             raise ValueError("no reward: set genrm_weight > 0 or a rule with rule_weight > 0")
+        if self.format_weight > 0 and self.format_rule is None:
+            raise ValueError(f"format_weight={self.format_weight} but no format_rule: name one (module:function)")
         return self
 
 

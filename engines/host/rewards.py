@@ -1,6 +1,6 @@
 """The reward rule: a user's function ``rule(prompt, response, answer) -> number``.
 
-``reward.rule`` names it as ``module:function`` (the module must be importable by the engine
+``reward.rule`` (and ``reward.format_rule``) names it as ``module:function`` (the module must be importable by the engine
 hosts: on their ``PYTHONPATH`` or in their working directory) or as ``path/to/file.py:function``
 (a path relative to the working directory; the file's folder is put on ``sys.path`` so that it
 can import its neighbours). ``load_rule`` imports it and checks how it can be called before any
@@ -33,19 +33,20 @@ class Rule:
     spec: str  # as configured: reward.rule
     function: Callable
     needs_answer: bool  # the function's third parameter has no default
+    field: str = "reward.rule"  # the config field that names it (reward.rule or reward.format_rule)
 
     def __call__(self, prompt: str, response: str, answer: str | None, prompt_id: int) -> float:
         try:
             value = self.function(prompt, response, answer)
         except Exception as e:  # the user's function: its error, with what it was scoring (the original is the cause)
             raise RewardRuleError(
-                f"reward.rule {self.spec} raised {type(e).__name__}: {_one_line(e)} on prompt_id {prompt_id}, "
+                f"{self.field} {self.spec} raised {type(e).__name__}: {_one_line(e)} on prompt_id {prompt_id}, "
                 f"response {_shown(response)}, answer {_shown(answer)}"
             ) from e
         if isinstance(value, numbers.Real) and math.isfinite(value):
             return float(value)
         raise RewardRuleError(
-            f"reward.rule {self.spec} returned {value!r} ({type(value).__name__}) for prompt_id {prompt_id}: "
+            f"{self.field} {self.spec} returned {value!r} ({type(value).__name__}) for prompt_id {prompt_id}: "
             "a reward rule must return a finite number (int, float or bool)"
         )
 
@@ -61,45 +62,46 @@ def _shown(text: str | None, limit: int = 200) -> str:
     return shown if len(shown) <= limit else f"{shown[:limit]}… ({len(text)} characters)"
 
 
-def load_rule(spec: str) -> Rule:
-    """Import ``module:function`` or ``file.py:function`` and check that it takes (prompt, response, answer)."""
+def load_rule(spec: str, field: str = "reward.rule") -> Rule:
+    """Import ``module:function`` or ``file.py:function`` and check that it takes (prompt, response,
+    answer); errors name ``field``, the config field that names the rule."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name.isidentifier():
-        raise RewardRuleError(f"reward.rule: '{spec}' is neither 'module:function' nor 'path/to/file.py:function'")
+        raise RewardRuleError(f"{field}: '{spec}' is neither 'module:function' nor 'path/to/file.py:function'")
     if where.endswith(".py") or "/" in where:
-        module = _import_file(spec, Path(where))
+        module = _import_file(spec, Path(where), field)
     else:
         try:
             module = importlib.import_module(where)
         except ImportError as e:
             raise RewardRuleError(
-                f"reward.rule: cannot import module '{where}' ({type(e).__name__}: {e}); the engine hosts import it, so it "
+                f"{field}: cannot import module '{where}' ({type(e).__name__}: {e}); the engine hosts import it, so it "
                 f"must be on their PYTHONPATH (working directory {Path.cwd()}), or give the file: "
-                f"reward.rule=path/to/{where.replace('.', '/')}.py:{name}"
+                f"{field}=path/to/{where.replace('.', '/')}.py:{name}"
             ) from e
     function = getattr(module, name, None)
     if not callable(function):
-        raise RewardRuleError(f"reward.rule: {where} has no function '{name}'")
+        raise RewardRuleError(f"{field}: {where} has no function '{name}'")
     try:
         signature = inspect.signature(function)
         signature.bind("prompt", "response", "answer")
     except TypeError as e:
         raise RewardRuleError(
-            f"reward.rule {spec}: a rule is called as {name}(prompt, response, answer), but it takes {signature} ({e})"
+            f"{field} {spec}: a rule is called as {name}(prompt, response, answer), but it takes {signature} ({e})"
         ) from e
     except ValueError:  # a builtin without a signature: take it as it is
-        return Rule(spec, function, needs_answer=True)
+        return Rule(spec, function, needs_answer=True, field=field)
     try:
         signature.bind("prompt", "response")
         needs_answer = False
     except TypeError:
         needs_answer = True
-    return Rule(spec, function, needs_answer)
+    return Rule(spec, function, needs_answer, field)
 
 
-def _import_file(spec: str, path: Path):
+def _import_file(spec: str, path: Path, field: str):
     if not path.is_file():
-        raise RewardRuleError(f"reward.rule {spec}: no file {path.resolve()}")
+        raise RewardRuleError(f"{field} {spec}: no file {path.resolve()}")
     folder = str(path.resolve().parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)  # as `python file.py` would: the rule may import its neighbours
@@ -108,5 +110,5 @@ def _import_file(spec: str, path: Path):
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - any failure of the user's file is reported by name
-        raise RewardRuleError(f"reward.rule {spec}: importing {path} failed ({type(e).__name__}: {e})") from e
+        raise RewardRuleError(f"{field} {spec}: importing {path} failed ({type(e).__name__}: {e})") from e
     return module

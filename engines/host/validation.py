@@ -53,6 +53,7 @@ def validate_inputs(config) -> dict:
         check_verdict_words(config, AutoTokenizer.from_pretrained(check_model_folder("model.judge", config.uri(config.model.judge),
                                                                                      config.judge.backend)))
     rule = rewards.load_rule(config.reward.rule) if config.reward.rule else None
+    form = rewards.load_rule(config.reward.format_rule, "reward.format_rule") if config.reward.format_rule else None
     processor = check_vision(config, policy)
     if processor is None:
         check_megatron_architecture(config, policy)
@@ -89,7 +90,7 @@ def validate_inputs(config) -> dict:
                         f"{uri}: field 'prompt' is {length} tokens (prompt_id {pid}); "
                         f"the limit is data.max_prompt_tokens={config.data.max_prompt_tokens}"
                     )
-        check_answers(config, field, uri, first, unanswered, len(reader), rule)
+        check_answers(config, field, uri, first, unanswered, len(reader), rule, form)
         counts[field] = len(reader)
     return counts
 
@@ -179,27 +180,27 @@ def check_prompt_images(config, uri: str, row: dict, processor, first: bool) -> 
             raise InputError(f"{where}: {len(blob):,} bytes, over data.max_image_bytes={config.data.max_image_bytes:,}")
 
 
-def answers_needed_by(config, rule: rewards.Rule | None) -> list[str]:
+def answers_needed_by(config, *rules: rewards.Rule | None) -> list[str]:
     """The configured rewards that read a prompt's reference answer."""
-    needed = [f"reward.rule {rule.spec} (its third parameter, answer, has no default)"] if rule and rule.needs_answer else []
+    needed = [f"{r.field} {r.spec} (its third parameter, answer, has no default)" for r in rules if r and r.needs_answer]
     if config.reward.genrm_weight > 0 and "{answer}" in config.judge.template:
         needed.append("judge.template (it has an {answer} field)")
     return needed
 
 
 def check_answers(config, field: str, uri: str, first: dict, unanswered: list[int], rows: int,
-                  rule: rewards.Rule | None) -> None:
+                  rule: rewards.Rule | None, format_rule: rewards.Rule | None = None) -> None:
     """Every prompt has the answer the rewards read (``unanswered``: the prompt_ids of the ``rows``
     that have none), and the rule scores the ``first`` prompt as a number (its reference answer as
     the response): a rule that cannot fails here, before any engine loads."""
-    needed = answers_needed_by(config, rule)
+    needed = answers_needed_by(config, rule, format_rule)
     if needed and unanswered:
         raise InputError(
             f"{uri} ({field}): field 'answer' is missing or null in {len(unanswered)} of {rows} rows (first prompt_id "
             f"{unanswered[0]}), and {' and '.join(needed)} read(s) it: add an 'answer' column, or give the rule a default "
             "(answer=None) if it does not need one"
         )
-    if rule is not None:
+    for rule in (r for r in (rule, format_rule) if r is not None):
         try:
             rule(first["prompt"], first["answer"] or "", first["answer"], first["prompt_id"])
         except rewards.RewardRuleError as e:

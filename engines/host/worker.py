@@ -61,6 +61,7 @@ class Worker:
         self.judge: Generator | None = None  # the GenRM (None: no judge)
         self.trainer: Trainer | None = None
         self.rule: rewards.Rule | None = None  # ``reward.rule``, imported
+        self.format_rule: rewards.Rule | None = None  # ``reward.format_rule``, imported
         self.prompts: PromptStream | None = None  # this group's stream of prompts (rows rank, rank+world, ...)
         self.vision = False  # the policy is a vision-language model: prompts come with images
         self.judge_sees_images = False  # the judge is a vision-language model too
@@ -108,6 +109,7 @@ class Worker:
         if self.vision:
             self.placeholder = multimodal.placeholder(multimodal.load_processor(policy_dir))
         self.rule = rewards.load_rule(cfg.reward.rule) if cfg.reward.rule else None
+        self.format_rule = rewards.load_rule(cfg.reward.format_rule, "reward.format_rule") if cfg.reward.format_rule else None
         self.awake = {"policy", "judge", "trainer"}  # all loaded, all on the devices
         self.engine_loads += 1
         self.prompts = PromptStream(prompts_uri, self.rank, self.world, cfg.data.max_image_bytes)
@@ -139,7 +141,7 @@ class Worker:
 
     @handle.register
     def genrm_score(self, request: GenRMScore) -> GenRMScoreResult:
-        """Reward = genrm_weight * judge verdict + rule_weight * rule + overlong penalty.
+        """Reward = genrm_weight * judge verdict + rule_weight * rule + format_weight * format rule + overlong penalty.
 
         The judge scores the rollout's chunks one by one (the same batches as in
         ``rollout_and_score``, so its batched greedy verdicts are the same in both placement modes)."""
@@ -438,9 +440,12 @@ class Worker:
         for r, verdict in zip(rows, verdicts):
             genrm = None if verdict is None else float(verdict.startswith(cfg.judge.good))
             rule = self.rule(r["prompt"], r["response"], r["answer"], r["prompt_id"]) if self.rule else None
+            form = self.format_rule(r["prompt"], r["response"], r["answer"], r["prompt_id"]) if self.format_rule else None
             reward = cfg.reward.genrm_weight * (genrm or 0.0) + (cfg.reward.rule_weight * rule if rule is not None else 0.0)
+            reward += cfg.reward.format_weight * form if form is not None else 0.0
             reward += overlong_penalty(len(r["response_ids"]), cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
-            out.append(r | {"judge_text": verdict, "genrm_reward": genrm, "rule_reward": rule, "reward": reward})
+            out.append(r | {"judge_text": verdict, "genrm_reward": genrm, "rule_reward": rule, "format_reward": form,
+                            "reward": reward})
         return out
 
     def _rollout_result(self, r: Rollout, rows: list[dict], seconds: float, switch: float) -> RolloutResult:
