@@ -18,15 +18,23 @@ import pyarrow.parquet as pq
 
 from storage import objectstore
 
+# A chat conversation: the turns before the model's answer (``engines/backends/chat.py`` renders
+# them with the model's chat template). Extra keys of a turn (e.g. Hugging Face datasets' others) are dropped.
+MESSAGES = pa.list_(pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())]))
+
 PROMPTS = pa.schema(
     [
         pa.field("prompt_id", pa.int64(), nullable=False),
-        pa.field("prompt", pa.string(), nullable=False),
+        # the prompt as plain text; a file may have ``messages`` instead (or both: the messages are
+        # what the model sees, the text what the reward rule and the judge read)
+        pa.field("prompt", pa.string()),
+        pa.field("messages", MESSAGES),
         pa.field("answer", pa.string()),  # reference answer for rule rewards; may be null
         # encoded images (PNG/JPEG bytes) of a vision-language prompt; files without the column
         # (text-only prompts) load with nulls
         pa.field("images", pa.list_(pa.binary())),
-    ]
+    ],
+    metadata={"one_of": "prompt,messages"},  # a file has at least one of these columns (check_schema)
 )
 
 ROLLOUTS = pa.schema(
@@ -65,7 +73,12 @@ class SchemaError(ValueError):
 
 
 def check_schema(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
-    """The columns of ``schema`` (extra columns are dropped), cast to its types."""
+    """The columns of ``schema`` (extra columns are dropped), cast to its types. A schema whose
+    metadata names ``one_of`` columns (nullable) needs at least one of them in the table."""
+    one_of = (schema.metadata or {}).get(b"one_of", b"").decode().split(",")
+    if one_of != [""] and not any(name in table.column_names for name in one_of):
+        first, others = one_of[0], " or ".join(f"'{n}' ({schema.field(n).type})" for n in one_of[1:])
+        raise SchemaError(f"{where}: missing field '{first}' ({schema.field(first).type}; or {others})")
     for field in schema:
         if field.name not in table.column_names:
             if field.nullable:

@@ -100,10 +100,12 @@ class FrozenCheckpoint:
 class Generator(Protocol):
     """Samples completions with per-token log-probabilities."""
 
-    def generate(self, prompts: list[str], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
+    def generate(self, prompts: list, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
                  max_new_tokens: int = 16, seed: int = 0, greedy: bool = False,
                  images: list[list[bytes]] | None = None) -> list[Generation]:
         """``n`` samples per prompt, prompt-major; ``greedy``: argmax decoding (``seed`` unused).
+        A prompt is plain text or chat messages (``engines.backends.chat.Prompt``), rendered by the
+        engine's ``chat.Renderer`` (its model's chat template, per the engine's ``PromptFormat``).
         ``images``: each prompt's encoded images (a vision-language model), the prompt text holding
         the model's image placeholder once per image."""
 

@@ -13,6 +13,7 @@ import threading
 import traceback
 
 from engines.config import RunConfig
+from engines.backends import chat
 from engines.backends.base import Generation, Generator, Trainer
 
 
@@ -40,8 +41,11 @@ def make_trainer(cfg: RunConfig, model_dir: str, device=None) -> Trainer:
     return TorchTrainer(model_dir, device=device, freeze_vision=t.freeze_vision, lora=t.lora, seed=cfg.seed, **kwargs)
 
 
-def make_generator(backend: str, model_dir: str, cfg: RunConfig, threads: int, device=None) -> Generator:
-    """A generation engine (policy rollout or GenRM judge) of the named backend."""
+def make_generator(backend: str, model_dir: str, cfg: RunConfig, threads: int, device=None,
+                   prompt_format: chat.PromptFormat | None = None) -> Generator:
+    """A generation engine (policy rollout or GenRM judge) of the named backend, rendering prompts
+    with ``prompt_format`` (None: the policy's, ``chat.PromptFormat.policy(cfg)``)."""
+    prompt_format = prompt_format or chat.PromptFormat.policy(cfg)
     if backend == "stub":  # timing stub for scale benchmarks, not training (engines/backends/stub/engines.py)
         from engines.backends.stub.engines import TimingStubGenerator
 
@@ -50,10 +54,10 @@ def make_generator(backend: str, model_dir: str, cfg: RunConfig, threads: int, d
         from engines.backends.vllm.generator import VLLMGenerator
 
         # threads: in a DP host vLLM runs in its own process, which does not inherit torch's setting
-        return VLLMGenerator(model_dir, dtype=cfg.model.dtype, seed=cfg.seed, threads=threads)
+        return VLLMGenerator(model_dir, dtype=cfg.model.dtype, seed=cfg.seed, threads=threads, prompt_format=prompt_format)
     from engines.backends.torch.generator import TorchGenerator
 
-    return TorchGenerator(model_dir, dtype=cfg.model.dtype, device=device)
+    return TorchGenerator(model_dir, dtype=cfg.model.dtype, device=device, prompt_format=prompt_format)
 
 
 def make_judge(cfg: RunConfig, model_dir: str, threads: int, device=None) -> Generator:
@@ -61,7 +65,7 @@ def make_judge(cfg: RunConfig, model_dir: str, threads: int, device=None) -> Gen
     rollout engine on its share of the devices; else a generator like the policy's."""
     if cfg.placement.mode == "partial":
         return JudgeProcess(cfg, model_dir, cfg.placement.judge_threads or max(1, threads // 2), cfg.placement.judge_devices)
-    return make_generator(cfg.judge.backend, model_dir, cfg, threads, device)
+    return make_generator(cfg.judge.backend, model_dir, cfg, threads, device, chat.PromptFormat.judge(cfg))
 
 
 class JudgeProcess:
@@ -125,7 +129,7 @@ def _judge_process(conn, config: dict, model_dir: str, threads: int, env: dict) 
     torch.set_num_threads(threads)
     cfg = RunConfig.model_validate(config)
     try:
-        judge = make_generator(cfg.judge.backend, model_dir, cfg, threads)
+        judge = make_generator(cfg.judge.backend, model_dir, cfg, threads, prompt_format=chat.PromptFormat.judge(cfg))
     except Exception:  # noqa: BLE001 - answered to the first call
         judge, error = None, traceback.format_exc()
     while True:

@@ -76,14 +76,16 @@ def placeholder(processor) -> str:
     return processor.image_token
 
 
-def model_inputs(processor, prompts: list[str], images: list[list[bytes]], padding_side: str = "left") -> dict:
+def model_inputs(processor, prompts: list[str], images: list[list[bytes]], padding_side: str = "left",
+                 **text_kwargs) -> dict:
     """The processor's batch for ``prompts`` and their images: expanded ``input_ids``, the
-    attention mask and the pixel tensors, padded on ``padding_side``."""
+    attention mask and the pixel tensors, padded on ``padding_side`` (``text_kwargs`` go to its
+    tokenizer: ``add_special_tokens=False`` for prompts rendered by a chat template)."""
     tok = processor.tokenizer
     side, tok.padding_side = tok.padding_side, padding_side
     try:
         decoded = [[decode(b) for b in row] for row in images]
-        return processor(text=prompts, images=decoded, padding=True, return_tensors="pt")
+        return processor(text=prompts, images=decoded, padding=True, return_tensors="pt", **text_kwargs)
     finally:
         tok.padding_side = side
 

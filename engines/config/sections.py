@@ -141,11 +141,20 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     prompts: str = Field(
-        "data/train", description="Prompts dataset (a Parquet file or folder; schema: prompt_id, prompt, answer, and for a "
-        "vision-language policy images: a list of encoded PNG/JPEG images per prompt, whose text holds the model's image "
-        "placeholder once per image).")
+        "data/train", description="Prompts dataset (a Parquet file or folder; schema: prompt_id, prompt (text) or messages "
+        "(a chat: a list of {role, content}), answer, and for a vision-language policy images: a list of encoded PNG/JPEG "
+        "images per prompt, whose text holds the model's image placeholder once per image).")
     heldout: str | None = Field("data/heldout", description="Held-out prompts for accuracy before/after RL (None: skip).")
-    max_prompt_tokens: int = Field(48, gt=0, description="Longer prompts are rejected before training starts.")
+    chat_template: Literal["auto", "none"] = Field(
+        "auto", description="auto: render every prompt with the model's own chat template when its tokenizer (or "
+        "processor) has one (plain text as one user turn, then the assistant's turn opened), for rollout, training, "
+        "evaluation and the judge alike; plain text as it is when it has none. none: never (prompts as they are; a "
+        "'messages' column or a system_prompt is then an error).")
+    system_prompt: str | None = Field(
+        None, description="A system turn put before every policy prompt that has none (needs a chat template). None: no system turn.")
+    max_prompt_tokens: int = Field(
+        48, gt=0, description="Longer prompts, measured as the policy's engines tokenize them (chat template applied), "
+        "are rejected before any engine loads.")
     heldout_limit: int = Field(500, gt=0, description="Held-out prompts evaluated.")
     max_image_bytes: int = Field(
         20 * 2**20, gt=0, description="An encoded image larger than this fails when its row is read (naming the file, "

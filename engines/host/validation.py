@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.backends import multimodal
+from engines.backends import chat, multimodal
 from engines.backends.megatron import architectures  # imports no Megatron
 from engines.backends.megatron.vision import VISION_MODELS as MEGATRON_VISION_MODELS  # imports no Megatron
 from engines.host import rewards
@@ -41,8 +41,10 @@ def check_model_folder(field: str, uri: str, backend: str = "torch") -> str:
 
 def validate_inputs(config) -> dict:
     """Model folders load; the reward rule imports, takes (prompt, response, answer) and returns a
-    number; the judge's verdict words are tokens its tokenizer knows; prompts match the schema,
-    are non-empty, fit ``max_prompt_tokens``, have unique ids and the answers the rewards read; a
+    number (and the format rule); the judge's verdict words are tokens its tokenizer knows; prompts
+    match the schema, are non-empty, render with the policy's chat template when they need one
+    (``messages``, ``data.system_prompt``), fit ``max_prompt_tokens`` as rendered, have unique ids
+    and the answers the rewards read; a
     vision-language policy has its processor, each prompt as many images as image placeholders,
     and images within ``data.max_image_bytes`` (the first prompt's are decoded). Prompts are read a
     batch of rows at a time (a dataset of images is never held whole)."""
@@ -58,7 +60,7 @@ def validate_inputs(config) -> dict:
     if processor is None:
         check_megatron_architecture(config, policy)
     check_lora_targets(config, policy)
-    tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(policy)
+    renderer = chat.Renderer(processor or AutoTokenizer.from_pretrained(policy), chat.PromptFormat.policy(config))
     counts = {}
     for field, path in (("data.prompts", config.data.prompts), ("data.heldout", config.data.heldout)):
         if path is None:
@@ -77,17 +79,21 @@ def validate_inputs(config) -> dict:
             first = first or batch[0]
             unanswered += [r["prompt_id"] for r in batch if r["answer"] is None]
             for row in batch:
-                pid, prompt = row["prompt_id"], row["prompt"]
+                pid = row["prompt_id"]
                 if pid in seen:
                     raise InputError(f"{uri}: field 'prompt_id' has duplicate values (prompt_id {pid})")
                 seen.add(pid)
-                if not prompt.strip():
-                    raise InputError(f"{uri}: field 'prompt' is empty (prompt_id {pid})")
+                column = check_prompt_text(uri, row)
                 check_prompt_images(config, uri, row, processor, first=len(seen) == 1)
-                length = len(tokenizer(prompt)["input_ids"])
+                try:
+                    length = len(renderer.ids(chat.source(row)))
+                except chat.ChatTemplateError as e:
+                    raise InputError(f"{uri}: field '{column}' (prompt_id {pid}): {e} (model.policy "
+                                     f"{config.uri(config.model.policy)}, data.chat_template={config.data.chat_template})") from None
                 if length > config.data.max_prompt_tokens:
+                    shown = " with the chat template applied" if renderer.templated else ""
                     raise InputError(
-                        f"{uri}: field 'prompt' is {length} tokens (prompt_id {pid}); "
+                        f"{uri}: field '{column}' is {length} tokens{shown} (prompt_id {pid}); "
                         f"the limit is data.max_prompt_tokens={config.data.max_prompt_tokens}"
                     )
         check_answers(config, field, uri, first, unanswered, len(reader), rule, form)
@@ -108,6 +114,24 @@ def check_megatron_architecture(config, policy: str) -> None:
     except architectures.Unsupported as e:
         raise InputError(f"model.policy: {config.uri(config.model.policy)}/config.json: train.backend=megatron cannot "
                          f"train it: {e}") from None
+
+
+def check_prompt_text(uri: str, row: dict) -> str:
+    """A row has a non-empty prompt: its ``messages`` (each turn a role and text), else its
+    ``prompt``. Answers the column the model reads."""
+    pid, messages = row["prompt_id"], row.get("messages")
+    if messages:
+        for i, turn in enumerate(messages):
+            if not turn["role"] or turn["content"] is None:
+                raise InputError(f"{uri}: field 'messages'[{i}] has no role or no content (prompt_id {pid})")
+        if not chat.question(row).strip():
+            raise InputError(f"{uri}: field 'messages' has an empty last user turn (prompt_id {pid})")
+        return "messages"
+    if row["prompt"] is None:
+        raise InputError(f"{uri}: field 'prompt' is null and there are no 'messages' (prompt_id {pid})")
+    if not row["prompt"].strip():
+        raise InputError(f"{uri}: field 'prompt' is empty (prompt_id {pid})")
+    return "prompt"
 
 
 def check_vision(config, policy: str):
@@ -165,9 +189,11 @@ def check_prompt_images(config, uri: str, row: dict, processor, first: bool) -> 
                              f"{config.uri(config.model.policy)} is a text-only model")
         return
     mark = multimodal.placeholder(processor)
-    if row["prompt"].count(mark) != len(images):
+    column = "messages" if row.get("messages") else "prompt"
+    text = "".join(m["content"] for m in row["messages"]) if column == "messages" else row["prompt"]
+    if text.count(mark) != len(images):
         missing = " (the file has no 'images' column)" if row["images"] is None else ""
-        raise InputError(f"{uri}: prompt_id {pid}: field 'prompt' has {row['prompt'].count(mark)} image placeholder(s) "
+        raise InputError(f"{uri}: prompt_id {pid}: field '{column}' has {text.count(mark)} image placeholder(s) "
                          f"'{mark}' and field 'images' {len(images)} image(s){missing}: one placeholder per image")
     for i, blob in enumerate(images):
         where = f"{uri} (prompt_id {pid}): field 'images'[{i}]"
@@ -202,7 +228,7 @@ def check_answers(config, field: str, uri: str, first: dict, unanswered: list[in
         )
     for rule in (r for r in (rule, format_rule) if r is not None):
         try:
-            rule(first["prompt"], first["answer"] or "", first["answer"], first["prompt_id"])
+            rule(chat.question(first), first["answer"] or "", first["answer"], first["prompt_id"])
         except rewards.RewardRuleError as e:
             if e.__cause__ is None:  # it returned something other than a number: the error says so
                 raise

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from engines.host import balance, rewards, validation
 from engines.host.prompts import PromptStream
 
-from engines.backends import distributed, build, multimodal
+from engines.backends import chat, distributed, build, multimodal
 from engines.rl.algorithms import group_advantages, overlong_penalty
 from engines.wire.channel import progress
 from engines.host.checkpointing import Checkpoints
@@ -322,11 +322,11 @@ class Worker:
         by the judge's verdict when there is no rule (``flows.training.heldout_metric`` names it)."""
         reader = datasets.PromptReader(request.uri)  # this rank's share only, images included
         indices = list(range(self.rank, min(request.limit, len(reader)), self.world))
-        rows = [r | {"prompt_row": i} for r, i in zip(reader.rows(indices), indices)]
+        rows = [r | {"prompt_row": i, "prompt": chat.question(r)} for r, i in zip(reader.rows(indices), indices)]
         if not rows:
             return EvaluateResult(score_sum=0.0, total=0)
         self.take("policy")
-        outs = self.policy.generate([r["prompt"] for r in rows], greedy=True, max_new_tokens=self.config.rollout.max_new_tokens,
+        outs = self.policy.generate([chat.source(r) for r in rows], greedy=True, max_new_tokens=self.config.rollout.max_new_tokens,
                                     images=self._images_of(rows))
         answered = [rows[o.prompt_index] | {"response": o.response} for o in outs]
         if self.rule is not None:
@@ -382,7 +382,7 @@ class Worker:
     # -- the pieces both placement modes share (same chunks, same seeds, same judge batches) --
 
     def _wave_prompts(self, cursor: int, count: int) -> list[dict]:
-        batch = self.prompts.wave(cursor, count)
+        batch = [r | {"prompt": chat.question(r)} for r in self.prompts.wave(cursor, count)]  # the rule's and judge's text
         if (cursor + count - 1) // len(self.prompts) > cursor // len(self.prompts):
             log.warning("dp-%d: all %d prompts of this group's stream trained; starting it again (another epoch)", self.rank, len(self.prompts))
         return batch
@@ -396,7 +396,7 @@ class Worker:
         """Rollout rows of chunk ``k`` of a wave: G samples per prompt, prompt-major."""
         progress()  # the host's heartbeat (engines/wire/channel.py): each chunk is a piece of work done
         ro = self.config.rollout
-        gens = self.policy.generate([row["prompt"] for row in chunk], n=ro.samples_per_prompt, temperature=ro.temperature,
+        gens = self.policy.generate([chat.source(row) for row in chunk], n=ro.samples_per_prompt, temperature=ro.temperature,
                                     top_p=ro.top_p, max_new_tokens=ro.max_new_tokens,
                                     seed=stable_seed(self.config.seed, step, self.rank, wave, k), images=self._images_of(chunk))
         return [{

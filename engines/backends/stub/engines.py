@@ -66,13 +66,15 @@ class TimingStubGenerator:
         self.version = 0  # weight updates received
         self.slept_s = 0.0
 
-    def generate(self, prompts: list[str], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
+    def generate(self, prompts: list, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
                  max_new_tokens: int = 16, seed: int = 0, greedy: bool = False, images=None) -> list:
         from engines.backends.base import Generation
         # images: carried by the bench's vision runs and not looked at (the stub reads no pixels)
 
         out, tokens = [], 0
         for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, str):  # chat messages: their text (the stub has no template)
+                prompt = "\n".join(m["content"] for m in prompt)
             prompt_ids = [BOS] + [FIRST_ID + ord(c) % ID_RANGE for c in prompt]
             for j in range(n):
                 rng = random.Random(f"{seed}/{prompt}/{j}/{self.version if not greedy else 0}")

@@ -11,7 +11,7 @@ from typing import Iterable
 
 import torch
 
-from engines.backends import multimodal
+from engines.backends import chat, multimodal
 from engines.backends.base import Generation
 from engines.backends.torch.model import forward_precision, load_model, resolve_device, without
 
@@ -20,13 +20,15 @@ class TorchGenerator:
     """Sampling with per-token log-probabilities, and weight updates by HF name.
 
     ``device``: where the model lives and computes (None: the current CUDA device, else the CPU);
-    ``autocast``: bf16 autocast of the forward passes (None: on CUDA only)."""
+    ``autocast``: bf16 autocast of the forward passes (None: on CUDA only); ``prompt_format``: how
+    prompts are rendered (``engines.backends.chat``; None: as they are, no chat template)."""
 
     def __init__(self, model_dir: str, dtype: str = "float32", device: torch.device | str | None = None,
-                 autocast: bool | None = None):
+                 autocast: bool | None = None, prompt_format: chat.PromptFormat | None = None):
         self.device = resolve_device(device)
         self.autocast = autocast
         self.tokenizer, self.model, self.processor = load_model(model_dir, dtype, self.device)
+        self.renderer = chat.Renderer(self.processor or self.tokenizer, prompt_format)
         self.model.eval()
         # a vision model's image tokens are input only: sampling one would start a fake image
         self.suppress = multimodal.image_token_ids(self.processor) if self.processor is not None else None
@@ -34,7 +36,7 @@ class TorchGenerator:
     @torch.no_grad()
     def generate(
         self,
-        prompts: list[str],
+        prompts: list[chat.Prompt],
         n: int = 1,
         temperature: float = 1.0,
         top_p: float = 1.0,
@@ -43,15 +45,16 @@ class TorchGenerator:
         greedy: bool = False,
         images: list[list[bytes]] | None = None,
     ) -> list[Generation]:
-        tok = self.tokenizer
-        texts = [p for p in prompts for _ in range(n)]
+        tok, special = self.tokenizer, self.renderer.encode_kwargs
+        texts = [self.renderer.text(p) for p in prompts for _ in range(n)]
         if images is not None:
             if self.processor is None:
                 raise ValueError("images given to a text-only model")
-            batch = multimodal.model_inputs(self.processor, texts, [im for im in images for _ in range(n)]).to(self.device)
+            batch = multimodal.model_inputs(self.processor, texts, [im for im in images for _ in range(n)], **special)
+            batch = batch.to(self.device)
         else:
             # input ids and mask only: a tokenizer that adds token_type_ids makes generate() refuse them
-            batch = tok(texts, return_tensors="pt", padding=True, return_token_type_ids=False).to(self.device)
+            batch = tok(texts, return_tensors="pt", padding=True, return_token_type_ids=False, **special).to(self.device)
         if not greedy:  # greedy draws nothing: leave the process-wide RNG alone (a judge on another
             torch.manual_seed(seed)  # thread must not reseed the rollout's sampling: placement.mode=partial)
         with forward_precision(self.device, self.autocast):

@@ -53,7 +53,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
-from engines.backends import multimodal
+from engines.backends import chat, multimodal
 from engines.backends.base import Generation
 
 log = logging.getLogger(__name__)
@@ -123,8 +123,10 @@ class VLLMGenerator:
         cpu_bind: str | None = None,
         kv_cache_memory_bytes: int | None = None,
         max_model_len: int | None = None,
+        prompt_format: chat.PromptFormat | None = None,
     ):
-        """CPU only: ``threads`` sizes the engine's torch thread pool (None: this process's);
+        """``prompt_format``: how prompts are rendered (``engines.backends.chat``; None: as they are).
+        CPU only: ``threads`` sizes the engine's torch thread pool (None: this process's);
         ``cpu_bind`` pins it to a core list such as "0" or "0-1" ("nobind": no pinning; default
         ``$VLLM_CPU_OMP_THREADS_BIND``, else "nobind"). CUDA only: ``gpu_memory_utilization``.
         ``kv_cache_memory_bytes``: the KV cache size (CPU default 256 MiB)."""
@@ -158,6 +160,7 @@ class VLLMGenerator:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.processor = multimodal.load_processor(model_dir)
         self.tokenizer = self.processor.tokenizer if self.processor is not None else AutoTokenizer.from_pretrained(model_dir)
+        self.renderer = chat.Renderer(self.processor or self.tokenizer, prompt_format)
         # a vision model's image tokens are input only: never sampled (a bias, so logprobs stay defined)
         self.logit_bias = {i: -100.0 for i in multimodal.image_token_ids(self.processor)} if self.processor else None
         with _environ(env | {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}):
@@ -175,7 +178,7 @@ class VLLMGenerator:
 
     def requests(
         self,
-        prompts: list[str],
+        prompts: list[chat.Prompt],
         n: int = 1,
         temperature: float = 1.0,
         top_p: float = 1.0,
@@ -192,7 +195,8 @@ class VLLMGenerator:
 
         if images is not None and self.processor is None:
             raise ValueError("images given to a text-only model")
-        prompt_ids = self.tokenizer(prompts)["input_ids"]  # adds BOS, as TorchGenerator does
+        # plain text: BOS added, as TorchGenerator does; a rendered chat template holds its own
+        prompt_ids = self.tokenizer([self.renderer.text(p) for p in prompts], **self.renderer.encode_kwargs)["input_ids"]
         token_prompts, params = [], []
         for i, ids in enumerate(prompt_ids):
             request = {"prompt_token_ids": ids}
@@ -217,7 +221,7 @@ class VLLMGenerator:
 
     def generate(
         self,
-        prompts: list[str],
+        prompts: list[chat.Prompt],
         n: int = 1,
         temperature: float = 1.0,
         top_p: float = 1.0,
