@@ -47,6 +47,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per engine process
 PREPARE = [
     "prepare.train_prompts=600", "prepare.heldout_prompts=40", "sft.hidden_size=32", "sft.layers=1",
     "sft.max_steps=150", "prepare.sft_target=0", "prepare.judge_target=0", "sft.check_every=150",
+    "data.max_prompt_tokens=48", "rollout.max_new_tokens=8",
 ]
 WORKLOADS = {
     # the demo's reward: the tiny GenRM judge's verdict (a noisy judge: many groups get mixed rewards)

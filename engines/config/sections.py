@@ -153,8 +153,8 @@ class DataConfig(Section):
     system_prompt: str | None = Field(
         None, description="A system turn put before every policy prompt that has none (needs a chat template). None: no system turn.")
     max_prompt_tokens: int = Field(
-        48, gt=0, description="Longer prompts, measured as the policy's engines tokenize them (chat template applied), "
-        "are rejected before any engine loads.")
+        1024, gt=0, description="Longer prompts, measured as the policy's engines tokenize them (chat template applied), "
+        "are rejected before any engine loads. 1024 holds a competition math problem with a system prompt; the tiny demos set 48.")
     heldout_limit: int = Field(500, gt=0, description="Held-out prompts evaluated.")
     max_image_bytes: int = Field(
         20 * 2**20, gt=0, description="An encoded image larger than this fails when its row is read (naming the file, "
@@ -186,7 +186,9 @@ class RolloutConfig(Section):
     samples_per_prompt: int = Field(8, ge=2, description="Group size G: samples drawn per prompt.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used for trainer log-probs).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
-    max_new_tokens: int = Field(8, gt=0, description="Response length cap; longer responses are truncated.")
+    max_new_tokens: int = Field(
+        1024, gt=0, description="Response length cap; longer responses are truncated. 1024 leaves room for a worked "
+        "solution by a small instruct model (raise it for long reasoning); the tiny demos set 8.")
 
 
 class JudgeConfig(Section):
