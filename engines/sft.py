@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engines.backends import multimodal
+from engines.backends import chat, multimodal
 from engines.demo.tiny import build_char_tokenizer, build_tiny_llama
 
 
@@ -43,6 +43,7 @@ def sft(
     images: list[list[bytes]] | None = None,
     check_images: list[list[bytes]] | None = None,
     on_check: Callable[[dict], None] | None = None,
+    renderer: chat.Renderer | None = None,
 ) -> dict:
     """Train ``model`` on (prompt, completion) pairs until its greedy completions of the
     ``check`` prompts equal their expected completions for a ``target`` fraction of them,
@@ -54,7 +55,9 @@ def sft(
 
     A vision-language model (``processor`` given) learns from ``images`` (each pair's encoded
     images; ``check_images`` the check pairs'): its prompts are expanded by the processor and its
-    pixel tensors made per batch, as the RL trainer does.
+    pixel tensors made per batch, as the RL trainer does. ``renderer``: how prompts become the
+    model's prompt text (``engines.backends.chat``: its chat template, as RL's engines render them;
+    None: as they are).
 
     ``on_check``: called after every check with its figures (step, max_steps, loss, exact_match,
     seconds) instead of ``log``-ging them as a line."""
@@ -63,11 +66,14 @@ def sft(
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / 100, 1.0))
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    prompt_ids = multimodal.PromptIds(processor) if processor is not None else None
+    renderer = renderer or chat.Renderer(processor or tokenizer)
+    special = renderer.encode_kwargs
+    prompt_ids = multimodal.PromptIds(processor, **special) if processor is not None else None
     pixel_cache = multimodal.PixelCache(processor, keep=False) if processor is not None else None
 
-    def encode_prompt(i: int, text: str) -> list[int]:
-        return prompt_ids(text, images[i]) if processor is not None else tokenizer(text)["input_ids"]
+    def encode_prompt(i: int, prompt: str) -> list[int]:
+        text = renderer.text(prompt)
+        return prompt_ids(text, images[i]) if processor is not None else tokenizer(text, **special)["input_ids"]
 
     encoded = [(encode_prompt(i, p), tokenizer(c, add_special_tokens=False)["input_ids"] + [eos], i)
                for i, (p, c) in enumerate(pairs)]
@@ -105,7 +111,8 @@ def sft(
         loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
         if step % check_every == 0 or step == max_steps:
             if check:
-                matched = exact_match(model, tokenizer, check, answer_tokens, processor=processor, images=check_images)
+                matched = exact_match(model, tokenizer, check, answer_tokens, processor=processor, images=check_images,
+                                      renderer=renderer)
                 converged = target is not None and matched >= target
             seconds = time.perf_counter() - start
             if on_check is not None:
@@ -160,19 +167,21 @@ def start_model(base_dir: str | None, texts: list[str], seed: int, hidden_size: 
 
 @torch.no_grad()
 def exact_match(model, tokenizer, expected: list[tuple[str, str]], max_new_tokens: int, batch_size: int = 256,
-                processor=None, images: list[list[bytes]] | None = None) -> float:
+                processor=None, images: list[list[bytes]] | None = None, renderer: chat.Renderer | None = None) -> float:
     """The fraction of prompts whose greedy completion is exactly the expected one (a vision model:
-    with ``processor`` and each prompt's ``images``)."""
+    with ``processor`` and each prompt's ``images``; prompts rendered by ``renderer``, default as they are)."""
+    renderer = renderer or chat.Renderer(processor or tokenizer)
     model.eval()
     hits, side = 0, tokenizer.padding_side
     tokenizer.padding_side = "left"  # generation continues each prompt from its last token
     suppress = multimodal.image_token_ids(processor) if processor is not None else None
     for i in range(0, len(expected), batch_size):
         rows = expected[i : i + batch_size]
+        texts = [renderer.text(p) for p, _ in rows]
         if processor is not None:
-            batch = multimodal.model_inputs(processor, [p for p, _ in rows], images[i : i + batch_size])
+            batch = multimodal.model_inputs(processor, texts, images[i : i + batch_size], **renderer.encode_kwargs)
         else:  # input ids and mask only: some tokenizers add token_type_ids, which generate() refuses
-            batch = tokenizer([p for p, _ in rows], return_tensors="pt", padding=True, return_token_type_ids=False)
+            batch = tokenizer(texts, return_tensors="pt", padding=True, return_token_type_ids=False, **renderer.encode_kwargs)
         out = model.generate(
             **batch, do_sample=False, max_new_tokens=max_new_tokens, top_k=None, top_p=None, temperature=None,
             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, suppress_tokens=suppress,

@@ -22,6 +22,7 @@ import torch
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from engines.backends import chat
 from engines.config import ConfigError, RunConfig, SFTConfig, load_config
 from engines.sft import sft as train_sft
 from engines.sft import start_model
@@ -139,6 +140,7 @@ def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields:
         log=lambda line: logger.info(line, extra=shown("note")), resume=resume,
         save=lambda state: _save_state(state_folder, state | {"setup": setup}),
         processor=processor, images=images, check_images=check_images, on_check=checked,
+        renderer=chat.Renderer(processor or tokenizer, chat.PromptFormat.policy(config)),
     )
     if settings.target is not None and not result["converged"]:
         raise SFTNotConverged(

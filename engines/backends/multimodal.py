@@ -96,15 +96,16 @@ class PromptIds:
     depends on its size only, so SFT over thousands of examples of a few prompt shapes runs the
     processor's text side a few times."""
 
-    def __init__(self, processor):
-        self.processor = processor
+    def __init__(self, processor, **text_kwargs):
+        self.processor, self.text_kwargs = processor, text_kwargs  # add_special_tokens=False: a rendered chat template
         self._ids: dict[tuple, list[int]] = {}
 
     def __call__(self, text: str, images: list[bytes]) -> list[int]:
         decoded = [decode(b) for b in images]
         key = (text, tuple(im.size for im in decoded))
         if key not in self._ids:
-            self._ids[key] = list(self.processor(text=[text], images=[decoded] if decoded else None)["input_ids"][0])
+            self._ids[key] = list(self.processor(text=[text], images=[decoded] if decoded else None,
+                                                 **self.text_kwargs)["input_ids"][0])
         return self._ids[key]
 
 
