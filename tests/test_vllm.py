@@ -203,3 +203,24 @@ def test_dp_host_uses_a_separate_engine_process(dirs, tmp_path):
     diff = float(next(line.split()[1] for line in outs[0].splitlines() if line.startswith("DIFF")))
     assert diff <= TOL
     assert all("SUM 3.0" in out for out in outs)
+
+
+def test_chat_prompts_render_with_the_models_template_as_torch_renders_them(tmp_path_factory):
+    """A tiny Qwen3 (ChatML template): vLLM is prompted with the same rendered ids as the torch
+    engine (the system prompt, the user turn, the assistant's turn opened; no special tokens added),
+    for plain text and for chat messages alike."""
+    from engines.backends import chat
+    from engines.demo.tiny_hub import save_tiny_hub_model
+
+    qwen = str(save_tiny_hub_model("qwen3", tmp_path_factory.mktemp("qwen3"), hidden_size=64, num_layers=1, num_heads=2,
+                                   num_kv_heads=1))
+    fmt = chat.PromptFormat("auto", "Be brief.")
+    prompts = ["What is 1+1?", [{"role": "user", "content": "And 2+2?"}]]
+    ours = VLLMGenerator(qwen, kv_cache_memory_bytes=32 * 2**20, prompt_format=fmt).generate(prompts, greedy=True, max_new_tokens=4)
+    torch_gen = TorchGenerator(qwen, prompt_format=fmt)
+    ref = torch_gen.generate(prompts, greedy=True, max_new_tokens=4)
+    assert [g.prompt_ids for g in ours] == [g.prompt_ids for g in ref]
+    assert [g.prompt_ids for g in ours] == [torch_gen.renderer.ids(p) for p in prompts]
+    assert torch_gen.tokenizer.decode(ours[1].prompt_ids) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nAnd 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert [g.response_ids for g in ours] == [g.response_ids for g in ref]
