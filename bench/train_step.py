@@ -7,8 +7,8 @@ The model is a size of ``bench/vs_trl.py`` (``build_model``; by default the larg
 hidden 512, 8 layers, the demo's character tokenizer, random weights); the batch is what its rollout engine generates for 32
 arithmetic prompts, 8 samples each, at most 64 new tokens. One warm-up step, then
 ``torch.profiler`` over one step per ``train.micro_batch_tokens`` setting; the table gives each
-region the trainer names (``engines/backends/torch/trainer.py``: pad_batch, forward, loss, backward,
-statistics, all_reduce, optimizer) in seconds of wall time, and what no region covers (Python
+region the trainer names (``engines/backends/torch/trainer.py``: pad_batch, forward, loss (with the
+statistics since the algorithms' loss step computes both), backward, all_reduce, optimizer) in seconds of wall time, and what no region covers (Python
 between them: cutting micro-batches, moving numbers to Python). The torch threads are
 ``--threads`` (2: this machine's cores).
 """
@@ -26,7 +26,7 @@ import torch
 from bench import cpu_model
 from bench.vs_trl import G, SIZES, build_model
 
-REGIONS = ("pad_batch", "forward", "loss", "backward", "statistics", "all_reduce", "optimizer")
+REGIONS = ("pad_batch", "forward", "loss", "backward", "all_reduce", "optimizer")
 
 
 def rollout_batch(folder: str, prompts: int, samples: int, max_new_tokens: int):

@@ -14,7 +14,7 @@ then runs, alternating in one process tree (yattflow, TRL, yattflow, TRL for ``-
   filtering, one optimizer step (``train.minibatches=1``), the rule reward only;
 * **TRL**: ``GRPOTrainer`` in a subprocess (``--trl-worker``), ``use_cpu``, the same threads, the
   same folder, prompts, G, response cap, learning rate, temperature, clip range, AdamW betas and
-  constant learning rate, ``beta=0`` (yattflow's ``kl_coef=0``), ``num_iterations=1``, one
+  constant learning rate, ``beta=0`` (yattflow's ``train.algorithm.kl_coef=0``), ``num_iterations=1``, one
   optimizer step per generation batch, no gradient checkpointing (yattflow has none).
 
 Both score with the same rule, ``engines.demo.arithmetic:exact_match`` through
@@ -204,7 +204,7 @@ def trl_worker(spec_file: str) -> None:
         num_generations=G, max_completion_length=spec["max_new"], temperature=1.0, top_p=1.0, num_iterations=1, beta=0.0,
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, adam_beta1=defaults.betas[0],
         adam_beta2=defaults.betas[1], weight_decay=defaults.weight_decay, max_grad_norm=defaults.grad_clip,
-        epsilon=defaults.clip_low, epsilon_high=defaults.clip_high, loss_type="dapo", scale_rewards="group",
+        epsilon=defaults.algorithm.clip_low, epsilon_high=defaults.algorithm.clip_high, loss_type="dapo", scale_rewards="group",
         gradient_checkpointing=False, model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
         report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
     )

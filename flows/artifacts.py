@@ -144,7 +144,8 @@ class Curves(LiveArtifact):
         return await acreate_markdown_artifact(value, key=self.key, description=description)
 
     def add(self, metrics: dict) -> None:
-        point = {k: metrics[k] for k in CURVE_FIELDS if k in metrics}
+        flat = metrics | metrics.get("train", {})  # the trainer's figures (loss) beside the step's
+        point = {k: flat[k] for k in CURVE_FIELDS if k in flat}
         self.points = [p for p in self.points if p["step"] != point["step"]] + [point]
         objectstore.write_json(self.uri, {"points": self.points, "steps": self.steps})
         self._draw()

@@ -93,13 +93,9 @@ class StepMetrics(BaseModel):
     carried_over: int
     surplus_dropped: int
     keep_ratio: float | None
-    loss: float
-    # trainer statistics per trained token, over every group (engines.rl.algorithms.step_statistics)
-    clip_fraction: float
-    entropy: float
-    kl_rollout: float
-    kl_reference: float
-    grad_norm: float
+    # the trainer's figures: loss, grad_norm and the algorithm's statistics per trained token over
+    # every group (engines.rl.base.LossStep); TensorBoard, the tables and the curves iterate over it
+    train: dict[str, float]
     response_tokens: float  # mean response length over every sample drawn
     rollout_tokens_per_s: float
     train_tokens_per_s: float
@@ -154,10 +150,7 @@ class StepMetrics(BaseModel):
             carried_over=sum(g.kept.carried_out for g in groups),
             surplus_dropped=sum(g.kept.surplus_dropped for g in groups),
             keep_ratio=_mean([GroupSampling.from_dict(g.sampling).keep_ratio for g in groups]),
-            loss=first.loss,
-            **{k: _token_mean([(getattr(g.train, k), g.train.tokens) for g in groups])
-               for k in ("clip_fraction", "entropy", "kl_rollout", "kl_reference")},
-            grad_norm=first.grad_norm,
+            train=train_statistics([(g.train.statistics, g.train.tokens) for g in groups]),
             response_tokens=sum(w.rollout.tokens for g in groups for w in g.waves) / samples,
             rollout_tokens_per_s=sum(w.rollout.tokens for g in groups for w in g.waves)
             / max(sum(w.rollout.seconds for g in groups for w in g.waves) / len(groups), 1e-9),
@@ -175,6 +168,18 @@ class StepMetrics(BaseModel):
             params_sha=first.params_sha,
             checkpoint_files=[f for g in groups if g.checkpoint for f in g.checkpoint.files or []],
         )
+
+
+REPLICATED = ("loss", "grad_norm")  # the step's own figures, equal on every group (the trainers all-reduce them)
+
+
+def train_statistics(groups: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """The groups' trainer figures (statistics, tokens trained) as the step's: the replicated ones
+    as they are, every other one per trained token, weighted by the groups' tokens (a group that
+    trained nothing reports no statistic)."""
+    names = dict.fromkeys(k for stats, _ in groups for k in stats)
+    return {k: groups[0][0].get(k, 0.0) if k in REPLICATED else _token_mean([(s.get(k, 0.0), t) for s, t in groups])
+            for k in names}
 
 
 def _token_mean(values: list[tuple[float, float]]) -> float:

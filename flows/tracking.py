@@ -21,12 +21,10 @@ from engines.config import RunConfig
 from flows.metrics import TIMED, StepMetrics
 from storage import objectstore
 
-# tag → StepMetrics field: what a step adds to the curves
+# tag → StepMetrics field: what a step adds to the curves, beside train/<name> for every trainer figure
 SCALARS = {
     "rollout/reward": "reward", "rollout/accuracy": "accuracy", "rollout/response_tokens": "response_tokens",
     "sampling/kept_groups": "kept_groups", "sampling/dropped_groups": "dropped_groups", "sampling/waves": "waves",
-    "train/loss": "loss", "train/clip_fraction": "clip_fraction", "train/entropy": "entropy",
-    "train/kl_rollout": "kl_rollout", "train/kl_reference": "kl_reference", "train/grad_norm": "grad_norm",
     "seconds/step": "step_s", "seconds/engines": "engine_s", **{f"seconds/{stage}": f"{stage}_s" for stage in TIMED},
 }
 
@@ -48,6 +46,7 @@ class MetricsLog:
 
     def step(self, metrics: StepMetrics) -> None:
         values = {tag: getattr(metrics, field) for tag, field in SCALARS.items() if getattr(metrics, field) is not None}
+        values |= {f"train/{name}": value for name, value in metrics.train.items()}
         self._log(values, metrics.step + 1)
         if metrics.heldout is not None:
             self.heldout(metrics.step + 1, metrics.heldout)

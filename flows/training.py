@@ -133,7 +133,8 @@ async def iteration(config: RunConfig, step: int, cursors: list[int], end: int |
             metrics.pending_checkpoint = checkpoint
         else:
             commit(config, checkpoint, metrics.checkpoint_files)
-    shown = metrics.model_dump(exclude={"cursors", "sampling", "checkpoint_files", "pending_checkpoint", "step_s"})
+    shown = metrics.model_dump(exclude={"cursors", "sampling", "checkpoint_files", "pending_checkpoint", "step_s", "train"})
+    shown |= metrics.train  # one column per trainer figure
     await acreate_table_artifact(
         key=f"{config.name}-iteration", table=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in shown.items()}],
         description=f"{config.name} step {step}: reward {metrics.reward:.3f}, kept {metrics.kept_groups} groups",

@@ -13,6 +13,7 @@ import helpers  # noqa: F401  (puts the checkout on sys.path)
 import torch
 
 from engines.rl import algorithms
+from engines.rl.grpo import GRPOConfig
 from engines.backends.base import TrainBatch
 from engines.backends.torch.trainer import TorchTrainer
 from helpers import max_param_diff, params_of, random_batch, save_tiny_model, with_old_logprobs
@@ -241,7 +242,7 @@ def test_trainer_loss_at_ratio_one(model_dir, aggregation):
     trainer = TorchTrainer(model_dir, lr=1e-2)
     batch = random_batch(5, seed=11)
     batch = with_old_logprobs(batch, trainer.logprobs(batch))
-    stats = trainer.train_step(batch, minibatches=1, aggregation=aggregation)
+    stats = trainer.train_step(batch, GRPOConfig(loss_aggregation=aggregation), minibatches=1)
     lengths = [len(r) for r in batch.response_ids]
     if aggregation == "token":
         want = -sum(a * n for a, n in zip(batch.advantages, lengths)) / sum(lengths)
@@ -254,6 +255,10 @@ def test_trainer_loss_at_ratio_one(model_dir, aggregation):
 
 
 CLIP_LOW, CLIP_HIGH, KL_COEF, TEMPERATURE = 0.2, 0.28, 0.2, 0.9
+
+
+def GRPO(aggregation):
+    return GRPOConfig(loss_aggregation=aggregation, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, kl_coef=KL_COEF)
 
 
 def hand_minibatch_loss(model, reference, batch: TrainBatch, lo: int, hi: int, aggregation: str) -> torch.Tensor:
@@ -294,9 +299,7 @@ def test_trainer_gradients_match_hand_written_loss(model_dir, aggregation):
     trainer, batch, hand, reference = off_policy_setup(model_dir, seed=31, grad_clip=1e9)
     loss = hand_minibatch_loss(hand, reference, batch, 0, len(batch), aggregation)
     loss.backward()
-    stats = trainer.train_step(
-        batch, minibatches=1, aggregation=aggregation, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, kl_coef=KL_COEF
-    )
+    stats = trainer.train_step(batch, GRPO(aggregation), minibatches=1)
     assert stats["loss"] == pytest.approx(loss.item(), abs=1e-6)
     hand_grads = dict((n, p.grad) for n, p in hand.named_parameters())
     norm = torch.sqrt(sum((g**2).sum() for g in hand_grads.values())).item()
@@ -323,9 +326,7 @@ def test_trainer_step_matches_hand_written_step(model_dir, aggregation):
         torch.nn.utils.clip_grad_norm_(hand.parameters(), grad_clip)
         opt.step()
 
-    stats = trainer.train_step(
-        batch, minibatches=2, aggregation=aggregation, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, kl_coef=KL_COEF
-    )
+    stats = trainer.train_step(batch, GRPO(aggregation), minibatches=2)
     assert stats["loss"] == pytest.approx(hand_loss, abs=1e-5)
     moved = max_param_diff(params_of(trainer.model), params_of(reference))
     assert moved > 1e-3  # it did train (Adam moves each weight by ~lr per step)

@@ -250,7 +250,7 @@ def host_runs(tmp_path_factory):
         return RunConfig(
             name=RUN, dp=2, storage={"root": str(root)}, model={"policy": "models/policy"},
             data={"prompts": "data/train", "heldout": None}, reward={"genrm_weight": 0.0, "rule_weight": 1.0}, host_timeout_s=120,
-            train={"lr": LR, "minibatches": 2, "loss_aggregation": aggregation, "balance_tokens": balance_tokens},
+            train={"lr": LR, "minibatches": 2, "algorithm": {"loss_aggregation": aggregation}, "balance_tokens": balance_tokens},
         )
 
     def on_both(request_of):

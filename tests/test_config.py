@@ -24,9 +24,10 @@ def test_defaults_validate():
     assert isinstance(config, RunConfig)
     assert config == RunConfig()  # load_config adds nothing to the typed defaults
     # the documented defaults
-    assert config.train.loss_aggregation == "token"
-    assert config.train.advantage_scale == "std"
-    assert config.train.clip_low == 0.2 and config.train.clip_high == 0.28
+    assert config.train.algorithm.name == "grpo"  # with DAPO's settings: what the demo's figures were measured with
+    assert config.train.algorithm.loss_aggregation == "token"
+    assert config.train.algorithm.advantage_scale == "std"
+    assert config.train.algorithm.clip_low == 0.2 and config.train.algorithm.clip_high == 0.28
     assert config.rollout.samples_per_prompt >= 2
     # defaults survive a round trip through the validator
     assert RunConfig.model_validate(config.model_dump()) == config
@@ -40,7 +41,8 @@ def test_yaml_file_applies(tmp_path):
         dp: 3
         train:
           lr: 0.001
-          loss_aggregation: sequence
+          algorithm:
+            loss_aggregation: sequence
           betas: [0.8, 0.95]
         data:
           heldout: null
@@ -50,7 +52,7 @@ def test_yaml_file_applies(tmp_path):
     assert config.name == "my-run"
     assert config.dp == 3
     assert config.train.lr == 0.001
-    assert config.train.loss_aggregation == "sequence"
+    assert config.train.algorithm.loss_aggregation == "sequence"
     assert config.train.betas == (0.8, 0.95)
     assert config.data.heldout is None
     # untouched fields keep their defaults
@@ -89,9 +91,9 @@ def test_overrides_are_dotted_and_yaml_typed(tmp_path):
 
 
 def test_override_without_file():
-    config = load_config(None, ["checkpoint.keep_last=5", "train.kl_coef=0.1"])
+    config = load_config(None, ["checkpoint.keep_last=5", "train.algorithm.kl_coef=0.1"])
     assert config.checkpoint.keep_last == 5
-    assert config.train.kl_coef == 0.1
+    assert config.train.algorithm.kl_coef == 0.1
 
 
 def test_paths_resolve_against_storage_root(tmp_path):
@@ -110,7 +112,10 @@ def test_paths_resolve_against_storage_root(tmp_path):
         ("train:\n  lrr: 0.1\n", "train.lrr", "extra"),  # unknown key
         ("train:\n  lr: fast\n", "train.lr", "number"),  # wrong type
         ("train:\n  lr: -1\n", "train.lr", "greater than 0"),  # bad value
-        ("train:\n  loss_aggregation: tokens\n", "train.loss_aggregation", "token"),  # not one of the choices
+        ("train:\n  algorithm:\n    loss_aggregation: tokens\n", "train.algorithm.grpo.loss_aggregation", "token"),  # not a choice
+        ("train:\n  algorithm:\n    name: ppo2\n", "train.algorithm", "'grpo', 'gspo', 'cispo', 'rloo', 'reinforce_pp'"),
+        ("train:\n  algorithm:\n    name: gspo\n    advantage_scale: none\n", "train.algorithm.gspo.advantage_scale", "extra"),
+        ("train:\n  clip_low: 0.1\n", "train", "train.clip_low moved to train.algorithm.clip_low"),  # the old place
         ("name: Bad_Name\n", "name", "pattern"),
         ("bogus: 1\n", "bogus", "extra"),  # unknown top-level key
         ("train: 3\n", "train", "dictionary"),  # a section given a scalar
@@ -149,10 +154,10 @@ def test_cross_field_validator_names_section(tmp_path):
 
 
 def test_all_errors_are_reported_together(tmp_path):
-    path = write(tmp_path, "train:\n  lr: -1\n  clip_low: -0.1\n")
+    path = write(tmp_path, "train:\n  lr: -1\n  algorithm:\n    clip_low: -0.1\n")
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert "'train.lr'" in str(info.value) and "'train.clip_low'" in str(info.value)
+    assert "'train.lr'" in str(info.value) and "'train.algorithm.grpo.clip_low'" in str(info.value)
 
 
 def test_missing_file(tmp_path):
@@ -189,7 +194,7 @@ def test_assignment_is_validated():
     with pytest.raises(ValueError):
         config.train.lr = -1.0
     with pytest.raises(ValueError):
-        config.train.loss_aggregation = "mean"
+        config.train.algorithm.loss_aggregation = "mean"
 
 
 def test_shipped_deployment_validates():
@@ -227,14 +232,21 @@ def test_every_field_is_described_and_listed_by_each_commands_help():
     import subprocess
     import sys
 
+    from typing import get_args
+
     from pydantic import BaseModel
 
     from engines.config import describe_fields
 
     def leaves(section, prefix=""):
         for name, field in section.model_fields.items():
+            variants = [v for v in get_args(field.annotation) if isinstance(v, type) and issubclass(v, BaseModel)]
             if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
                 yield from leaves(field.annotation, f"{prefix}{name}.")
+            elif variants:  # train.algorithm: the choice (described by the field), then every variant's fields
+                yield f"{prefix}{name}.name", field
+                for variant in variants:
+                    yield from ((k, f) for k, f in leaves(variant, f"{prefix}{name}.") if k != f"{prefix}{name}.name")
             else:
                 yield f"{prefix}{name}", field
 

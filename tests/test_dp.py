@@ -19,6 +19,11 @@ import torch.multiprocessing as mp
 
 from engines.backends.base import TrainBatch
 from engines.backends.torch.trainer import TorchTrainer
+from engines.rl.cispo import CISPOConfig
+from engines.rl.grpo import GRPOConfig
+from engines.rl.gspo import GSPOConfig
+from engines.rl.reinforce_pp import ReinforcePPConfig
+from engines.rl.rloo import RLOOConfig
 from helpers import concat, dp_worker, free_port, max_param_diff, params_of, random_batch, save_tiny_model, with_old_logprobs
 
 MINIBATCHES = 2
@@ -30,12 +35,18 @@ ATOL = 1e-5
 
 # name -> (sequences per rank, train_step kwargs, TorchTrainer kwargs)
 CASES = {
-    "token-3-5": ((3, 5), {"aggregation": "token"}, {}),
-    "sequence-3-5": ((3, 5), {"aggregation": "sequence"}, {}),
-    "token-0-4": ((0, 4), {"aggregation": "token"}, {}),
-    "sequence-0-4": ((0, 4), {"aggregation": "sequence"}, {}),
-    "sequence-4-1": ((4, 1), {"aggregation": "sequence"}, {}),
-    "token-kl-3-5": ((3, 5), {"aggregation": "token", "kl_coef": 0.5}, {"reference": True}),
+    "token-3-5": ((3, 5), {"algorithm": GRPOConfig(loss_aggregation="token")}, {}),
+    "sequence-3-5": ((3, 5), {"algorithm": GRPOConfig(loss_aggregation="sequence")}, {}),
+    "token-0-4": ((0, 4), {"algorithm": GRPOConfig(loss_aggregation="token")}, {}),
+    "sequence-0-4": ((0, 4), {"algorithm": GRPOConfig(loss_aggregation="sequence")}, {}),
+    "sequence-4-1": ((4, 1), {"algorithm": GRPOConfig(loss_aggregation="sequence")}, {}),
+    "token-kl-3-5": ((3, 5), {"algorithm": GRPOConfig(loss_aggregation="token", kl_coef=0.5)}, {"reference": True}),
+    # every algorithm's loss; REINFORCE++ whitens its advantages over both ranks' sequences (one all-reduce)
+    "gspo-3-5": ((3, 5), {"algorithm": GSPOConfig(clip_low=0.05, clip_high=0.05)}, {}),
+    "cispo-3-5": ((3, 5), {"algorithm": CISPOConfig()}, {}),
+    "rloo-3-5": ((3, 5), {"algorithm": RLOOConfig()}, {}),
+    "reinforce-pp-3-5": ((3, 5), {"algorithm": ReinforcePPConfig()}, {}),
+    "reinforce-pp-0-4": ((0, 4), {"algorithm": ReinforcePPConfig()}, {}),
 }
 
 

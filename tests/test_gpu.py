@@ -47,6 +47,7 @@ def test_megatron_bf16_train_step_with_everything_on_cuda(tmp_path):
 
     from engines.backends.megatron.model import SDPAttention
     from engines.backends.torch.trainer import TorchTrainer
+    from engines.rl.grpo import GRPOConfig
     from helpers import random_batch, save_tiny_model, with_old_logprobs
 
     model_dir = save_tiny_model(tmp_path / "model", hidden_size=256, num_layers=2)
@@ -58,7 +59,7 @@ def test_megatron_bf16_train_step_with_everything_on_cuda(tmp_path):
     ours, ref = trainer.logprobs(batch), reference.logprobs(batch)
     assert max(abs(a - b) for x, y in zip(ours, ref) for a, b in zip(x, y)) < 2e-2  # bf16 rounding
     before = dict(trainer.export_weights())
-    stats = trainer.train_step(with_old_logprobs(batch, ref, noise=0.3, seed=1), kl_coef=0.1)
+    stats = trainer.train_step(with_old_logprobs(batch, ref, noise=0.3, seed=1), GRPOConfig(kl_coef=0.1))
     assert stats["grad_norm"] > 0 and trainer.version == 1
     assert max((v.float() - before[k].float()).abs().max().item() for k, v in trainer.export_weights()) > 0
     assert _devices(trainer.model, trainer.reference, trainer.optimizer) == {"cuda"}

@@ -43,6 +43,10 @@ from engines.backends.base import TrainBatch  # noqa: E402
 from engines.backends.torch.generator import TorchGenerator  # noqa: E402
 from engines.backends.torch.trainer import TorchTrainer  # noqa: E402
 from helpers import concat, free_port, random_batch, save_tiny_model, with_old_logprobs  # noqa: E402
+from engines.rl.cispo import CISPOConfig  # noqa: E402
+from engines.rl.grpo import GRPOConfig  # noqa: E402
+from engines.rl.gspo import GSPOConfig  # noqa: E402
+from engines.rl.reinforce_pp import ReinforcePPConfig  # noqa: E402
 
 # Megatron without Apex or Transformer Engine warns at every layer it builds
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -56,15 +60,16 @@ HYPER = {"lr": LR, "betas": (0.8, 0.95), "weight_decay": 0.1, "grad_clip": 0.5}
 
 # name -> (sequences per rank for each of two steps, train_step kwargs, trainer kwargs)
 DP_CASES = {
-    "token-3-5": ((3, 5), {"aggregation": "token"}, {}),
-    "sequence-3-5": ((3, 5), {"aggregation": "sequence"}, {}),
-    "token-0-4": ((0, 4), {"aggregation": "token"}, {}),
-    "sequence-0-4": ((0, 4), {"aggregation": "sequence"}, {}),
-    "token-kl-3-5": ((3, 5), {"aggregation": "token", "kl_coef": 0.5}, {"reference": True}),
-    "token-3-5-distopt": ((3, 5), {"aggregation": "token"}, {"distributed_optimizer": True}),
+    "token-3-5": ((3, 5), {"algorithm": GRPOConfig(loss_aggregation="token")}, {}),
+    "sequence-3-5": ((3, 5), {"algorithm": GRPOConfig(loss_aggregation="sequence")}, {}),
+    "token-0-4": ((0, 4), {"algorithm": GRPOConfig(loss_aggregation="token")}, {}),
+    "sequence-0-4": ((0, 4), {"algorithm": GRPOConfig(loss_aggregation="sequence")}, {}),
+    "token-kl-3-5": ((3, 5), {"algorithm": GRPOConfig(loss_aggregation="token", kl_coef=0.5)}, {"reference": True}),
+    "reinforce-pp-3-5": ((3, 5), {"algorithm": ReinforcePPConfig()}, {}),  # advantages whitened over both ranks
+    "token-3-5-distopt": ((3, 5), {"algorithm": GRPOConfig(loss_aggregation="token")}, {"distributed_optimizer": True}),
     # each rank's minibatch in several forward/backward passes (under DDP's no_sync but the last)
-    "token-kl-3-5-micro": ((3, 5), {"aggregation": "token", "kl_coef": 0.5, "micro_batch_tokens": 16}, {"reference": True}),
-    "sequence-3-5-micro-distopt": ((3, 5), {"aggregation": "sequence", "micro_batch_tokens": 16}, {"distributed_optimizer": True}),
+    "token-kl-3-5-micro": ((3, 5), {"algorithm": GRPOConfig(loss_aggregation="token", kl_coef=0.5), "micro_batch_tokens": 16}, {"reference": True}),
+    "sequence-3-5-micro-distopt": ((3, 5), {"algorithm": GRPOConfig(loss_aggregation="sequence"), "micro_batch_tokens": 16}, {"distributed_optimizer": True}),
 }
 
 
@@ -154,10 +159,13 @@ def test_optimizers_are_configured_alike(model_dir):
 @pytest.mark.parametrize(
     "step_kwargs, trainer_kwargs",
     [
-        ({"minibatches": 2, "aggregation": "token"}, {}),
-        ({"minibatches": 1, "aggregation": "sequence", "kl_coef": 0.5}, {"reference": True}),
+        ({"minibatches": 2, "algorithm": GRPOConfig(loss_aggregation="token")}, {}),
+        ({"minibatches": 1, "algorithm": GRPOConfig(loss_aggregation="sequence", kl_coef=0.5)}, {"reference": True}),
+        # sequence-level ratio and clipping; eps wider than the paper's so that some sequences stay unclipped
+        ({"minibatches": 2, "algorithm": GSPOConfig(clip_low=0.05, clip_high=0.05)}, {}),
+        ({"minibatches": 2, "algorithm": CISPOConfig()}, {}),
     ],
-    ids=["token-2-minibatches", "sequence-kl"],
+    ids=["token-2-minibatches", "sequence-kl", "gspo", "cispo"],
 )
 def test_train_step_matches_torch_trainer(model_dir, step_kwargs, trainer_kwargs):
     megatron = MegatronTrainer(model_dir, **HYPER, **trainer_kwargs)
@@ -177,7 +185,7 @@ def test_train_step_matches_torch_trainer(model_dir, step_kwargs, trainer_kwargs
 
 @pytest.mark.parametrize(
     "step_kwargs, trainer_kwargs",
-    [({"aggregation": "token"}, {}), ({"aggregation": "sequence", "kl_coef": 0.5}, {"reference": True})],
+    [({"algorithm": GRPOConfig(loss_aggregation="token")}, {}), ({"algorithm": GRPOConfig(loss_aggregation="sequence", kl_coef=0.5)}, {"reference": True})],
     ids=["token", "sequence-kl"],
 )
 def test_micro_batches_equal_one_pass(model_dir, step_kwargs, trainer_kwargs):
@@ -384,8 +392,8 @@ def test_sleep_releases_every_storage_and_wake_restores_it_bit_for_bit(model_dir
     steps = [batch_near(a, 6, seed=s) for s in (11, 12, 13)]
     n = sum(p.numel() for p in a.model.parameters())
     for batch in steps:
-        a.train_step(batch, kl_coef=0.5)
-        b.train_step(batch, kl_coef=0.5)
+        a.train_step(batch, GRPOConfig(kl_coef=0.5))
+        b.train_step(batch, GRPOConfig(kl_coef=0.5))
         moved = a.sleep()
         # fp32: weights, gradient buffer, two Adam moments, the reference model (20 bytes per parameter);
         # bf16: weights and reference (2 + 2), fp32 gradient buffer, main copy and moments (4 + 4 + 8)

@@ -33,6 +33,7 @@ from engines.backends.base import TrainBatch
 from engines.backends.torch.trainer import TorchTrainer
 from engines.backends.batching import micro_batches
 from helpers import concat, dp_worker, free_port, max_param_diff, params_of, random_batch, save_tiny_model, with_old_logprobs
+from engines.rl.grpo import GRPOConfig
 
 LR = 1e-2
 # dtype -> (parameters: absolute; grad norm, gradients: relative to the grad norm)
@@ -156,10 +157,10 @@ def assert_same_step(a: dict, b: dict, dtype: str = "float64") -> None:
 
 
 CASES = {
-    "token": ({"aggregation": "token"}, {}),
-    "sequence": ({"aggregation": "sequence"}, {}),
-    "token-kl": ({"aggregation": "token", "kl_coef": 0.5}, {"reference": True}),
-    "sequence-kl": ({"aggregation": "sequence", "kl_coef": 0.5}, {"reference": True}),
+    "token": ({"algorithm": GRPOConfig(loss_aggregation="token")}, {}),
+    "sequence": ({"algorithm": GRPOConfig(loss_aggregation="sequence")}, {}),
+    "token-kl": ({"algorithm": GRPOConfig(loss_aggregation="token", kl_coef=0.5)}, {"reference": True}),
+    "sequence-kl": ({"algorithm": GRPOConfig(loss_aggregation="sequence", kl_coef=0.5)}, {"reference": True}),
 }
 
 
@@ -206,10 +207,10 @@ def test_wrong_scaling_is_caught(model_dir, monkeypatch):
 
 # name -> (sequences per rank, train_step kwargs, TorchTrainer kwargs)
 DP_CASES = {
-    "token-7-5": ((7, 5), {"aggregation": "token"}, {}),
-    "sequence-7-5": ((7, 5), {"aggregation": "sequence"}, {}),
-    "token-kl-7-5": ((7, 5), {"aggregation": "token", "kl_coef": 0.5}, {"reference": True}),
-    "sequence-kl-0-8": ((0, 8), {"aggregation": "sequence", "kl_coef": 0.5}, {"reference": True}),
+    "token-7-5": ((7, 5), {"algorithm": GRPOConfig(loss_aggregation="token")}, {}),
+    "sequence-7-5": ((7, 5), {"algorithm": GRPOConfig(loss_aggregation="sequence")}, {}),
+    "token-kl-7-5": ((7, 5), {"algorithm": GRPOConfig(loss_aggregation="token", kl_coef=0.5)}, {"reference": True}),
+    "sequence-kl-0-8": ((0, 8), {"algorithm": GRPOConfig(loss_aggregation="sequence", kl_coef=0.5)}, {"reference": True}),
 }
 
 

@@ -34,7 +34,7 @@ def test_stub_trainer_surface_and_checkpoint(tmp_path):
     (tmp_path / "model" / "config.json").write_text("{}")
     t = TimingStubTrainer(str(tmp_path / "model"), seconds_per_token=0.0)
     metrics = t.train_step(random_batch(6, seed=0), minibatches=2)
-    assert set(metrics) == {"loss", "clip_fraction", "tokens", "grad_norm"} and t.version == 1
+    assert set(metrics) == {"loss", "tokens", "grad_norm"} and t.version == 1
     assert t.save_checkpoint(str(tmp_path / "ckpt")) == ["stub_state.json"]
     other = TimingStubTrainer(str(tmp_path / "model"), seconds_per_token=0.0)
     other.load_checkpoint(str(tmp_path / "ckpt"))

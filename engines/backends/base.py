@@ -13,7 +13,7 @@ engine with nothing to release (torch engines, vLLM on a CPU) implements them as
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Iterable, Iterator, Literal, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkable
 
 
 _progress: Callable[[], None] = lambda: None
@@ -128,10 +128,11 @@ class Trainer(Protocol):
     def logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """Each response token's log-probability under the current weights."""
 
-    def train_step(self, batch: TrainBatch, minibatches: int = 1, aggregation: Literal["token", "sequence"] = "token",
-                   clip_low: float = 0.2, clip_high: float = 0.28, kl_coef: float = 0.0,
+    def train_step(self, batch: TrainBatch, algorithm: Any = None, minibatches: int = 1,
                    micro_batch_tokens: int | None = None) -> dict[str, float]:
-        """One rollout batch → ``minibatches`` optimizer steps; ``loss``, ``clip_fraction``, ``tokens``, ``grad_norm``."""
+        """One rollout batch → ``minibatches`` optimizer steps with ``algorithm``'s loss (an
+        ``engines.rl.base.AlgorithmConfig``; None: the default); ``loss``, ``grad_norm``, ``tokens``
+        and the algorithm's statistics per trained token (``engines.rl.base.LossStep``)."""
 
     def export_weights(self) -> Iterator[tuple[str, Any]]:
         """Hugging Face-named tensors (from the host copy while asleep)."""

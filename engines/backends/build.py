@@ -23,7 +23,7 @@ def make_trainer(cfg: RunConfig, model_dir: str, device=None) -> Trainer:
     t = cfg.train
     kwargs = dict(
         lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-        temperature=cfg.rollout.temperature, reference=t.kl_coef > 0, dtype=cfg.model.dtype,
+        temperature=cfg.rollout.temperature, reference=t.algorithm.needs.reference, dtype=cfg.model.dtype,
     )
     if t.backend == "stub":  # timing stub for scale benchmarks, not training (engines/backends/stub/engines.py)
         from engines.backends.stub.engines import TimingStubTrainer

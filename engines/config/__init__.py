@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import textwrap
 import typing
+from typing import get_args
 from pathlib import Path
 
 import yaml
@@ -79,6 +80,14 @@ def describe_fields(section: type[BaseModel] = RunConfig, prefix: str = "") -> l
     for name, field in section.model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             lines += describe_fields(field.annotation, f"{prefix}{name}.")
+            continue
+        variants = [v for v in get_args(field.annotation) if isinstance(v, type) and issubclass(v, BaseModel)]
+        if variants:  # a choice of sections by name (train.algorithm): the choice, then each one's own fields
+            lines.append(f"  {prefix}{name}.name = {field.get_default(call_default_factory=True).name}")
+            lines += textwrap.wrap(field.description or "", width=96, initial_indent="      ", subsequent_indent="      ")
+            for variant in variants:
+                lines.append(f"    with {prefix}{name}.name={variant.model_fields['name'].default}:")
+                lines += [line for line in describe_fields(variant, f"{prefix}{name}.") if f"{prefix}{name}.name =" not in line]
             continue
         default = field.get_default(call_default_factory=True)
         lines.append(f"  {prefix}{name} = {'null' if default is None else default}")

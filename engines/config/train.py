@@ -8,6 +8,9 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from engines.config.sections import MEASURED_TRAIN_S_PER_TOKEN, Section
+from engines.rl.registry import DEFAULT, AlgorithmChoice
+
+MOVED = ("loss_aggregation", "advantage_scale", "clip_low", "clip_high", "kl_coef")  # train.X → train.algorithm.X
 
 
 LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -84,13 +87,13 @@ class TrainConfig(Section):
         "Set it about where one pass saturates the device (a minibatch that fits in one pass is not split). "
         "None: one pass per minibatch, padded to its longest sequence.",
     )
-    loss_aggregation: Literal["token", "sequence"] = Field(
-        "token", description="token: DAPO token-level mean; sequence: GRPO per-sequence mean."
+    algorithm: AlgorithmChoice = Field(
+        default_factory=DEFAULT,
+        description="The RL algorithm and its fields, picked by name (engines/rl/<name>.py): grpo (GRPO with DAPO's "
+        "clip-higher and token-level loss by default; advantage_scale=none: Dr. GRPO), gspo (sequence-level ratio and "
+        "clipping), cispo (clipped importance weight, gradient through every token), rloo (leave-one-out baseline), "
+        "reinforce_pp (REINFORCE++: advantages normalised over the whole batch). Every one has loss_aggregation and kl_coef.",
     )
-    advantage_scale: Literal["std", "none"] = Field("std", description="std: GRPO/DAPO; none: Dr. GRPO.")
-    clip_low: float = Field(0.2, ge=0, description="Ratio clip below 1 (epsilon_low).")
-    clip_high: float = Field(0.28, ge=0, description="Ratio clip above 1 (epsilon_high; DAPO clip-higher).")
-    kl_coef: float = Field(0.0, ge=0, description="KL(policy || reference) coefficient; > 0 loads a reference model.")
     freeze_vision: bool = Field(
         True, description="Vision-language policy: keep the vision encoder's weights fixed (the connector and the language "
         "model train). False trains it too.")
@@ -105,6 +108,16 @@ class TrainConfig(Section):
         "(prompt + response, Karmarkar–Karp) before the train step, so that no group waits on a heavier one. "
         "The update is the same either way (up to float summation order); only which group computes which sequence changes.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_to_algorithm(cls, data):
+        # the loss fields became the algorithm's own (each algorithm has its own set): say where they went
+        moved = [key for key in MOVED if isinstance(data, dict) and key in data]
+        if moved:
+            raise ValueError("; ".join(f"train.{key} moved to train.algorithm.{key}" for key in moved)
+                             + " (train.algorithm.name picks the algorithm, default grpo)")
+        return data
 
     @field_validator("tensor_parallel", "distributed_optimizer", "recompute_granularity", "recompute_method",
                      "recompute_num_layers", "recompute_modules")

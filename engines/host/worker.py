@@ -30,7 +30,7 @@ from engines.host import balance, rewards, validation
 from engines.host.prompts import PromptStream
 
 from engines.backends import chat, distributed, build, multimodal
-from engines.rl.algorithms import group_advantages, overlong_penalty
+from engines.rl.algorithms import overlong_penalty
 from engines.wire.channel import progress
 from engines.host.checkpointing import Checkpoints
 from engines.wire.commands import (Checkpoint, CheckpointResult, CheckpointWait, CheckpointWaitResult, DynamicFilter,
@@ -256,8 +256,8 @@ class Worker:
         train, rest = candidates[: r.target_groups], candidates[r.target_groups :]
         carry = [rows for rows in rest if r.step + 1 - rows[0]["step"] <= max_age] if r.carry_out is not None else []
         flat = [row for rows in train for row in rows]
-        advantages = group_advantages([row["reward"] for row in flat],
-                                      [hash((row["step"], row["wave"], row["prompt_id"])) for row in flat], cfg.train.advantage_scale)
+        advantages = cfg.train.algorithm.advantages([row["reward"] for row in flat],
+                                                    [hash((row["step"], row["wave"], row["prompt_id"])) for row in flat])
         datasets.write_rows(r.out, [row | {"advantage": a} for row, a in zip(flat, advantages)], datasets.EXPERIENCE)
         if carry:
             datasets.write_rows(r.carry_out, [row for rows in carry for row in rows], datasets.CARRY)
@@ -275,7 +275,7 @@ class Worker:
 
     @handle.register
     def train_step(self, request: TrainStep) -> TrainStepResult:
-        """One GRPO/DAPO update; gradients are all-reduced across every DP group.
+        """One update with ``train.algorithm``'s loss; gradients are all-reduced across every DP group.
 
         With ``train.balance_tokens`` the groups first even out their work
         (``engines.host.balance.balanced_batch``); the update is the same without it, up to float
@@ -288,10 +288,11 @@ class Worker:
         if self.vision:  # the rows reference their prompts' images: read them here, on the host that trains them
             parts = batch.split(t.minibatches)
             batch = balance.presplit([replace(p, images=self.prompts.images(p.prompt_rows)) for p in parts])
-        metrics = self.trainer.train_step(batch, minibatches=t.minibatches, aggregation=t.loss_aggregation, clip_low=t.clip_low,
-                                          clip_high=t.clip_high, kl_coef=t.kl_coef, micro_batch_tokens=t.micro_batch_tokens)
+        statistics = self.trainer.train_step(batch, t.algorithm, minibatches=t.minibatches, micro_batch_tokens=t.micro_batch_tokens)
+        tokens = statistics.pop("tokens")
         seconds = time.perf_counter() - start
-        return TrainStepResult(**metrics, **balanced, seconds=seconds, tokens_per_s=metrics["tokens"] / seconds if seconds else 0.0,
+        return TrainStepResult(statistics=statistics, tokens=tokens, **balanced, seconds=seconds,
+                               tokens_per_s=tokens / seconds if seconds else 0.0,
                                sequences=len(batch), policy_version=self.trainer.version, params_sha=self.params_sha(),
                                switch_s=switch, engine_loads=self.engine_loads)
 

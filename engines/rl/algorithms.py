@@ -1,4 +1,6 @@
-"""RL maths on plain tensors: advantages, the clipped policy loss, overlong penalty.
+"""RL maths the algorithms share, on plain tensors: group advantages, PPO's clipped ratio,
+the k3 KL, the loss weights, the step's statistics, the overlong penalty. Each algorithm's own
+maths is in ``engines/rl/<name>.py`` (``engines/rl/registry.py`` lists them).
 
 Nothing here knows about engines, storage or Prefect, so every formula is unit-tested
 against the same formula written out by hand in ``tests/test_algorithms.py``.
@@ -76,9 +78,6 @@ def kl_k3(logprobs: torch.Tensor, other_logprobs: torch.Tensor) -> torch.Tensor:
     r - log r - 1 with r = other / p; unbiased, never negative."""
     log_ratio = other_logprobs - logprobs
     return torch.exp(log_ratio) - log_ratio - 1.0
-
-
-STEP_STATISTICS = ("entropy", "kl_rollout", "kl_reference")  # what step_statistics sums, in order
 
 
 def step_statistics(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,

@@ -168,14 +168,10 @@ class DynamicFilter(Request):
 
 
 class TrainStepResult(Result):
-    loss: float
-    clip_fraction: float  # this group's trained tokens whose ratio was clipped (share)
-    # per trained token of this group (engines.rl.algorithms.step_statistics); the stub reports 0
-    entropy: float = 0.0
-    kl_rollout: float = 0.0
-    kl_reference: float = 0.0
+    # the trainer's figures: loss and grad_norm (the step's, equal on every group) and the algorithm's
+    # statistics per trained token of this group (engines.rl.base.LossStep); the stub computes none
+    statistics: dict[str, float]
     tokens: float  # response tokens this rank trained on
-    grad_norm: float
     seconds: float
     tokens_per_s: float
     sequences: int
@@ -193,7 +189,7 @@ class TrainStepResult(Result):
 
 
 class TrainStep(Request):
-    """One GRPO/DAPO update on the group's experience; gradients all-reduced across every group."""
+    """One update with ``train.algorithm``'s loss on the group's experience; gradients all-reduced across every group."""
 
     stage = "train_step"
     result = TrainStepResult

@@ -7,7 +7,7 @@ model with the local (non-Transformer-Engine) layer specs, whose core attention 
 wrapped in Megatron's ``DistributedDataParallel`` and stepped by ``get_megatron_optimizer``.
 Everything — model, reference model, gradient buffers, optimizer state — lives on the device
 of the process (the current CUDA device, else the CPU).
-The loss is the one ``TorchTrainer`` uses (``engines.rl.algorithms``), normalised by *global*
+The loss is the one ``TorchTrainer`` uses (the algorithm's, through ``engines.rl.base.LossStep``), normalised by *global*
 token or sequence counts, so a DP step equals one process stepping on the concatenated batch.
 
 Tensor-parallel ranks of one DP replica must be given the same batch. Methods marked
@@ -47,11 +47,12 @@ from engines.backends.megatron import vision
 from engines.backends.megatron.mapping import _param_to_hf, load_hf_state, padded_vocab_size
 from engines.backends.megatron.model import RecomputeGranularity, _init_distributed, build_gpt, transformer_config
 from engines.backends.megatron.offload import Offload, trainer_tensors
-from engines.rl import algorithms
+from engines.rl import registry
+from engines.rl.base import AlgorithmConfig, LossStep
 
 
 class MegatronTrainer:
-    """GRPO/DAPO policy training on Megatron-Core; a drop-in for ``TorchTrainer``.
+    """Policy training (every algorithm of ``engines/rl``) on Megatron-Core; a drop-in for ``TorchTrainer``.
 
     Construction is collective when ``torch.distributed`` is initialised (process groups,
     optimizer parameter groups).
@@ -201,40 +202,36 @@ class MegatronTrainer:
 
     # --- training ------------------------------------------------------------------------
 
-    def _dp_sum(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+    def _dp_sums(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
-        return t.item()
+        return t.tolist()
 
     def train_step(
         self,
         batch: TrainBatch,
+        algorithm: AlgorithmConfig | None = None,
         minibatches: int = 1,
-        aggregation: Literal["token", "sequence"] = "token",
-        clip_low: float = 0.2,
-        clip_high: float = 0.28,
-        kl_coef: float = 0.0,
         micro_batch_tokens: int | None = None,
-    ) -> dict:
+    ) -> dict[str, float]:
         """One rollout batch → ``minibatches`` optimizer steps (collective: every rank runs the
         same number of steps, an empty minibatch still joins the gradient all-reduce).
 
-        ``micro_batch_tokens``: as in ``TorchTrainer.train_step`` — length-sorted passes of at
-        most this many padded tokens, accumulating into DDP's grad buffers (under ``no_sync``
-        for all but the last pass), one all-reduce and optimizer step per minibatch."""
+        ``algorithm`` and ``micro_batch_tokens``: as in ``TorchTrainer.train_step`` — the algorithm's
+        loss through :class:`LossStep`; length-sorted passes of at most this many padded tokens,
+        accumulating into DDP's grad buffers (under ``no_sync`` for all but the last pass), one
+        all-reduce and optimizer step per minibatch."""
         self._require_awake("train_step")
-        totals = {"loss": 0.0, "clip_fraction": 0.0, "tokens": 0.0, "grad_norm": 0.0}
-        stats = torch.zeros(3, dtype=torch.float64, device=self.device)  # entropy, kl_rollout, kl_reference (token sums)
+        algorithm = algorithm if algorithm is not None else registry.DEFAULT()
+        step = LossStep(algorithm, batch.advantages, self._dp_sums)
+        loss_total, tokens, grad_norm = 0.0, 0.0, 0.0
         self.model.train()
         pixel_cache = multimodal.PixelCache(self.processor) if self.processor is not None else None  # this step's images
         for part in batch.split(minibatches):
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            local_tokens = float(sum(len(r) for r in part.response_ids))
-            total = self._dp_sum(local_tokens if aggregation == "token" else float(len(part)))
-            # summed on the device: no host sync per pass
-            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-            clipped_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+            (total,) = self._dp_sums([step.count(part.response_ids)])
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # summed on the device: no host sync per pass
             passes = micro_batches(part, micro_batch_tokens)
             for k, micro in enumerate(passes):
                 report_progress()  # the host's heartbeat: a long train step is moving (engines/wire/channel.py)
@@ -243,27 +240,20 @@ class MegatronTrainer:
                     pixels = multimodal.pixels(self.processor, micro, self.device, pixel_cache)
                     logprobs = self._token_logprobs(self.model, ids, pixels)
                     ref = None
-                    if self.reference is not None and kl_coef > 0:
+                    if self.reference is not None and algorithm.needs.reference:
                         with torch.no_grad():
                             ref = self._token_logprobs(self.reference, ids, pixels)
-                    adv = torch.tensor(micro.advantages, dtype=logprobs.dtype, device=self.device)
-                    per_token, clipped = algorithms.policy_loss_terms(logprobs, old, adv, clip_low, clip_high, ref, kl_coef)
                     # global ``total`` (not this pass's own count): the passes' losses sum to the minibatch's
-                    loss = (per_token * algorithms.token_weights(resp, aggregation, total)).sum()
+                    loss = step(logprobs, old, micro.advantages, resp, total, ref)
                     loss.backward()  # accumulates into the DDP grad buffer (main_grad)
                 loss_sum += loss.detach()
-                clipped_sum += (clipped * resp).sum()
-                stats += algorithms.step_statistics(logprobs, old, resp, ref)
-            loss_value = loss_sum.item()
-            totals["clip_fraction"] += clipped_sum.item()
             finalize_model_grads([self.model])  # the DP all-reduce (a sum: see calculate_per_token_loss)
             _, grad_norm, _ = self.optimizer.step()
-            totals["loss"] += self._dp_sum(loss_value)
-            totals["tokens"] += local_tokens
-            totals["grad_norm"] = float(grad_norm)
+            loss_total += self._dp_sums([loss_sum.item()])[0]
+            tokens += float(sum(len(r) for r in part.response_ids))
+            grad_norm = float(grad_norm)
         self.version += 1
-        totals["clip_fraction"] /= max(totals["tokens"], 1.0)
-        return totals | dict(zip(algorithms.STEP_STATISTICS, (stats / max(totals["tokens"], 1.0)).tolist()))
+        return step.result(tokens, loss=loss_total, grad_norm=grad_norm)
 
     # --- placement ---------------------------------------------------------------------
 

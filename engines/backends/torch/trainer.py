@@ -1,4 +1,4 @@
-"""``TorchTrainer``: GRPO/DAPO policy training with transformers, the CPU default and the
+"""``TorchTrainer``: policy training (every algorithm of ``engines/rl``) with transformers, the CPU default and the
 numerical reference.
 
 It trains the policy with data parallelism over ``torch.distributed`` (gloo on CPU, NCCL on
@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy as copy_module
 import os
-from typing import Iterator, Literal
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -23,11 +23,12 @@ from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
 from engines.backends.batching import micro_batches, pad_batch
 from engines.backends.torch import lora as lora_adapter
 from engines.backends.torch.model import forward_precision, is_vision_tower, load_model, resolve_device, sequence_logprobs
-from engines.rl import algorithms
+from engines.rl import registry
+from engines.rl.base import AlgorithmConfig, LossStep
 
 
 class TorchTrainer:
-    """GRPO/DAPO policy training; data parallel when ``torch.distributed`` is initialised.
+    """Policy training with an algorithm's loss; data parallel when ``torch.distributed`` is initialised.
 
     Gradients are summed with one all-reduce over a flat buffer, and the loss of every
     rank is normalised by the *global* token (or sequence) count, so each replica takes
@@ -88,11 +89,11 @@ class TorchTrainer:
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
-    def _global_sum(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+    def _global_sums(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         if self.distributed:
             dist.all_reduce(t)
-        return t.item()
+        return t.tolist()
 
     def _all_reduce_grads(self) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -125,27 +126,27 @@ class TorchTrainer:
     def train_step(
         self,
         batch: TrainBatch,
+        algorithm: AlgorithmConfig | None = None,
         minibatches: int = 1,
-        aggregation: Literal["token", "sequence"] = "token",
-        clip_low: float = 0.2,
-        clip_high: float = 0.28,
-        kl_coef: float = 0.0,
         micro_batch_tokens: int | None = None,
-    ) -> dict:
+    ) -> dict[str, float]:
         """One rollout batch → ``minibatches`` optimizer steps (identical count on every rank).
 
+        ``algorithm``: whose loss to take (``engines/rl``; default: GRPO with DAPO's settings); the
+        trainer owns the passes and the all-reduces, :class:`LossStep` the loss and statistics.
         ``micro_batch_tokens``: each minibatch's forward/backward runs in length-sorted passes of
         at most this many padded tokens (see :func:`micro_batches`), gradients accumulating
         before the one all-reduce and optimizer step; the loss weights use the whole minibatch's
         DP-global counts, so the update is the one-pass update (up to float summation order)
-        while the compute follows tokens rather than rows x longest row. None: one pass."""
-        totals = {"loss": 0.0, "clip_fraction": 0.0, "tokens": 0.0, "grad_norm": 0.0}
-        stats = torch.zeros(3, dtype=torch.float64)  # entropy, kl_rollout, kl_reference (token sums)
+        while the compute follows tokens rather than rows x longest row. None: one pass.
+        Returns ``loss``, ``grad_norm``, ``tokens`` and the algorithm's statistics per trained token."""
+        algorithm = algorithm if algorithm is not None else registry.DEFAULT()
+        step = LossStep(algorithm, batch.advantages, self._global_sums)
+        loss_total, tokens, grad_norm = 0.0, 0.0, 0.0
         pixel_cache = multimodal.PixelCache(self.processor) if self.processor is not None else None  # this step's images
         for part in batch.split(minibatches):
             self.optimizer.zero_grad(set_to_none=True)
-            local_tokens = float(sum(len(r) for r in part.response_ids))
-            total = self._global_sum(local_tokens if aggregation == "token" else float(len(part)))
+            (total,) = self._global_sums([step.count(part.response_ids)])
             loss_value = 0.0
             for micro in micro_batches(part, micro_batch_tokens):
                 report_progress()  # the host's heartbeat: a long train step is moving
@@ -156,32 +157,25 @@ class TorchTrainer:
                 with record_function("forward"), forward_precision(self.device, self.autocast):  # the loss: fp32 either way
                     logprobs = sequence_logprobs(self.model, ids, attn, self.temperature, pixels, self.banned)
                     ref = None
-                    if kl_coef > 0 and (self.reference is not None or self.lora is not None):
+                    if algorithm.needs.reference and (self.reference is not None or self.lora is not None):
                         with torch.no_grad(), self._reference() as reference:
                             ref = sequence_logprobs(reference, ids, attn, self.temperature, pixels, self.banned)
                 with record_function("loss"):
-                    adv = torch.tensor(micro.advantages, dtype=logprobs.dtype, device=self.device)
-                    per_token, clipped = algorithms.policy_loss_terms(logprobs, old, adv, clip_low, clip_high, ref, kl_coef)
                     # global ``total`` (not this pass's own count): the passes' losses sum to the minibatch's
-                    weights = algorithms.token_weights(resp, aggregation, total)
-                    loss = (per_token * weights).sum()
+                    loss = step(logprobs, old, micro.advantages, resp, total, ref)
                 with record_function("backward"):
                     loss.backward()  # accumulates into .grad
-                with record_function("statistics"):
-                    loss_value += loss.item()
-                    totals["clip_fraction"] += (clipped * resp).sum().item()
-                    stats += algorithms.step_statistics(logprobs, old, resp, ref).cpu()
+                loss_value += loss.item()
             with record_function("all_reduce"):
                 self._all_reduce_grads()
             with record_function("optimizer"):
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
                 self.optimizer.step()
-            totals["loss"] += self._global_sum(loss_value)
-            totals["tokens"] += local_tokens
-            totals["grad_norm"] = float(grad_norm)
+            loss_total += self._global_sums([loss_value])[0]
+            tokens += float(sum(len(r) for r in part.response_ids))
+            grad_norm = float(grad_norm)
         self.version += 1
-        totals["clip_fraction"] /= max(totals["tokens"], 1.0)
-        return totals | dict(zip(algorithms.STEP_STATISTICS, (stats / max(totals["tokens"], 1.0)).tolist()))
+        return step.result(tokens, loss=loss_total, grad_norm=grad_norm)
 
     def _reference(self):
         """The KL reference model, for a ``with`` block."""
