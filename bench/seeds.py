@@ -39,10 +39,13 @@ SFT_STEPS = re.compile(r"policy model: held-out exact match [\d.]+% after (\d+) 
 JUDGE = re.compile(r"judge model: held-out verdict accuracy ([\d.]+)% after (\d+) SFT steps")
 
 
-def run_demo(seed: int, path: str, steps: int | None, root: str, config: str = "deployments/demo.yaml") -> dict:
+def run_demo(seed: int, path: str, steps: int | None, root: str, config: str = "deployments/demo.yaml",
+             algorithm: str | None = None) -> dict:
     env = dict(os.environ, **PATHS[path])
+    # another algorithm on the same root: the prepared data and SFT'd models are reused, the run is its own
+    picked = [f"train.algorithm.name={algorithm}", f"name=demo-{algorithm.replace('_', '-')}"] if algorithm else []
     command = [sys.executable, "-m", "flows.cli", "demo", "-c", str(ROOT / config),
-               f"storage.root={root}", f"seed={seed}", *([f"steps={steps}"] if steps else [])]
+               f"storage.root={root}", f"seed={seed}", *([f"steps={steps}"] if steps else []), *picked]
     start = time.perf_counter()
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -62,6 +65,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds")
     parser.add_argument("--paths", default="best,default", help=f"comma-separated float paths: {', '.join(PATHS)}")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the config's)")
+    parser.add_argument("--algorithms", default=None,
+                        help="comma-separated train.algorithm.name values, each run on the same prepared data and models "
+                        "(default: the config's algorithm only)")
     parser.add_argument("--config", default="deployments/demo.yaml",
                         help="the demo's config, relative to the checkout (deployments/vision-demo.yaml: the vision demo)")
     args = parser.parse_args(argv)
@@ -72,21 +78,28 @@ def main(argv=None) -> dict:
     cpu = cpu_model()
     steps = args.steps or "the config's"
     print(f"CPU: {cpu}; {args.config}: {len(seeds)} seeds x {len(paths)} paths, {steps} RL steps each\n")
-    print("| seed | path | policy SFT steps | SFT % | RL % | lift (points) | GenRM SFT | seconds |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    algorithms = args.algorithms.split(",") if args.algorithms else [None]
+    print("| seed | path | algorithm | policy SFT steps | SFT % | RL % | lift (points) | GenRM SFT | seconds |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
             for path in paths:
-                r = run_demo(seed, path, args.steps, os.path.join(tmp, f"{path}-{seed}"), args.config)
-                rows.append(r)
-                figures = f"{r['sft']} | {r['rl']} | {r['lift']}" if "failed" not in r else f"failed: {r['failed']} | | "
-                print(f"| {seed} | {path} | {r['sft_steps']} | {figures} | {r['judge']} | {r['seconds']} |", flush=True)
+                for algorithm in algorithms:  # the first one's seconds include prepare (SFT)
+                    r = run_demo(seed, path, args.steps, os.path.join(tmp, f"{path}-{seed}"), args.config, algorithm)
+                    r["algorithm"] = algorithm or "the config's"
+                    rows.append(r)
+                    figures = f"{r['sft']} | {r['rl']} | {r['lift']}" if "failed" not in r else f"failed: {r['failed']} | | "
+                    print(f"| {seed} | {path} | {r['algorithm']} | {r['sft_steps']} | {figures} | {r['judge']} | "
+                          f"{r['seconds']} |", flush=True)
     done = [r for r in rows if "failed" not in r]
     span = {k: (min(r[k] for r in done), max(r[k] for r in done)) for k in ("sft", "rl", "lift")} if done else {}
     if span:
         print(f"\nSFT {span['sft'][0]}-{span['sft'][1]}%, after RL {span['rl'][0]}-{span['rl'][1]}%, "
               f"lift {span['lift'][0]}-{span['lift'][1]} points; {len(rows) - len(done)} of {len(rows)} runs failed ({cpu})")
+        for algorithm in dict.fromkeys(r["algorithm"] for r in done) if len(algorithms) > 1 else ():
+            lifts = [r["lift"] for r in done if r["algorithm"] == algorithm]
+            print(f"{algorithm}: lift {min(lifts)}-{max(lifts)} points over {len(lifts)} runs")
     return {"cpu": cpu, "rows": rows, "span": span, "failed": len(rows) - len(done)}
 
 

@@ -162,7 +162,7 @@ def test_optimizers_are_configured_alike(model_dir):
         ({"minibatches": 2, "algorithm": GRPOConfig(loss_aggregation="token")}, {}),
         ({"minibatches": 1, "algorithm": GRPOConfig(loss_aggregation="sequence", kl_coef=0.5)}, {"reference": True}),
         # sequence-level ratio and clipping; eps wider than the paper's so that some sequences stay unclipped
-        ({"minibatches": 2, "algorithm": GSPOConfig(clip_low=0.05, clip_high=0.05)}, {}),
+        ({"minibatches": 2, "algorithm": GSPOConfig(clip_low=0.1, clip_high=0.1)}, {}),
         ({"minibatches": 2, "algorithm": CISPOConfig()}, {}),
     ],
     ids=["token-2-minibatches", "sequence-kl", "gspo", "cispo"],
@@ -174,7 +174,8 @@ def test_train_step_matches_torch_trainer(model_dir, step_kwargs, trainer_kwargs
     before = {k: v.clone() for k, v in reference.export_weights()}  # TorchTrainer yields live views
     stats, ref_stats = megatron.train_step(batch, **step_kwargs), reference.train_step(batch, **step_kwargs)
     after, ref_after = dict(megatron.export_weights()), dict(reference.export_weights())
-    assert max_diff(ref_after, before) > 100 * ATOL  # the step moved the weights
+    # the step moved the weights (Adam moves a weight by at most ~lr = 1e-3 per step; GSPO's two steps: 9.8e-4)
+    assert max_diff(ref_after, before) > 50 * ATOL
     assert max_diff(after, ref_after) <= ATOL
     assert stats["grad_norm"] > HYPER["grad_clip"]  # clipping was active
     for key in ("loss", "clip_fraction", "tokens", "grad_norm"):
