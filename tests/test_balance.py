@@ -305,4 +305,4 @@ def test_balanced_step_in_hosts(host_runs, aggregation):
         assert run["train"][0]["params_sha"] == run["train"][1]["params_sha"]
     assert max_diff(on["params"], host_runs["initial"]) > 100 * 1e-5
     assert max_diff(on["params"], off["params"]) < 1e-5
-    assert on["train"][0]["loss"] == pytest.approx(off["train"][0]["loss"], abs=1e-5)
+    assert on["train"][0]["statistics"]["loss"] == pytest.approx(off["train"][0]["statistics"]["loss"], abs=1e-5)

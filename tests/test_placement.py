@@ -68,8 +68,9 @@ def test_full_and_partial_colocation_train_the_same(engines, request):
     # the weights after each step (the flow also checks replicas against each other)
     assert [m["params_sha"] for m in partial["history"]] == [m["params_sha"] for m in full["history"]]
     assert full["history"][0]["params_sha"] != full["history"][1]["params_sha"]  # it did train
-    for key in ("reward", "accuracy", "kept_groups", "samples", "loss"):
+    for key in ("reward", "accuracy", "kept_groups", "samples"):
         assert [m[key] for m in partial["history"]] == [m[key] for m in full["history"]], key
+    assert [m["train"]["loss"] for m in partial["history"]] == [m["train"]["loss"] for m in full["history"]]
     # the iteration table reports the switch times per stage (0 on CPU: nothing to offload) and the stage times
     for m in full["history"] + partial["history"]:
         assert {"switch_rollout_s", "switch_genrm_score_s", "switch_train_step_s", "switch_sync_weights_s"} <= set(m)

@@ -20,9 +20,9 @@ import torch
 from engines.backends.torch.trainer import TorchTrainer
 from engines.config import ConfigError, load_config
 from engines.rl.base import LossStep
-from engines.rl.cispo import CISPOConfig, cispo_loss
+from engines.rl.cispo import cispo_loss
 from engines.rl.grpo import GRPOConfig
-from engines.rl.gspo import GSPOConfig, gspo_loss
+from engines.rl.gspo import gspo_loss
 from engines.rl.registry import ALGORITHMS
 from engines.rl.reinforce_pp import ReinforcePPConfig
 from engines.rl.rloo import RLOOConfig, rloo_advantages

@@ -38,7 +38,7 @@ class Needs:
 class AlgorithmConfig(BaseModel):
     """Fields every algorithm has; subclasses add their own and implement the two functions."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
     whitened: ClassVar[bool] = False  # see Needs.batch_whitening
 
     loss_aggregation: Literal["token", "sequence"] = Field(
@@ -61,6 +61,7 @@ class AlgorithmConfig(BaseModel):
         raise NotImplementedError
 
 
+SHARED_STATISTICS = ("entropy", "kl_rollout", "kl_reference")  # every algorithm's (algorithms.step_statistics)
 DPSum = Callable[[list[float]], list[float]]  # the trainer's all-reduce: these numbers summed over the DP groups
 
 
@@ -74,7 +75,11 @@ class LossStep:
 
     def __init__(self, algorithm: AlgorithmConfig, advantages: Sequence[float], dp_sum: DPSum):
         self.algorithm = algorithm
-        self.sums: dict[str, torch.Tensor] = {}  # per-token statistics summed over this rank's tokens, on the device
+        # per-token statistics summed over this rank's tokens (on the device once added to); their
+        # names from a pass over no tokens, so that a rank given no rows reports them too (as 0)
+        empty = torch.zeros(0, 0, dtype=torch.float64)
+        names = [*algorithm.loss(empty, empty, torch.zeros(0, dtype=torch.float64), empty)[1], *SHARED_STATISTICS]
+        self.sums = {name: torch.zeros((), dtype=torch.float64) for name in names}
         self.shift, self.scale = 0.0, 1.0
         if algorithm.needs.batch_whitening:
             # the step's batch is every DP group's rows: one all-reduce of count, sum, sum of squares
@@ -97,9 +102,9 @@ class LossStep:
         with torch.no_grad():
             entropy, kl_rollout, kl_reference = algorithms.step_statistics(logprobs, old_logprobs, mask, ref_logprobs)
             stats = {name: (value.detach().double() * mask).sum() for name, value in stats.items()}
-            stats |= {"entropy": entropy.double(), "kl_rollout": kl_rollout.double(), "kl_reference": kl_reference.double()}
+            stats |= dict(zip(SHARED_STATISTICS, (entropy.double(), kl_rollout.double(), kl_reference.double())))
             for name, value in stats.items():
-                self.sums[name] = self.sums[name] + value if name in self.sums else value
+                self.sums[name] = self.sums[name] + value
         return (per_token * algorithms.token_weights(mask, self.algorithm.loss_aggregation, total)).sum()
 
     def result(self, tokens: float, **figures: float) -> dict[str, float]:
