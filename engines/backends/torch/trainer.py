@@ -1,5 +1,5 @@
-"""``TorchTrainer``: policy training (every algorithm of ``engines/rl``) with transformers, the CPU default and the
-numerical reference.
+"""``TorchTrainer``: policy training (every algorithm of ``engines/rl``) with transformers, the CPU
+default and the numerical reference.
 
 It trains the policy with data parallelism over ``torch.distributed`` (gloo on CPU, NCCL on
 GPUs) and speaks Hugging Face parameter names, so the Megatron-Core backend can take its place
