@@ -13,7 +13,10 @@ engine with nothing to release (torch engines, vLLM on a CPU) implements them as
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # the protocols name it; this module stays free of torch and pydantic
+    from engines.rl.base import AlgorithmConfig
 
 
 _progress: Callable[[], None] = lambda: None
@@ -128,7 +131,7 @@ class Trainer(Protocol):
     def logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """Each response token's log-probability under the current weights."""
 
-    def train_step(self, batch: TrainBatch, algorithm: Any = None, minibatches: int = 1,
+    def train_step(self, batch: TrainBatch, algorithm: AlgorithmConfig | None = None, minibatches: int = 1,
                    micro_batch_tokens: int | None = None) -> dict[str, float]:
         """One rollout batch → ``minibatches`` optimizer steps with ``algorithm``'s loss (an
         ``engines.rl.base.AlgorithmConfig``; None: the default); ``loss``, ``grad_norm``, ``tokens``
