@@ -46,6 +46,7 @@ def one_mode(folder: str, lora: bool, reference: bool, sequences: int, length: i
     from engines.backends.base import TrainBatch
     from engines.backends.torch.trainer import TorchTrainer
     from engines.config.train import LoraConfig
+    from engines.rl.grpo import GRPOConfig
 
     torch.set_num_threads(2)
     start = time.perf_counter()
@@ -58,7 +59,7 @@ def one_mode(folder: str, lora: bool, reference: bool, sequences: int, length: i
     batch = TrainBatch(prompts, responses, [[0.0] * len(r) for r in responses], [rng.uniform(-1, 1) for _ in range(sequences)])
     batch = TrainBatch(prompts, responses, trainer.logprobs(batch), batch.advantages)
     for _ in range(2):
-        trainer.train_step(batch, minibatches=1, kl_coef=0.1 if reference else 0.0, micro_batch_tokens=None)
+        trainer.train_step(batch, GRPOConfig(kl_coef=0.1 if reference else 0.0), minibatches=1, micro_batch_tokens=None)
     params = list(trainer.model.parameters()) + (list(trainer.reference.parameters()) if trainer.reference is not None else [])
     trained = [p for p in trainer.model.parameters() if p.requires_grad]
     state = [t for s in trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]

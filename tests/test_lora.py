@@ -31,6 +31,7 @@ from engines.backends.torch.model import sequence_logprobs
 from engines.backends.torch.trainer import TorchTrainer
 from engines.config import ConfigError, RunConfig, load_config
 from engines.config.train import LoraConfig
+from engines.rl.grpo import GRPOConfig
 from engines.host import validation
 from engines.host.checkpointing import Checkpoints
 from engines.host.worker import Worker
@@ -51,8 +52,8 @@ def make_trainer(policy: str, seed: int = 0, **kwargs) -> TorchTrainer:
 
 def train_once(trainer: TorchTrainer, seed: int, kl_coef: float = 0.0) -> dict:
     batch = random_batch(6, seed=seed)
-    return trainer.train_step(with_old_logprobs(batch, trainer.logprobs(batch), noise=0.3, seed=seed), minibatches=2,
-                              kl_coef=kl_coef)
+    return trainer.train_step(with_old_logprobs(batch, trainer.logprobs(batch), noise=0.3, seed=seed),
+                              GRPOConfig(kl_coef=kl_coef), minibatches=2)
 
 
 def test_only_the_adapter_trains(policy):
