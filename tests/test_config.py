@@ -232,23 +232,23 @@ def test_every_field_is_described_and_listed_by_each_commands_help():
     import subprocess
     import sys
 
-    from typing import get_args
-
     from pydantic import BaseModel
 
-    from engines.config import describe_fields
+    from engines.config import describe_fields, sections_of
 
     def leaves(section, prefix=""):
         for name, field in section.model_fields.items():
-            variants = [v for v in get_args(field.annotation) if isinstance(v, type) and issubclass(v, BaseModel)]
+            variants = sections_of(field.annotation)
             if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
                 yield from leaves(field.annotation, f"{prefix}{name}.")
-            elif variants:  # train.algorithm: the choice (described by the field), then every variant's fields
+            elif len(variants) > 1:  # train.algorithm: the choice (described by the field), then every variant's fields
                 yield f"{prefix}{name}.name", field
                 for variant in variants:
                     yield from ((k, f) for k, f in leaves(variant, f"{prefix}{name}.") if k != f"{prefix}{name}.name")
-            else:
+            else:  # a value, or a section that is off by default (train.lora): the field, then its own fields
                 yield f"{prefix}{name}", field
+                for variant in variants:
+                    yield from leaves(variant, f"{prefix}{name}.")
 
     undescribed = [key for key, field in leaves(RunConfig) if not (field.description or "").strip()]
     assert not undescribed, f"fields without a description: {undescribed}"

@@ -12,8 +12,7 @@ Paths without a scheme are relative to ``storage.root``. The sections and their 
 from __future__ import annotations
 
 import textwrap
-import typing
-from typing import get_args
+from typing import Annotated, get_args, get_origin
 from pathlib import Path
 
 import yaml
@@ -73,6 +72,13 @@ class RunConfig(Section):
         return self.uri(f"runs/{self.name}")
 
 
+def sections_of(annotation) -> list[type[BaseModel]]:
+    """The sections a field may hold: several for a choice by name (``train.algorithm``, a tagged
+    union), one for a section that may be off (``train.lora: LoraConfig | None``), none for a value."""
+    members = [get_args(a)[0] if get_origin(a) is Annotated else a for a in get_args(annotation)]
+    return [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+
+
 def describe_fields(section: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
     """Every config field as ``key = default`` and its description, in the order of the tree:
     what ``yattflow train --help`` lists."""
@@ -81,20 +87,19 @@ def describe_fields(section: type[BaseModel] = RunConfig, prefix: str = "") -> l
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             lines += describe_fields(field.annotation, f"{prefix}{name}.")
             continue
-        variants = [v for v in get_args(field.annotation) if isinstance(v, type) and issubclass(v, BaseModel)]
-        if variants:  # a choice of sections by name (train.algorithm): the choice, then each one's own fields
+        sections = sections_of(field.annotation)
+        if len(sections) > 1:  # a choice of sections by name (train.algorithm): the choice, then each one's own fields
             lines.append(f"  {prefix}{name}.name = {field.get_default(call_default_factory=True).name}")
             lines += textwrap.wrap(field.description or "", width=96, initial_indent="      ", subsequent_indent="      ")
-            for variant in variants:
+            for variant in sections:
                 lines.append(f"    with {prefix}{name}.name={variant.model_fields['name'].default}:")
                 lines += [line for line in describe_fields(variant, f"{prefix}{name}.") if f"{prefix}{name}.name =" not in line]
             continue
         default = field.get_default(call_default_factory=True)
         lines.append(f"  {prefix}{name} = {'null' if default is None else default}")
         lines += textwrap.wrap(field.description or "", width=96, initial_indent="      ", subsequent_indent="      ")
-        optional = [a for a in typing.get_args(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
-        if optional:  # a section that is off (None) by default, e.g. train.lora: its fields once set
-            lines += describe_fields(optional[0], f"{prefix}{name}.")
+        if sections:  # a section that is off (None) by default, e.g. train.lora: its fields once set
+            lines += describe_fields(sections[0], f"{prefix}{name}.")
     return lines
 
 
