@@ -9,7 +9,7 @@ temporary folder; then, each mode in a fresh process of its own (so that its pea
 a ``TorchTrainer`` loads it and takes two train steps of ``--sequences`` random sequences of
 ``--length`` tokens (one pass each, ``minibatches=1``). Modes: full fine-tuning and LoRA (rank 16,
 alpha 32, the attention and MLP projections), each without and with a KL reference
-(``train.kl_coef`` > 0: a second copy of the policy, or with LoRA the policy with its adapter
+(``train.algorithm.kl_coef`` > 0: a second copy of the policy, or with LoRA the policy with its adapter
 disabled).
 
 Reported per mode: parameter bytes (all, the reference copy included, and trained), gradient bytes
