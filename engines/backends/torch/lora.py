@@ -27,11 +27,9 @@ from typing import Iterable, Iterator
 
 import torch
 
-from engines.backends.torch.model import is_vision_tower
+from engines.backends.torch.model import VISION_TOWER_PATTERN, is_vision_tower
 
 ADAPTER = "default"  # peft's name for the one adapter
-# a vision-language model's vision encoder, as a peft ``exclude_modules`` pattern (re.fullmatch on module names)
-VISION_TOWER_PATTERN = r"(.*\.)?(vision_model|visual|vision_tower)(\..*)?"
 ADAPTABLE = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 
 

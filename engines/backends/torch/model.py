@@ -31,11 +31,17 @@ def load_model(model_dir: str, dtype: str = "float32", device: torch.device | st
     return tokenizer, model.to(device), processor
 
 
+# a vision-language model's vision encoder by its Hugging Face module name (Idefics3/SmolVLM
+# ``vision_model``, Qwen-VL ``visual``, LLaVA ``vision_tower``); the connector that maps its features
+# into the language model is not part of it (it trains)
+VISION_TOWERS = ("vision_model", "visual", "vision_tower")
+# the same as a peft ``exclude_modules`` pattern (re.fullmatch on module names)
+VISION_TOWER_PATTERN = rf"(.*\.)?({'|'.join(VISION_TOWERS)})(\..*)?"
+
+
 def is_vision_tower(name: str) -> bool:
-    """A parameter of a vision-language model's vision encoder (Idefics3/SmolVLM ``vision_model``,
-    Qwen-VL ``visual``, LLaVA ``vision_tower``), by its Hugging Face name; the connector that maps
-    its features into the language model is not part of it (it trains)."""
-    return any(part in name.split(".") for part in ("vision_model", "visual", "vision_tower"))
+    """A parameter or module of a vision-language model's vision encoder (``VISION_TOWERS``)."""
+    return any(part in name.split(".") for part in VISION_TOWERS)
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
