@@ -111,8 +111,11 @@ class TorchCritic:
             self.optimizer.step()
         tokens = float(sum(len(r) for r in batch.response_ids))
         out = {name: float(value) / max(tokens, 1.0) for name, value in sums.items()}
-        return out | {"explained_variance": explained_variance(batch.returns or [], batch.values or []),
-                      "critic_grad_norm": grad_norm}
+        # over every DP group's tokens (one all-reduce): equal on every group, like the gradient norm
+        moments = torch.tensor(variance_sums(batch.returns or [], batch.values or []), dtype=torch.float64, device=self.device)
+        if self.distributed:
+            dist.all_reduce(moments)
+        return out | {"explained_variance": explained_variance(moments.tolist()), "critic_grad_norm": grad_norm}
 
     # -- placement ---------------------------------------------------------------------------
 
@@ -159,11 +162,20 @@ class TorchCritic:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-def explained_variance(returns: list[list[float]], values: list[list[float]]) -> float:
-    """1 - Var(R - V) / Var(R) over every token (1: the values predict the returns; 0: no better
-    than their mean; negative: worse). 0 when the returns do not vary."""
+def variance_sums(returns: list[list[float]], values: list[list[float]]) -> list[float]:
+    """[count, sum R, sum R^2, sum (R - V), sum (R - V)^2] over every token: what
+    :func:`explained_variance` needs, summable over DP groups."""
     r = torch.tensor([x for row in returns for x in row], dtype=torch.float64)
-    v = torch.tensor([x for row in values for x in row], dtype=torch.float64)
-    if r.numel() < 2 or r.var(unbiased=False) == 0:
+    d = r - torch.tensor([x for row in values for x in row], dtype=torch.float64)
+    return [float(r.numel()), r.sum().item(), (r * r).sum().item(), d.sum().item(), (d * d).sum().item()]
+
+
+def explained_variance(sums: list[float]) -> float:
+    """1 - Var(R - V) / Var(R) from :func:`variance_sums` (1: the values predict the returns; 0: no
+    better than their mean; negative: worse). 0 when the returns do not vary."""
+    n, r, rr, d, dd = sums
+    if n < 2:
         return 0.0
-    return float(1.0 - (r - v).var(unbiased=False) / r.var(unbiased=False))
+    var_r = rr / n - (r / n) ** 2
+    var_d = dd / n - (d / n) ** 2
+    return 1.0 - var_d / var_r if var_r > 1e-12 else 0.0
