@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from helpers import random_batch, save_tiny_model, with_old_logprobs
+from helpers import random_batch, save_tiny_model
 
 from engines.backends.base import TrainBatch
 from engines.backends.torch.critic import TorchCritic
