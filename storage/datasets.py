@@ -60,7 +60,12 @@ SCORED = ROLLOUTS.append(pa.field("judge_text", pa.string())).append(pa.field("g
     pa.field("rule_reward", pa.float32())
 ).append(pa.field("format_reward", pa.float32())).append(pa.field("reward", pa.float32(), nullable=False))
 
-EXPERIENCE = SCORED.append(pa.field("advantage", pa.float32(), nullable=False))
+EXPERIENCE = SCORED.append(pa.field("advantage", pa.float32(), nullable=False)).append(
+    # an algorithm with a critic (engines/host/critic.py): per response token, the advantages, the
+    # critic's targets and the values they were computed with (null otherwise; ``advantage`` is then
+    # the first token's)
+    pa.field("token_advantages", pa.list_(pa.float32()))).append(pa.field("returns", pa.list_(pa.float32()))).append(
+    pa.field("values", pa.list_(pa.float32())))
 
 # Kept prompt groups beyond a step's target, carried over to the next step's batch (dynamic
 # sampling): the scored samples and the step that generated them (``policy_version`` is the

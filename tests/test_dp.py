@@ -22,6 +22,7 @@ from engines.backends.torch.trainer import TorchTrainer
 from engines.rl.cispo import CISPOConfig
 from engines.rl.grpo import GRPOConfig
 from engines.rl.gspo import GSPOConfig
+from engines.rl.ppo import PPOConfig
 from engines.rl.reinforce_pp import ReinforcePPConfig
 from engines.rl.rloo import RLOOConfig
 from helpers import concat, dp_worker, free_port, max_param_diff, params_of, random_batch, save_tiny_model, with_old_logprobs
@@ -47,6 +48,8 @@ CASES = {
     "rloo-3-5": ((3, 5), {"algorithm": RLOOConfig()}, {}),
     "reinforce-pp-3-5": ((3, 5), {"algorithm": ReinforcePPConfig()}, {}),
     "reinforce-pp-0-4": ((0, 4), {"algorithm": ReinforcePPConfig()}, {}),
+    # per-token advantages (a critic's), whitened over both ranks' tokens
+    "ppo-3-5": ((3, 5), {"algorithm": PPOConfig()}, {}),
 }
 
 
@@ -67,7 +70,10 @@ def dp_run(tmp_path_factory):
         for rank, n in enumerate(sizes):
             batch = random_batch(n, seed=100 * i + rank)
             # old log-probs near the trainer's own: ratio ~1 with some tokens beyond the clip range
-            batches.append(with_old_logprobs(batch, probe.logprobs(batch), noise=0.3, seed=100 * i + rank))
+            batch = with_old_logprobs(batch, probe.logprobs(batch), noise=0.3, seed=100 * i + rank)
+            if step_kwargs["algorithm"].needs.critic:  # one advantage per response token
+                batch.advantages = [[a * (1 + 0.3 * t) for t in range(len(r))] for a, r in zip(batch.advantages, batch.response_ids)]
+            batches.append(batch)
         cases[name] = {
             "batches": batches,
             "kwargs": {"minibatches": MINIBATCHES, **step_kwargs},

@@ -23,6 +23,7 @@ from engines.rl.base import LossStep
 from engines.rl.cispo import cispo_loss
 from engines.rl.grpo import GRPOConfig
 from engines.rl.gspo import gspo_loss
+from engines.rl.ppo import gae, value_loss
 from engines.rl.registry import ALGORITHMS
 from engines.rl.reinforce_pp import ReinforcePPConfig
 from engines.rl.rloo import RLOOConfig, rloo_advantages
@@ -156,12 +157,52 @@ def test_cispo_matches_the_formula_and_every_token_has_a_gradient(eps_low, eps_h
     assert (lp.grad[want_clipped.bool()] != 0).all()  # ... and still get a gradient (PPO's clip would zero it)
 
 
+# ---------------------------------------------------------------- PPO
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.9, 0.8), (0.99, 0.0)])
+def test_gae_is_the_discounted_sum_of_td_errors(gamma, lam):
+    # reward on the last token, V_T = 0: delta_t = r_t + gamma V_{t+1} - V_t, A_t = sum_l (gamma lam)^l delta_{t+l}
+    rng = random.Random(3)
+    rewards = [rng.uniform(-1, 2) for _ in range(4)]
+    values = [[rng.uniform(-1, 1) for _ in range(n)] for n in (1, 3, 5, 2)]
+    advantages, returns = gae(rewards, values, gamma, lam)
+    for reward, v, adv, ret in zip(rewards, values, advantages, returns):
+        n = len(v)
+        r = [0.0] * (n - 1) + [reward]
+        nxt = v[1:] + [0.0]
+        delta = [r[t] + gamma * nxt[t] - v[t] for t in range(n)]
+        want = [sum((gamma * lam) ** k * delta[t + k] for k in range(n - t)) for t in range(n)]
+        assert adv == pytest.approx(want, abs=1e-12)
+        assert ret == pytest.approx([a + x for a, x in zip(want, v)], abs=1e-12)
+    if gamma == lam == 1.0:  # veRL's default: the critic is only a baseline, A_t = R - V_t, every return R
+        assert advantages[2] == pytest.approx([rewards[2] - x for x in values[2]], abs=1e-12)
+        assert returns[2] == pytest.approx([rewards[2]] * 5, abs=1e-12)
+
+
+def test_value_loss_is_the_larger_of_the_clipped_and_unclipped_squares():
+    g = torch.Generator().manual_seed(5)
+    old, step, noise = (torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    v = (old + 0.6 * step).requires_grad_()  # many values beyond the clip, returns near them: both branches win somewhere
+    ret = v.detach() + 0.3 * noise
+    loss, clipped = value_loss(v, old, ret, clip=0.2)
+    for i in range(3):
+        for t in range(4):
+            x, o, r = v[i, t].item(), old[i, t].item(), ret[i, t].item()
+            xc = min(max(x, o - 0.2), o + 0.2)
+            assert loss[i, t].item() == pytest.approx(0.5 * max((x - r) ** 2, (xc - r) ** 2), rel=1e-12)
+            assert clipped[i, t].item() == float((xc - r) ** 2 > (x - r) ** 2)
+    assert 0 < clipped.sum() < 12  # both branches are taken
+    loss.sum().backward()  # the clipped branch has no gradient: V is outside V_old +- 0.2 there
+    assert torch.equal(v.grad == 0, clipped.bool())
+
+
 # ---------------------------------------------------------------- the config picks them by name
 
 
 def test_every_algorithm_is_picked_by_name_with_its_own_fields():
     names = [c.model_fields["name"].default for c in ALGORITHMS]
-    assert names == ["grpo", "gspo", "cispo", "rloo", "reinforce_pp"]
+    assert names == ["grpo", "gspo", "cispo", "rloo", "reinforce_pp", "ppo"]
     for name, cls in zip(names, ALGORITHMS):
         assert type(load_config(None, [f"train.algorithm.name={name}"]).train.algorithm) is cls
     gspo = load_config(None, ["train.algorithm.name=gspo"]).train.algorithm
@@ -169,6 +210,13 @@ def test_every_algorithm_is_picked_by_name_with_its_own_fields():
     assert load_config(None, ["train.algorithm.kl_coef=0.1"]).train.algorithm.needs.reference  # grpo, with a reference
     with pytest.raises(ConfigError, match="train.kl_coef moved to train.algorithm.kl_coef"):
         load_config(None, ["train.kl_coef=0.1"])
+    ppo = load_config(None, ["train.algorithm.name=ppo", "train.algorithm.lam=0.95"]).train.algorithm
+    assert (ppo.gamma, ppo.lam, ppo.value_clip, ppo.needs.critic, ppo.needs.batch_whitening) == (1.0, 0.95, 0.2, True, True)
+    assert not any(load_config(None, [f"train.algorithm.name={n}"]).train.algorithm.needs.critic for n in names[:-1])
+    # what it needs and a backend lacks: refused while the config loads, naming the fields
+    for backend in ("megatron", "stub"):
+        with pytest.raises(ConfigError, match=f"train.algorithm.name=ppo needs a critic \\(model.critic\\) and train.backend={backend}"):
+            load_config(None, ["train.algorithm.name=ppo", f"train.backend={backend}"])
 
 
 # ---------------------------------------------------------------- one TorchTrainer step per algorithm
@@ -202,13 +250,20 @@ def hand_loss(name, model, batch):
         elif name == "cispo":  # sg(clip(r)) A log pi, token mean, no lower bound
             w = torch.clamp(torch.exp(lp.detach() - old), 0.0, 1.28)
             loss = loss - (w * a * lp).sum() / tokens
+        elif name == "ppo":  # per-token advantages, whitened over every token of the step; clip 0.2 both ways
+            flat = [x for row in advantages for x in row]
+            mean = sum(flat) / len(flat)
+            std = math.sqrt(sum((x - mean) ** 2 for x in flat) / len(flat))
+            ratio = torch.exp(lp - old)
+            adv = (torch.tensor(a, dtype=torch.float64) - mean) / (std + 1e-6)
+            loss = loss - torch.minimum(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv).sum() / tokens
         else:  # PPO's clipped ratio (clip-higher 0.2 / 0.28), token mean
             ratio = torch.exp(lp - old)
             loss = loss - torch.minimum(ratio * a, torch.clamp(ratio, 0.8, 1.28) * a).sum() / tokens
     return loss
 
 
-@pytest.mark.parametrize("name", ["grpo", "gspo", "cispo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize("name", ["grpo", "gspo", "cispo", "rloo", "reinforce_pp", "ppo"])
 def test_trainer_gradient_matches_hand_written_loss(model_dir, name):
     algorithm = load_config(None, [f"train.algorithm.name={name}"]
                             + (["train.algorithm.clip_low=0.05", "train.algorithm.clip_high=0.05"] if name == "gspo" else [])
@@ -216,6 +271,9 @@ def test_trainer_gradient_matches_hand_written_loss(model_dir, name):
     trainer = TorchTrainer(model_dir, lr=1e-2, grad_clip=1e9)
     batch = random_batch(5, seed=41)
     batch = with_old_logprobs(batch, trainer.logprobs(batch), noise=0.3, seed=41)
+    if name == "ppo":  # one advantage per response token (GAE's), as the host writes them
+        rng = random.Random(41)
+        batch.advantages = [[rng.uniform(-1.5, 1.5) for _ in r] for r in batch.response_ids]
     hand = TorchTrainer(model_dir).model
     loss = hand_loss(name, hand, batch)
     loss.backward()

@@ -56,8 +56,10 @@ class TrainBatch:
     prompt_ids: list[list[int]]  # vision prompts: as the processor expanded them (image tokens included)
     response_ids: list[list[int]]
     old_logprobs: list[list[float]]
-    advantages: list[float]
+    advantages: list[float] | list[list[float]]  # per sequence, or per response token (an algorithm with a critic)
     prompt_rows: list[int] | None = None  # each prompt's row in the prompts dataset (where its images are)
+    returns: list[list[float]] | None = None  # the critic's targets per response token (Needs.critic)
+    values: list[list[float]] | None = None  # the critic's values the advantages were computed with (its value clip)
     images: list[list[bytes]] | None = None  # encoded images of each sequence's prompt (None: a text batch)
 
     def __len__(self) -> int:

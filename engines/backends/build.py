@@ -41,6 +41,16 @@ def make_trainer(cfg: RunConfig, model_dir: str, device=None) -> Trainer:
     return TorchTrainer(model_dir, device=device, freeze_vision=t.freeze_vision, lora=t.lora, seed=cfg.seed, **kwargs)
 
 
+def make_critic(cfg: RunConfig, model_dir: str, device=None):
+    """The value model of an algorithm that has one (``Needs.critic``), on ``model_dir`` (model.critic,
+    else the policy's folder). torch only: ``train``'s validator refuses the other backends."""
+    from engines.backends.torch.critic import TorchCritic
+
+    t = cfg.train
+    return TorchCritic(model_dir, lr=t.algorithm.critic_lr or t.lr, betas=t.betas, weight_decay=t.weight_decay,
+                       grad_clip=t.grad_clip, dtype=cfg.model.dtype, device=device)
+
+
 def make_generator(backend: str, model_dir: str, cfg: RunConfig, threads: int, device=None,
                    prompt_format: chat.PromptFormat | None = None) -> Generator:
     """A generation engine (policy rollout or GenRM judge) of the named backend, rendering prompts

@@ -136,6 +136,10 @@ class SFTConfig(Section):
 class ModelConfig(Section):
     policy: str = Field("models/policy-sft", description="Hugging Face folder of the starting policy.")
     judge: str = Field("models/genrm", description="Hugging Face folder of the generative reward model.")
+    critic: str | None = Field(
+        None, description="Hugging Face folder (a causal LM) whose transformer, with a fresh scalar value head, is the "
+        "critic of an algorithm that has one (train.algorithm.name=ppo); None: the policy's folder (model.policy), as "
+        "OpenRLHF and veRL initialise it. Unused by algorithms without a critic.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Engine dtype.")
 
 

@@ -92,7 +92,8 @@ class TrainConfig(Section):
         description="The RL algorithm and its fields, picked by name (engines/rl/<name>.py): grpo (GRPO with DAPO's "
         "clip-higher and token-level loss by default; advantage_scale=none: Dr. GRPO), gspo (sequence-level ratio and "
         "clipping), cispo (clipped importance weight, gradient through every token), rloo (leave-one-out baseline), "
-        "reinforce_pp (REINFORCE++: advantages normalised over the whole batch). Every one has loss_aggregation and kl_coef.",
+        "reinforce_pp (REINFORCE++: advantages normalised over the whole batch), ppo (a critic, model.critic, trained "
+        "beside the policy; GAE advantages per token). Every one has loss_aggregation and kl_coef.",
     )
     freeze_vision: bool = Field(
         True, description="Vision-language policy: keep the vision encoder's weights fixed (the connector and the language "
@@ -142,4 +143,15 @@ class TrainConfig(Section):
                 "adapter tensors; use train.backend=torch")
         if self.lora is not None and self.backend == "stub":
             raise ValueError("train.lora: the timing stub trains nothing; LoRA needs train.backend=torch")
+        return self
+
+    @model_validator(mode="after")
+    def _critic_on_torch_only(self):
+        # what an algorithm needs, not its name: a critic is trained by the torch backend only
+        if self.algorithm.needs.critic and self.backend != "torch":
+            why = ("the Megatron trainer has no value model (a GPTModel whose output layer is a scalar value head, with "
+                   "its own Hugging Face mapping, optimizer and dist_checkpointing shards) yet"
+                   if self.backend == "megatron" else "the timing stub trains nothing")
+            raise ValueError(f"train.algorithm.name={self.algorithm.name} needs a critic (model.critic) and "
+                             f"train.backend={self.backend} cannot train one: {why}; use train.backend=torch")
         return self

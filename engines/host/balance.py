@@ -171,9 +171,14 @@ class PresplitBatch(TrainBatch):
 
 def to_batch(rows: list[dict]) -> TrainBatch:
     """Experience rows (``storage.datasets.EXPERIENCE``) as a train batch."""
+    def column(name: str) -> list | None:  # a critic's per-token column, None when the rows have none
+        values = [r.get(name) for r in rows]
+        return None if not rows or any(v is None for v in values) else values
+
+    per_token = column("token_advantages")
     return TrainBatch([r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows],
-                      [r["logprobs"] for r in rows], [r["advantage"] for r in rows],
-                      prompt_rows=[r.get("prompt_row") for r in rows])
+                      [r["logprobs"] for r in rows], per_token or [r["advantage"] for r in rows],
+                      prompt_rows=[r.get("prompt_row") for r in rows], returns=column("returns"), values=column("values"))
 
 
 def balanced_batch(rank: int, world: int, experience: str, rows: list[dict], minibatches: int,

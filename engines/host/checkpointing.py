@@ -6,6 +6,7 @@ every rank's files are written, ``storage/runstate.py``):
 
     trainer-{backend}/   the train engine's own format (one file for torch; Megatron
                          ``dist_checkpointing`` shards written by every rank)
+    critic-torch/        an algorithm with a critic: its weights (value head included) and optimizer (rank 0)
     model/               the policy as a Hugging Face folder (rank 0); with train.lora the adapter
                          folder (the base is the policy folder, recorded in trainer-torch/)
     prompts.json         the prompt files the data cursors point into (rank 0)
@@ -34,6 +35,7 @@ from storage import objectstore
 from storage.runstate import checkpoint_step
 
 log = logging.getLogger("yattflow.host")
+CRITIC_DIR = "critic-torch"  # the critic's share of a checkpoint (engines/backends/torch/critic.py)
 
 
 class Checkpoints:
@@ -47,7 +49,7 @@ class Checkpoints:
         self.rank, self.backend, self.prompt_files = rank, backend, prompt_files
         self._write: BackgroundWrite | None = None  # in flight, or finished and not yet collected
 
-    def save(self, trainer: Trainer, uri: str, asynchronous: bool) -> CheckpointResult:
+    def save(self, trainer: Trainer, uri: str, asynchronous: bool, critic=None) -> CheckpointResult:
         """Asynchronous: return as soon as the state is copied into host memory (``stall_s``: how
         long training waited) while a thread writes the copy; ``wait`` answers the files.
         Otherwise return after the write, with the files."""
@@ -55,7 +57,7 @@ class Checkpoints:
         if leftover is not None:
             log.warning("dp-%d: checkpoint %s was written but never collected with checkpoint_wait", self.rank, leftover["uri"])
         start = time.perf_counter()
-        write = self._freeze(trainer, uri, copy=asynchronous)
+        write = self._freeze(trainer, uri, copy=asynchronous, critic=critic)
         if not asynchronous:
             files = write()
             seconds = time.perf_counter() - start
@@ -78,7 +80,7 @@ class Checkpoints:
         write, self._write = self._write, None
         return write.result() if write is not None else None
 
-    def _freeze(self, trainer: Trainer, uri: str, copy: bool) -> Callable[[], list[str]]:
+    def _freeze(self, trainer: Trainer, uri: str, copy: bool, critic=None) -> Callable[[], list[str]]:
         """Take what this rank's checkpoint holds *now*; return a function that writes it to
         ``uri`` and returns the file names. With ``copy`` the function reads only host-memory
         copies (and files already written), so it may run on another thread while the next steps
@@ -87,6 +89,7 @@ class Checkpoints:
         trainer_dir = os.path.join(tmp, f"trainer-{self.backend}")
         try:
             frozen = trainer.freeze_checkpoint(trainer_dir, copy=copy, hf_weights=self.rank == 0)
+            frozen_critic = critic.freeze_checkpoint(os.path.join(tmp, CRITIC_DIR), copy=copy) if critic is not None else None
             rng = to_bytes({"torch": torch.get_rng_state(), "python": random.getstate()})
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -106,6 +109,7 @@ class Checkpoints:
 
         def written() -> list[str]:
             files = [f"trainer-{backend}/{f}" for f in frozen.write()]
+            files += [f"{CRITIC_DIR}/{f}" for f in frozen_critic.write()] if frozen_critic is not None else []
             if rank == 0:
                 trainer.save_hf(os.path.join(tmp, "model"), tensors=frozen.hf_weights)
                 files += sorted(str(p.relative_to(tmp)) for p in Path(tmp, "model").rglob("*") if p.is_file())
@@ -121,14 +125,19 @@ class Checkpoints:
 
         return write
 
-    def load(self, trainer: Trainer, uri: str) -> None:
-        """Restore the trainer and this rank's RNG states from a committed checkpoint."""
+    def load(self, trainer: Trainer, uri: str, critic=None) -> None:
+        """Restore the trainer (and the critic) and this rank's RNG states from a committed checkpoint."""
         local = objectstore.local_folder(uri)
         trainer_dir = Path(local, f"trainer-{self.backend}")
         if not trainer_dir.is_dir():
             found = sorted(p.name for p in Path(local).glob("trainer-*"))
             raise ValueError(f"{uri}: no {trainer_dir.name}/ to resume train.backend={self.backend} from (found {found})")
         trainer.load_checkpoint(str(trainer_dir))
+        if critic is not None:
+            if not Path(local, CRITIC_DIR).is_dir():
+                raise ValueError(f"{uri}: no {CRITIC_DIR}/ to resume the critic from: the checkpoint was written by a "
+                                 "run whose train.algorithm has no critic; resume it with that algorithm")
+            critic.load_checkpoint(str(Path(local, CRITIC_DIR)))
         rng = from_bytes(objectstore.read_bytes(objectstore.join(uri, f"rng-{self.rank}.pt")))
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])

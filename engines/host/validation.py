@@ -60,6 +60,7 @@ def validate_inputs(config) -> dict:
     if processor is None:
         check_megatron_architecture(config, policy)
     check_lora_targets(config, policy)
+    check_critic(config, policy)
     renderer = chat.Renderer(processor or AutoTokenizer.from_pretrained(policy), chat.PromptFormat.policy(config))
     counts = {}
     for field, path in (("data.prompts", config.data.prompts), ("data.heldout", config.data.heldout)):
@@ -114,6 +115,28 @@ def check_megatron_architecture(config, policy: str) -> None:
     except architectures.Unsupported as e:
         raise InputError(f"model.policy: {config.uri(config.model.policy)}/config.json: train.backend=megatron cannot "
                          f"train it: {e}") from None
+
+
+def check_critic(config, policy: str) -> None:
+    """An algorithm with a critic (``Needs.critic``): ``model.critic`` (default: the policy's folder)
+    is a text model that reads the policy's token ids (the same vocabulary), else an error naming
+    the field."""
+    if not config.train.algorithm.needs.critic:
+        return
+    from transformers import AutoTokenizer
+
+    from engines.host.critic import folder
+
+    field = "model.critic" if config.model.critic else "model.critic (unset: model.policy)"
+    uri = folder(config)
+    path = check_model_folder(field, uri)
+    if multimodal.is_vision_folder(path):
+        raise InputError(f"{field}: {uri} is a vision-language model; train.algorithm.name={config.train.algorithm.name}'s "
+                         "critic is a value head on a text model's transformer and never sees images: set model.critic "
+                         "to a text model with the policy's tokenizer")
+    if path != policy and AutoTokenizer.from_pretrained(path).get_vocab() != AutoTokenizer.from_pretrained(policy).get_vocab():
+        raise InputError(f"{field}: {uri}: its tokenizer's vocabulary differs from model.policy's; the critic reads the "
+                         "policy's token ids")
 
 
 def check_prompt_text(uri: str, row: dict) -> str:

@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engines.host import balance, rewards, validation
+from engines.host import balance, critic as critic_host, rewards, validation
 from engines.host.prompts import PromptStream
 
 from engines.backends import chat, distributed, build, multimodal
@@ -60,6 +60,7 @@ class Worker:
         self.policy: Generator | None = None  # the rollout engine
         self.judge: Generator | None = None  # the GenRM (None: no judge)
         self.trainer: Trainer | None = None
+        self.critic = None  # an algorithm with a critic (Needs.critic): its value model (engines/host/critic.py)
         self.rule: rewards.Rule | None = None  # ``reward.rule``, imported
         self.format_rule: rewards.Rule | None = None  # ``reward.format_rule``, imported
         self.prompts: PromptStream | None = None  # this group's stream of prompts (rows rank, rank+world, ...)
@@ -100,6 +101,8 @@ class Worker:
         policy_dir = objectstore.local_folder(cfg.uri(cfg.model.policy))
         self.vision = multimodal.is_vision_folder(policy_dir)
         self.trainer = build.make_trainer(cfg, policy_dir, device)
+        if cfg.train.algorithm.needs.critic:
+            self.critic = build.make_critic(cfg, objectstore.local_folder(critic_host.folder(cfg)), device)
         self.policy = build.make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads, device)
         self.judge = None
         if cfg.reward.genrm_weight > 0:
@@ -110,11 +113,11 @@ class Worker:
             self.placeholder = multimodal.placeholder(multimodal.load_processor(policy_dir))
         self.rule = rewards.load_rule(cfg.reward.rule) if cfg.reward.rule else None
         self.format_rule = rewards.load_rule(cfg.reward.format_rule, "reward.format_rule") if cfg.reward.format_rule else None
-        self.awake = {"policy", "judge", "trainer"}  # all loaded, all on the devices
+        self.awake = {"policy", "judge", "trainer", "critic"}  # all loaded, all on the devices
         self.engine_loads += 1
         self.prompts = PromptStream(prompts_uri, self.rank, self.world, cfg.data.max_image_bytes)
         if request.resume:
-            self.checkpoints.load(self.trainer, request.resume)
+            self.checkpoints.load(self.trainer, request.resume, self.critic)
             self.sync_weights(SyncWeights())
             log.info("dp-%d: resumed from %s (policy version %d, parameters %s)", self.rank, request.resume,
                      self.trainer.version, self.params_sha())
@@ -256,9 +259,14 @@ class Worker:
         train, rest = candidates[: r.target_groups], candidates[r.target_groups :]
         carry = [rows for rows in rest if r.step + 1 - rows[0]["step"] <= max_age] if r.carry_out is not None else []
         flat = [row for rows in train for row in rows]
-        advantages = cfg.train.algorithm.advantages([row["reward"] for row in flat],
-                                                    [hash((row["step"], row["wave"], row["prompt_id"])) for row in flat])
-        datasets.write_rows(r.out, [row | {"advantage": a} for row, a in zip(flat, advantages)], datasets.EXPERIENCE)
+        if cfg.train.algorithm.needs.critic:  # per-token advantages from the critic's values (full colocation: it wakes)
+            self.take("critic")
+            experience = critic_host.with_token_advantages(cfg.train.algorithm, self.critic, flat, cfg.train.micro_batch_tokens)
+        else:
+            advantages = cfg.train.algorithm.advantages([row["reward"] for row in flat],
+                                                        [hash((row["step"], row["wave"], row["prompt_id"])) for row in flat])
+            experience = [row | {"advantage": a} for row, a in zip(flat, advantages)]
+        datasets.write_rows(r.out, experience, datasets.EXPERIENCE)
         if carry:
             datasets.write_rows(r.carry_out, [row for rows in carry for row in rows], datasets.CARRY)
         elif r.carry_out is not None:
@@ -282,13 +290,15 @@ class Worker:
         summation order."""
         t = self.config.train
         start = time.perf_counter()
-        switch = self.take("trainer")  # training takes the group's devices (both placement modes)
+        switch = self.take("trainer", "critic")  # training takes the group's devices (both placement modes)
         rows = datasets.read_table(request.experience, datasets.EXPERIENCE).to_pylist()
         batch, balanced = balance.balanced_batch(self.rank, self.world, request.experience, rows, t.minibatches, t.balance_tokens)
         if self.vision:  # the rows reference their prompts' images: read them here, on the host that trains them
             parts = batch.split(t.minibatches)
             batch = balance.presplit([replace(p, images=self.prompts.images(p.prompt_rows)) for p in parts])
         statistics = self.trainer.train_step(batch, t.algorithm, minibatches=t.minibatches, micro_batch_tokens=t.micro_batch_tokens)
+        if self.critic is not None:  # the same rows and minibatches; its statistics join the step's one dict
+            statistics |= self.critic.train_step(batch, t.algorithm, minibatches=t.minibatches, micro_batch_tokens=t.micro_batch_tokens)
         tokens = statistics.pop("tokens")
         seconds = time.perf_counter() - start
         return TrainStepResult(statistics=statistics, tokens=tokens, **balanced, seconds=seconds,
@@ -309,7 +319,7 @@ class Worker:
         """This rank's share of a checkpoint (``engines/host/checkpointing.py``), written in the
         background with ``checkpoint.asynchronous``; the controller commits the manifest."""
         self.take(*self.awake | {"trainer"})  # awake after sync_weights anyway; a sleeping trainer is never read
-        return self.checkpoints.save(self.trainer, request.uri, self.config.checkpoint.asynchronous)
+        return self.checkpoints.save(self.trainer, request.uri, self.config.checkpoint.asynchronous, self.critic)
 
     @handle.register
     def checkpoint_wait(self, request: CheckpointWait) -> CheckpointWaitResult:
@@ -359,7 +369,7 @@ class Worker:
     # -- placement -----------------------------------------------------------------------
 
     def take(self, *engines: str) -> float:
-        """Make ``engines`` (of "policy", "judge", "trainer") the ones holding the group's devices:
+        """Make ``engines`` (of "policy", "judge", "trainer", "critic") the ones holding the group's devices:
         the others release them first (``sleep``: vLLM offloads its weights and drops its KV
         cache; the Megatron trainer moves weights, gradients and optimizer state to host memory,
         ``engines/backends/megatron/offload.py``), then these wake. Answers the seconds the switch took.
@@ -369,7 +379,7 @@ class Worker:
         takes the devices alone. Stages that only read the trainer's weights (``export_policy``,
         ``params_sha``) read a sleeping trainer's host copy."""
         start = time.perf_counter()
-        engines_by_name = {"policy": self.policy, "judge": self.judge, "trainer": self.trainer}
+        engines_by_name = {"policy": self.policy, "judge": self.judge, "trainer": self.trainer, "critic": self.critic}
         for name in sorted(self.awake - set(engines)):
             if engines_by_name[name] is not None:
                 engines_by_name[name].sleep()

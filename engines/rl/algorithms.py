@@ -60,10 +60,10 @@ def policy_loss_terms(
     """Per-token loss of the clipped surrogate (DAPO's clip-higher: separate low/high
     bounds) plus ``kl_coef`` times the k3 estimate of KL(policy || reference).
 
-    Shapes: ``[batch, tokens]`` for log-probabilities, ``[batch]`` for advantages.
-    Returns (per-token loss, per-token clipped indicator).
+    Shapes: ``[batch, tokens]`` for log-probabilities, ``[batch]`` or ``[batch, tokens]`` for
+    advantages (see :func:`by_token`). Returns (per-token loss, per-token clipped indicator).
     """
-    adv = advantages.unsqueeze(-1)
+    adv = by_token(advantages)
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
@@ -71,6 +71,12 @@ def policy_loss_terms(
     if ref_logprobs is not None and kl_coef > 0:
         loss = loss + kl_coef * kl_k3(logprobs, ref_logprobs)
     return loss, (clipped < unclipped).float()
+
+
+def by_token(advantages: torch.Tensor) -> torch.Tensor:
+    """Advantages that broadcast over ``[batch, tokens]``: per sequence ``[batch]`` → ``[batch, 1]``;
+    per token (an algorithm with a critic) as they are."""
+    return advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
 
 
 def kl_k3(logprobs: torch.Tensor, other_logprobs: torch.Tensor) -> torch.Tensor:

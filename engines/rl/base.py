@@ -4,7 +4,9 @@ An algorithm is one config class (a subclass of :class:`AlgorithmConfig` with a 
 in ``engines/rl/<name>.py``) that holds its own fields and two functions:
 
 * ``advantages(rewards, groups)``: one step's kept samples of one DP group → their advantages,
-  computed on the host before training (``engines/host/worker.py``'s dynamic filter);
+  computed on the host before training (``engines/host/worker.py``'s dynamic filter); an
+  algorithm with a critic (``Needs.critic``, PPO) has ``token_advantages(rewards, values)`` instead,
+  one advantage per response token (``engines/host/critic.py``);
 * ``loss(logprobs, old_logprobs, advantages, mask)``: per-token loss and per-token statistics.
 
 and a record of what it needs from the run (:class:`Needs`). ``engines/rl/registry.py`` lists the
@@ -33,6 +35,7 @@ class Needs:
 
     reference: bool = False  # a frozen copy of the starting policy (KL to it)
     batch_whitening: bool = False  # advantages normalised over the whole step, every DP group together
+    critic: bool = False  # a value model (model.critic), trained beside the policy; advantages per token from its values
 
 
 class AlgorithmConfig(BaseModel):
@@ -65,6 +68,16 @@ SHARED_STATISTICS = ("entropy", "kl_rollout", "kl_reference")  # every algorithm
 DPSum = Callable[[list[float]], list[float]]  # the trainer's all-reduce: these numbers summed over the DP groups
 
 
+def on_response_tokens(advantages: Sequence[float | Sequence[float]], mask: torch.Tensor) -> torch.Tensor:
+    """``[batch, tokens]`` advantages laid out on the response positions of ``mask`` (row i has as
+    many as its response tokens, in order); a sequence's single float on each of its tokens."""
+    counts = mask.sum(-1).long().tolist()
+    flat = [x for a, n in zip(advantages, counts) for x in (a if isinstance(a, (list, tuple)) else [a] * n)]
+    out = torch.zeros(mask.shape, dtype=torch.float64)
+    out[mask.cpu().bool()] = torch.tensor(flat, dtype=torch.float64)
+    return out.to(mask.device)
+
+
 class LossStep:
     """One ``train_step``'s loss and statistics, for a trainer that owns the passes.
 
@@ -82,8 +95,10 @@ class LossStep:
         self.sums = {name: torch.zeros((), dtype=torch.float64) for name in names}
         self.shift, self.scale = 0.0, 1.0
         if algorithm.needs.batch_whitening:
-            # the step's batch is every DP group's rows: one all-reduce of count, sum, sum of squares
-            n, s, ss = dp_sum([float(len(advantages)), float(sum(advantages)), float(sum(a * a for a in advantages))])
+            # the step's batch is every DP group's rows (their tokens, with per-token advantages):
+            # one all-reduce of count, sum, sum of squares
+            flat = [x for a in advantages for x in (a if isinstance(a, (list, tuple)) else (a,))]
+            n, s, ss = dp_sum([float(len(flat)), float(sum(flat)), float(sum(a * a for a in flat))])
             mean = s / max(n, 1.0)
             self.shift, self.scale = mean, math.sqrt(max(ss / max(n, 1.0) - mean * mean, 0.0)) + 1e-6
 
@@ -91,11 +106,16 @@ class LossStep:
         """This rank's share of a minibatch's normaliser: response tokens, or sequences."""
         return float(sum(len(r) for r in response_ids)) if self.algorithm.loss_aggregation == "token" else float(len(response_ids))
 
-    def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: Sequence[float],
+    def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: Sequence[float | Sequence[float]],
                  mask: torch.Tensor, total: float, ref_logprobs: torch.Tensor | None = None) -> torch.Tensor:
         """The pass's share of the minibatch loss, ``total`` being the minibatch's DP-global count:
-        the passes' losses sum to the minibatch's, and the DP groups' gradients to one process's."""
-        adv = (torch.tensor(advantages, dtype=logprobs.dtype, device=logprobs.device) - self.shift) / self.scale
+        the passes' losses sum to the minibatch's, and the DP groups' gradients to one process's.
+
+        ``advantages``: one per sequence (a float), or one per response token (a list per sequence,
+        an algorithm with a critic); the loss then gets them as ``[batch]`` or ``[batch, tokens]``."""
+        adv = (on_response_tokens(advantages, mask) if any(isinstance(a, (list, tuple)) for a in advantages)
+               else torch.tensor(advantages, dtype=logprobs.dtype, device=logprobs.device))
+        adv = (adv.to(logprobs.dtype) - self.shift) / self.scale
         per_token, stats = self.algorithm.loss(logprobs, old_logprobs, adv, mask)
         if ref_logprobs is not None and self.algorithm.kl_coef > 0:
             per_token = per_token + self.algorithm.kl_coef * algorithms.kl_k3(logprobs, ref_logprobs)

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from engines.rl.algorithms import group_advantages
+from engines.rl.algorithms import by_token, group_advantages
 from engines.rl.base import AlgorithmConfig
 
 
@@ -24,7 +24,7 @@ def cispo_loss(logprobs, old_logprobs, advantages, mask, clip_low: float, clip_h
     """Per-token loss and the per-token clipped-weight indicator."""
     ratio = torch.exp(logprobs.detach() - old_logprobs)
     weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    return -weight * advantages.unsqueeze(-1) * logprobs, (weight != ratio).float()
+    return -weight * by_token(advantages) * logprobs, (weight != ratio).float()
 
 
 class CISPOConfig(AlgorithmConfig):

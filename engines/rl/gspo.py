@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from engines.rl.algorithms import group_advantages
+from engines.rl.algorithms import by_token, group_advantages
 from engines.rl.base import AlgorithmConfig
 
 
@@ -36,7 +36,7 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, clip_low: float, clip_hi
     """Per-token loss -min(s_i,t A_i, clip(s_i,t) A_i) and the per-token clipped indicator (a
     sequence's tokens all together)."""
     ratio = sequence_ratio(logprobs, old_logprobs, mask)
-    adv = advantages.unsqueeze(-1)
+    adv = by_token(advantages)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()

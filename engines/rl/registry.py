@@ -10,10 +10,11 @@ from pydantic import Discriminator, Tag
 from engines.rl.cispo import CISPOConfig
 from engines.rl.grpo import GRPOConfig
 from engines.rl.gspo import GSPOConfig
+from engines.rl.ppo import PPOConfig
 from engines.rl.reinforce_pp import ReinforcePPConfig
 from engines.rl.rloo import RLOOConfig
 
-ALGORITHMS = (GRPOConfig, GSPOConfig, CISPOConfig, RLOOConfig, ReinforcePPConfig)
+ALGORITHMS = (GRPOConfig, GSPOConfig, CISPOConfig, RLOOConfig, ReinforcePPConfig, PPOConfig)
 DEFAULT = GRPOConfig  # DAPO's settings: what the demo's figures were measured with
 
 

@@ -96,19 +96,7 @@ class TorchTrainer:
         return t.tolist()
 
     def _all_reduce_grads(self) -> None:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for p in params:  # every rank steps every parameter (AdamW's weight decay included)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if not self.distributed:  # nothing to add: no flat copy of every gradient (GBs on a large model)
-            return
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
-            offset += n
+        all_reduce_grads(self.model, self.distributed)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> list[list[float]]:
@@ -274,6 +262,23 @@ class TorchTrainer:
         self.model.get_base_model().save_pretrained(local_dir, safe_serialization=True,
                                                     state_dict=lora_adapter.merged_state_dict(self.model))
         (self.processor or self.tokenizer).save_pretrained(local_dir)
+
+
+def all_reduce_grads(model: torch.nn.Module, distributed: bool) -> None:
+    """Sum the trained parameters' gradients over the DP groups, with one all-reduce of a flat buffer."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:  # every rank steps every parameter (AdamW's weight decay included)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if not distributed:  # nothing to add: no flat copy of every gradient (GBs on a large model)
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
 
 
 def copy_state(obj, into=None):
