@@ -161,9 +161,10 @@ def test_cispo_matches_the_formula_and_every_token_has_a_gradient(eps_low, eps_h
 
 def test_every_algorithm_is_picked_by_name_with_its_own_fields():
     names = [c.model_fields["name"].default for c in ALGORITHMS]
-    assert names == ["grpo", "gspo", "cispo", "rloo", "reinforce_pp"]
+    assert names == ["grpo", "gspo", "cispo", "rloo", "reinforce_pp", "online_dpo", "dpo"]
     for name, cls in zip(names, ALGORITHMS):
-        assert type(load_config(None, [f"train.algorithm.name={name}"]).train.algorithm) is cls
+        pairs = ["data.preferences=data/preferences"] if cls().needs.preferences else []  # its pairs' source (tests/test_dpo.py)
+        assert type(load_config(None, [f"train.algorithm.name={name}", *pairs]).train.algorithm) is cls
     gspo = load_config(None, ["train.algorithm.name=gspo"]).train.algorithm
     assert (gspo.clip_low, gspo.clip_high, gspo.loss_aggregation) == (3e-4, 4e-4, "sequence")  # the paper's
     assert load_config(None, ["train.algorithm.kl_coef=0.1"]).train.algorithm.needs.reference  # grpo, with a reference
