@@ -10,13 +10,13 @@ import asyncio
 import math
 
 import pyarrow as pa
+import pyarrow.parquet  # noqa: F401  (pa.parquet)
 import pytest
 
 import helpers  # noqa: F401  (puts the checkout on sys.path)
 
 import torch
 
-from engines.backends.base import TrainBatch
 from engines.backends.batching import micro_batches
 from engines.backends.torch.trainer import TorchTrainer
 from engines.config import ConfigError, load_config
@@ -143,3 +143,54 @@ def test_trainer_step_is_the_hand_written_dpo_loss_and_moves_the_margin(model_di
     for _ in range(4):
         stats = trainer.train_step(batch, algorithm, minibatches=1)
     assert margin() > start + 1.0 and stats["pair_accuracy"] == 1.0 and stats["pair_margin"] > 0
+
+
+# ---------------------------------------------------------------- one tiny run of each, through the real flows
+
+
+def run_train(root: str, *extra: str) -> dict:
+    from flows.training import train
+    from tests.conftest import TINY
+
+    return asyncio.run(train(overrides=TINY + [f"storage.root={root}", *extra]))
+
+
+def margins(summary: dict) -> list[float]:
+    return [m["train"]["pair_margin"] for m in summary["history"]]
+
+
+def test_online_dpo_run_trains_on_its_best_and_worst_samples(prepared):
+    """Each step's experience is (chosen, rejected) rows of one prompt, chosen rewarded higher; the
+    policy's preference for its chosen samples over the reference's grows."""
+    summary = run_train(prepared, "name=online-dpo", "steps=3", "dp=1", "train.algorithm.name=online_dpo",
+                        "train.algorithm.beta=0.5", "train.lr=0.002", "train.minibatches=1")
+    rows = pa.parquet.read_table(f"{prepared}/runs/online-dpo/steps/000002/experience").to_pylist()
+    assert len(rows) == 4  # sampling.target_groups=2 pairs
+    for chosen, rejected in zip(rows[0::2], rows[1::2]):
+        assert chosen["prompt_id"] == rejected["prompt_id"] and chosen["reward"] > rejected["reward"]
+        assert (chosen["advantage"], rejected["advantage"]) == (1.0, -1.0)
+    first, *_, last = margins(summary)
+    assert first == pytest.approx(0.0, abs=1e-4)  # one optimizer step per batch: its policy is the reference
+    assert last > 0.05, margins(summary)
+
+
+def test_offline_dpo_run_learns_the_preferences_prepare_wrote(prepared):
+    """``data.preferences`` from prepare (right sum over the carry mistake); the host reads it instead of
+    rollouts: no generation, the rows' labels as rewards; the margin moves from 0."""
+    from flows.prepare import prepare
+    from tests.conftest import TINY
+
+    pairs = ["train.algorithm.name=dpo", "data.preferences=data/preferences"]
+    prepare(overrides=TINY + [f"storage.root={prepared}", *pairs])
+    table = pa.parquet.read_table(f"{prepared}/data/preferences").to_pylist()
+    assert all(r["chosen"] == r["answer"] != r["rejected"] for r in table)
+    summary = run_train(prepared, "name=offline-dpo", "steps=3", "dp=2", *pairs, "train.algorithm.beta=0.5", "train.lr=0.002",
+                        "train.minibatches=1", "reward.genrm_weight=0", "reward.rule_weight=1")
+    rows = pa.parquet.read_table(f"{prepared}/runs/offline-dpo/steps/000002/experience/group=1").to_pylist()
+    by_id = {r["prompt_id"]: r for r in table}
+    for chosen, rejected in zip(rows[0::2], rows[1::2]):
+        assert chosen["response"] == by_id[chosen["prompt_id"]]["chosen"] and chosen["reward"] == 1.0
+        assert rejected["response"] == by_id[chosen["prompt_id"]]["rejected"] and rejected["reward"] == 0.0
+    first, *_, last = margins(summary)
+    assert first == pytest.approx(0.0, abs=1e-4)
+    assert last > 0.05, margins(summary)
