@@ -7,17 +7,17 @@ in ``engines/rl/<name>.py``) that holds its own fields and two functions:
   computed on the host before training (``engines/host/worker.py``'s dynamic filter);
 * ``loss(logprobs, old_logprobs, advantages, mask)``: per-token loss and per-token statistics.
 
-An algorithm that learns from preference pairs (``Needs.pairs``: DPO) has instead ``pairs(rewards,
-groups)`` (which of a step's samples form each (chosen, rejected) pair) and ``pair_loss(chosen,
-rejected, ref_chosen, ref_rejected)`` over sequence log-probabilities. Its rows travel as
-consecutive (chosen, rejected) twos: ``Needs.unit`` is 2, and minibatches, micro-batches and the
-DP balance cut only between pairs, so a pass always holds both sequences of a pair.
-
 and a record of what it needs from the run (:class:`Needs`). ``engines/rl/registry.py`` lists the
 classes; ``train.algorithm`` in the run config is their discriminated union. Trainers own forward,
 backward, micro-batches and the all-reduces; they hand the algorithm to :class:`LossStep`, which
 turns log-probabilities into the pass's loss and sums its statistics, so the loss loop and the
 names of the statistics live here once.
+
+An algorithm that learns from preference pairs (``Needs.pairs``: DPO) has instead ``pairs(rewards,
+groups)`` (which of a step's samples form each (chosen, rejected) pair) and ``pair_loss(chosen,
+rejected, ref_chosen, ref_rejected)`` over sequence log-probabilities. Its rows travel as
+consecutive (chosen, rejected) twos: ``Needs.unit`` is 2, and minibatches, micro-batches and the
+DP balance cut only between pairs, so a pass always holds both sequences of a pair.
 """
 
 from __future__ import annotations
