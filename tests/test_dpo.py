@@ -65,7 +65,7 @@ def test_pairs_are_each_groups_best_and_worst():
     assert [r["i"] for r in grpo] == list(range(9))  # an advantage algorithm keeps every sample
 
 
-def test_dpo_without_pairs_is_refused_naming_the_field():
+def test_dpo_without_pairs_is_refused_naming_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"data.preferences is not set: train.algorithm.name=dpo"):
         load_config(None, ["train.algorithm.name=dpo"])
     with pytest.raises(ConfigError, match=r"data.preferences=data/prefs: train.algorithm.name=online_dpo does not"):
@@ -73,6 +73,13 @@ def test_dpo_without_pairs_is_refused_naming_the_field():
     for name in ("dpo", "online_dpo"):
         needs = load_config(None, [f"train.algorithm.name={name}", "data.preferences=p" if name == "dpo" else "seed=0"]).train.algorithm.needs
         assert needs.pairs and needs.reference and needs.unit == 2 and needs.preferences == (name == "dpo")
+    # a preference file without its pairs: named, file and field, as validate_inputs reads it (before engines load)
+    from storage import datasets
+
+    pa.parquet.write_table(pa.table({"prompt_id": [1], "prompt": ["1+1="], "answer": ["2"], "rejected": ["3"]}),
+                           tmp_path / "part-0.parquet")
+    with pytest.raises(datasets.SchemaError, match=r"part-0.parquet: missing field 'chosen'"):
+        datasets.PromptReader(f"file://{tmp_path}", datasets.PREFERENCES)
 
 
 def test_batching_never_separates_a_pair():
