@@ -53,6 +53,9 @@ def best_and_worst(rewards, groups) -> list[tuple[int, int]]:
 
 class DPOConfig(AlgorithmConfig):
     name: Literal["dpo"] = "dpo"
+    # the fields every algorithm has mean nothing here: a pair loss is a mean over pairs, and beta is its KL
+    loss_aggregation: Literal["token", "sequence"] = Field("token", description="Unused: the loss is a mean over pairs.")
+    kl_coef: float = Field(0.0, ge=0, le=0, description="Unused (must stay 0): beta keeps the policy near the reference.")
     beta: float = Field(0.1, gt=0, description="Inverse temperature of the implicit reward beta * log(pi / ref): "
                         "how far from the reference the policy may move (the paper: 0.1 to 0.5).")
 
