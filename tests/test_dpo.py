@@ -169,9 +169,9 @@ def margins(summary: dict) -> list[float]:
 def test_online_dpo_run_trains_on_its_best_and_worst_samples(prepared):
     """Each step's experience is (chosen, rejected) rows of one prompt, chosen rewarded higher; the
     policy's preference for its chosen samples over the reference's grows."""
-    summary = run_train(prepared, "name=online-dpo", "steps=3", "dp=1", "train.algorithm.name=online_dpo",
+    summary = run_train(prepared, "name=online-dpo", "steps=2", "dp=1", "train.algorithm.name=online_dpo",
                         "train.algorithm.beta=0.5", "train.lr=0.002", "train.minibatches=1")
-    rows = pa.parquet.read_table(f"{prepared}/runs/online-dpo/steps/000002/experience").to_pylist()
+    rows = pa.parquet.read_table(f"{prepared}/runs/online-dpo/steps/000001/experience").to_pylist()
     assert len(rows) == 4  # sampling.target_groups=2 pairs
     for chosen, rejected in zip(rows[0::2], rows[1::2]):
         assert chosen["prompt_id"] == rejected["prompt_id"] and chosen["reward"] > rejected["reward"]
@@ -191,9 +191,9 @@ def test_offline_dpo_run_learns_the_preferences_prepare_wrote(prepared):
     prepare(overrides=TINY + [f"storage.root={prepared}", *pairs])
     table = pa.parquet.read_table(f"{prepared}/data/preferences").to_pylist()
     assert all(r["chosen"] == r["answer"] != r["rejected"] for r in table)
-    summary = run_train(prepared, "name=offline-dpo", "steps=3", "dp=2", *pairs, "train.algorithm.beta=0.5", "train.lr=0.002",
+    summary = run_train(prepared, "name=offline-dpo", "steps=2", "dp=2", *pairs, "train.algorithm.beta=0.5", "train.lr=0.002",
                         "train.minibatches=1", "reward.genrm_weight=0", "reward.rule_weight=1")
-    rows = pa.parquet.read_table(f"{prepared}/runs/offline-dpo/steps/000002/experience/group=1").to_pylist()
+    rows = pa.parquet.read_table(f"{prepared}/runs/offline-dpo/steps/000001/experience/group=1").to_pylist()
     by_id = {r["prompt_id"]: r for r in table}
     for chosen, rejected in zip(rows[0::2], rows[1::2]):
         assert chosen["response"] == by_id[chosen["prompt_id"]]["chosen"] and chosen["reward"] == 1.0
