@@ -39,11 +39,23 @@ SFT_STEPS = re.compile(r"policy model: held-out exact match [\d.]+% after (\d+) 
 JUDGE = re.compile(r"judge model: held-out verdict accuracy ([\d.]+)% after (\d+) SFT steps")
 
 
+PREFERENCES = "data/preferences"  # where an algorithm that learns from a preference dataset finds the demo's
+
+
+def needs(algorithm: str):
+    """What ``train.algorithm.name=algorithm`` needs (engines/rl/base.py ``Needs``)."""
+    from engines.rl.registry import ALGORITHMS
+
+    return next(c for c in ALGORITHMS if c.model_fields["name"].default == algorithm)().needs
+
+
 def run_demo(seed: int, path: str, steps: int | None, root: str, config: str = "deployments/demo.yaml",
              algorithm: str | None = None) -> dict:
     env = dict(os.environ, **PATHS[path])
     # another algorithm on the same root: the prepared data and SFT'd models are reused, the run is its own
     picked = [f"train.algorithm.name={algorithm}", f"name=demo-{algorithm.replace('_', '-')}"] if algorithm else []
+    if algorithm and needs(algorithm).preferences:  # its pairs: the demo's, which prepare builds where this names
+        picked.append(f"data.preferences={PREFERENCES}")
     command = [sys.executable, "-m", "flows.cli", "demo", "-c", str(ROOT / config),
                f"storage.root={root}", f"seed={seed}", *([f"steps={steps}"] if steps else []), *picked]
     start = time.perf_counter()

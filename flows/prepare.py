@@ -96,6 +96,11 @@ def make_datasets(config: RunConfig) -> dict:
     train, heldout = _problems(config)
     outputs = [("data.prompts", config.data.prompts, _prompts(train, 0), datasets.PROMPTS),
                ("data.heldout", config.data.heldout, _prompts(heldout, 10_000_000), datasets.PROMPTS)]
+    if config.data.preferences is not None and config.prepare.task == "arithmetic":  # offline DPO's pairs (docs/algorithms.md)
+        rows = arithmetic.preference_pairs(train, seed=config.seed + 3)
+        table = _prompts([(p, a) for p, a, _, _ in rows], 0).append_column("chosen", pa.array([c for *_, c, _ in rows]))
+        outputs.append(("data.preferences", config.data.preferences, table.append_column("rejected", pa.array([r for *_, r in rows])),
+                        datasets.PREFERENCES))
     for role, model in _roles(config):
         if not needs_building(config.uri(model), _MODEL_FIELD[role]):
             continue
@@ -156,7 +161,7 @@ def heldout_accuracy(model_dir: str, problems: list[tuple]) -> float:
 def prepare(config_file: str | None = None, overrides: list[str] | None = None) -> dict:
     config = load_config(config_file, overrides or [])
     objectstore.check_reachable(config.uri(""))
-    outputs = {"data.prompts": config.data.prompts, "data.heldout": config.data.heldout,
+    outputs = {"data.prompts": config.data.prompts, "data.heldout": config.data.heldout, "data.preferences": config.data.preferences,
                **{_MODEL_FIELD[role]: model for role, model in _roles(config)}}
     outputs = [*outputs.items(), *(("storage.root", path) for role, _ in _roles(config) for path in _sft_data(role))]
     for field, path in outputs:  # refuse somebody's folder before writing anything

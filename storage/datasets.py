@@ -37,6 +37,10 @@ PROMPTS = pa.schema(
     metadata={"one_of": "prompt,messages"},  # a file has at least one of these columns (check_schema)
 )
 
+# A preference dataset (``data.preferences``, offline DPO): a prompt and two responses to it, the
+# preferred first; read instead of the prompts, its two responses are a step's samples of the prompt.
+PREFERENCES = PROMPTS.append(pa.field("chosen", pa.string(), nullable=False)).append(pa.field("rejected", pa.string(), nullable=False))
+
 ROLLOUTS = pa.schema(
     [
         pa.field("prompt_id", pa.int64(), nullable=False),

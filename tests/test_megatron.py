@@ -46,6 +46,7 @@ from helpers import concat, free_port, random_batch, save_tiny_model, with_old_l
 from engines.rl.cispo import CISPOConfig  # noqa: E402
 from engines.rl.grpo import GRPOConfig  # noqa: E402
 from engines.rl.gspo import GSPOConfig  # noqa: E402
+from engines.rl.online_dpo import OnlineDPOConfig  # noqa: E402
 from engines.rl.reinforce_pp import ReinforcePPConfig  # noqa: E402
 
 # Megatron without Apex or Transformer Engine warns at every layer it builds
@@ -182,6 +183,24 @@ def test_train_step_matches_torch_trainer(model_dir, step_kwargs, trainer_kwargs
         assert stats[key] == pytest.approx(ref_stats[key], abs=1e-5), key
     assert 0 < stats["clip_fraction"] < 1
     assert megatron.version == 1
+
+
+def test_dpo_pair_loss_matches_torch_trainer(model_dir):
+    """Online DPO's pair loss (both rows of a pair in one pass, reference log-probs) over two
+    minibatches of length-sorted micro-batches: Megatron's step is torch's."""
+    algorithm = OnlineDPOConfig(beta=0.5)
+    megatron = MegatronTrainer(model_dir, **HYPER, reference=True)
+    reference = TorchTrainer(model_dir, **HYPER, reference=True)
+    batch = batch_near(reference, 8, seed=3)
+    before = {k: v.clone() for k, v in reference.export_weights()}
+    kwargs = {"minibatches": 2, "micro_batch_tokens": 24}
+    stats, ref_stats = megatron.train_step(batch, algorithm, **kwargs), reference.train_step(batch, algorithm, **kwargs)
+    after, ref_after = dict(megatron.export_weights()), dict(reference.export_weights())
+    assert max_diff(ref_after, before) > 50 * ATOL
+    assert max_diff(after, ref_after) <= ATOL
+    for key in ("loss", "grad_norm", "pair_margin", "pair_accuracy", "kl_reference"):
+        assert stats[key] == pytest.approx(ref_stats[key], abs=1e-5), key
+    assert stats["pair_margin"] != 0.0  # the second minibatch saw the first one's update
 
 
 @pytest.mark.parametrize(

@@ -202,9 +202,10 @@ def test_value_loss_is_the_larger_of_the_clipped_and_unclipped_squares():
 
 def test_every_algorithm_is_picked_by_name_with_its_own_fields():
     names = [c.model_fields["name"].default for c in ALGORITHMS]
-    assert names == ["grpo", "gspo", "cispo", "rloo", "reinforce_pp", "ppo"]
+    assert names == ["grpo", "gspo", "cispo", "rloo", "reinforce_pp", "ppo", "online_dpo", "dpo"]
     for name, cls in zip(names, ALGORITHMS):
-        assert type(load_config(None, [f"train.algorithm.name={name}"]).train.algorithm) is cls
+        pairs = ["data.preferences=data/preferences"] if cls().needs.preferences else []  # its pairs' source (tests/test_dpo.py)
+        assert type(load_config(None, [f"train.algorithm.name={name}", *pairs]).train.algorithm) is cls
     gspo = load_config(None, ["train.algorithm.name=gspo"]).train.algorithm
     assert (gspo.clip_low, gspo.clip_high, gspo.loss_aggregation) == (3e-4, 4e-4, "sequence")  # the paper's
     assert load_config(None, ["train.algorithm.kl_coef=0.1"]).train.algorithm.needs.reference  # grpo, with a reference
@@ -212,7 +213,7 @@ def test_every_algorithm_is_picked_by_name_with_its_own_fields():
         load_config(None, ["train.kl_coef=0.1"])
     ppo = load_config(None, ["train.algorithm.name=ppo", "train.algorithm.lam=0.95"]).train.algorithm
     assert (ppo.gamma, ppo.lam, ppo.value_clip, ppo.needs.critic, ppo.needs.batch_whitening) == (1.0, 0.95, 0.2, True, True)
-    assert not any(load_config(None, [f"train.algorithm.name={n}"]).train.algorithm.needs.critic for n in names[:-1])
+    assert [c().needs.critic for c in ALGORITHMS] == [n == "ppo" for n in names]  # only PPO has a critic
     # what it needs and a backend lacks: refused while the config loads, naming the fields
     for backend in ("megatron", "stub"):
         with pytest.raises(ConfigError, match=f"train.algorithm.name=ppo needs a critic \\(model.critic\\) and train.backend={backend}"):

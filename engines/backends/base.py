@@ -81,10 +81,12 @@ class TrainBatch:
 
         return cls(**{f.name: joined(f) for f in fields(TrainBatch)})
 
-    def split(self, parts: int) -> list["TrainBatch"]:
+    def split(self, parts: int, unit: int = 1) -> list["TrainBatch"]:
         """``parts`` minibatches of near-equal size; some may be empty (a rank with little data
-        still joins every collective)."""
-        bounds = [round(i * len(self) / parts) for i in range(parts + 1)]
+        still joins every collective). ``unit``: cut only between runs of that many consecutive
+        rows (a pair algorithm's (chosen, rejected) rows stay together)."""
+        units = len(self) // unit
+        bounds = [unit * round(i * units / parts) for i in range(parts)] + [len(self)]
         return [self.take(range(bounds[i], bounds[i + 1])) for i in range(parts)]
 
 
@@ -137,7 +139,8 @@ class Trainer(Protocol):
                    micro_batch_tokens: int | None = None) -> dict[str, float]:
         """One rollout batch → ``minibatches`` optimizer steps with ``algorithm``'s loss (an
         ``engines.rl.base.AlgorithmConfig``; None: the default); ``loss``, ``grad_norm``, ``tokens``
-        and the algorithm's statistics per trained token (``engines.rl.base.LossStep``)."""
+        and the algorithm's statistics per trained token (``engines.rl.base.LossStep``). Batches are
+        cut (minibatches, micro-batches) only between ``LossStep.unit`` rows: a pair's two together."""
 
     def export_weights(self) -> Iterator[tuple[str, Any]]:
         """Hugging Face-named tensors (from the host copy while asleep)."""

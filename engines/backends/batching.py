@@ -23,7 +23,7 @@ def pad_batch(batch: TrainBatch, pad_id: int):
     return ids, attn, resp, old
 
 
-def micro_batches(batch: TrainBatch, max_tokens: int | None) -> list[TrainBatch]:
+def micro_batches(batch: TrainBatch, max_tokens: int | None, unit: int = 1) -> list[TrainBatch]:
     """``batch`` cut into forward passes of at most ``max_tokens`` *padded* tokens each (rows x
     longest row, what :func:`pad_batch` computes), so that short rows are padded to short rows
     rather than to the minibatch's longest. ``None``: one pass, rows in their order; empty: none.
@@ -35,14 +35,18 @@ def micro_batches(batch: TrainBatch, max_tokens: int | None) -> list[TrainBatch]
     shows on the first). Cost: rows x rows-per-pass steps.
 
     Which rows share a pass changes only float summation order: every pass's loss is
-    normalised by the whole (DP-global) minibatch's counts and gradients accumulate."""
+    normalised by the whole (DP-global) minibatch's counts and gradients accumulate.
+
+    ``unit``: runs of that many consecutive rows (a pair algorithm's (chosen, rejected)) are
+    placed as one item, as long as its longest row, and always share a pass."""
     if not len(batch):
         return []
     if max_tokens is None:
         return [batch]
-    length = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-    order = sorted(range(len(batch)), key=lambda i: -length[i])  # stable: ties keep their order
-    width = [length[i] for i in order]  # a pass of sorted rows i..j is padded to width[i]
+    rows = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    length = [max(rows[u : u + unit]) for u in range(0, len(rows), unit)]  # per item: ``unit`` rows
+    order = sorted(range(len(length)), key=lambda i: -length[i])  # stable: ties keep their order
+    width = [length[i] * unit for i in order]  # a pass of sorted items i..j is padded to (j - i + 1) * width[i]
     # best[j]: (passes, padded tokens) of the best cut of the first j sorted rows; first[j]: where its last pass starts
     best: list[tuple[int, int]] = [(0, 0)]
     first: list[int] = [0]
@@ -58,4 +62,5 @@ def micro_batches(batch: TrainBatch, max_tokens: int | None) -> list[TrainBatch]
     while j:
         cuts.append((first[j], j))
         j = first[j]
-    return [batch.take(order[a:b]) for a, b in reversed(cuts)]
+    return [batch.take([u * unit + k for u in order[a:b] for k in range(unit) if u * unit + k < len(batch)])
+            for a, b in reversed(cuts)]

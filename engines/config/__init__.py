@@ -63,6 +63,20 @@ class RunConfig(Section):
             raise ValueError(f"hosts.devices has {len(self.hosts.devices)} entries for dp={self.dp} groups (one per group)")
         return self
 
+    @model_validator(mode="after")
+    def _pairs_have_a_source(self):
+        # what an algorithm needs, not its name (rollout.samples_per_prompt >= 2 already gives online pairs)
+        needs, name = self.train.algorithm.needs, self.train.algorithm.name
+        if needs.preferences and self.data.preferences is None:
+            raise ValueError(f"data.preferences is not set: train.algorithm.name={name} learns from a preference dataset's "
+                             "(chosen, rejected) pairs; name a Parquet of them (data.prompts' columns plus 'chosen' and "
+                             "'rejected'), e.g. data.preferences=data/preferences")
+        if self.data.preferences is not None and not needs.preferences:
+            raise ValueError(f"data.preferences={self.data.preferences}: train.algorithm.name={name} does not learn from a "
+                             "preference dataset (it samples its own); unset data.preferences, or pick an algorithm that "
+                             "does (docs/algorithms.md)")
+        return self
+
     def uri(self, path: str) -> str:
         """Resolve a config path against the storage root."""
         return objectstore.resolve(self.storage.root, path)

@@ -149,6 +149,10 @@ class DataConfig(Section):
         "(a chat: a list of {role, content}), answer, and for a vision-language policy images: a list of encoded PNG/JPEG "
         "images per prompt, whose text holds the model's image placeholder once per image).")
     heldout: str | None = Field("data/heldout", description="Held-out prompts for accuracy before/after RL (None: skip).")
+    preferences: str | None = Field(
+        None, description="Preference dataset for an algorithm that learns from a dataset's pairs (train.algorithm.name="
+        "dpo): data.prompts' columns plus 'chosen' and 'rejected' (the two responses, text). Read instead of data.prompts, "
+        "a wave at a time: each row's two responses are the step's samples (no generation, no judge). None: rollouts.")
     chat_template: Literal["auto", "none"] = Field(
         "auto", description="auto: render every prompt with the model's own chat template when its tokenizer (or "
         "processor) has one (plain text as one user turn, then the assistant's turn opened), for rollout, training, "

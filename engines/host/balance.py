@@ -160,7 +160,7 @@ class PresplitBatch(TrainBatch):
         batch.parts = list(parts)
         return batch
 
-    def split(self, parts: int) -> list[TrainBatch]:
+    def split(self, parts: int, unit: int = 1) -> list[TrainBatch]:  # the plan kept units together already
         if parts != len(self.parts):
             raise ValueError(f"balanced batch was planned for {len(self.parts)} minibatches, asked to split into {parts}")
         return list(self.parts)
@@ -182,7 +182,7 @@ def to_batch(rows: list[dict]) -> TrainBatch:
 
 
 def balanced_batch(rank: int, world: int, experience: str, rows: list[dict], minibatches: int,
-                   enabled: bool) -> tuple[TrainBatch, dict]:
+                   enabled: bool, unit: int = 1) -> tuple[TrainBatch, dict]:
     """This rank's train batch, spread over the DP groups by token count (collective).
 
     The hosts all-gather (experience URI, tokens per row) — small integers, as tensors over the
@@ -190,7 +190,8 @@ def balanced_batch(rank: int, world: int, experience: str, rows: list[dict], min
     :func:`plan`, then reads the rows it is given from the other groups' experience files.
     Returns (batch, metrics); ``balance_ratio`` is max/mean of the groups' tokens (prompt +
     response) after, ``balance_ratio_before`` before; both are reported with balancing off too.
-    """
+    ``unit``: runs of that many consecutive rows (a pair algorithm's (chosen, rejected)) move as one
+    item, weighing their tokens together."""
     import torch.distributed as dist
 
     from engines.backends.distributed import all_gather_ints
@@ -209,7 +210,9 @@ def balanced_batch(rank: int, world: int, experience: str, rows: list[dict], min
     info["balance_ratio"] = info["balance_ratio_before"] = imbalance([sum(c) for c in counts])
     if not enabled:
         return to_batch(rows), info | {"balance_s": time.perf_counter() - start}
-    layout = plan(counts, minibatches)
+    per_unit = [[sum(c[u : u + unit]) for u in range(0, len(c), unit)] for c in counts]
+    layout = [[[(src, u * unit + k) for src, u in mb for k in range(unit) if u * unit + k < len(counts[src])] for mb in r]
+              for r in plan(per_unit, minibatches)]
     wanted: dict[int, set[int]] = defaultdict(set)
     for minibatch in layout[rank]:
         for src, i in minibatch:

@@ -15,8 +15,8 @@ class PromptStream:
     resumed run keep pointing at the same prompts and go on to the new ones
     (``Checkpoints.check_prompt_files`` refuses anything else)."""
 
-    def __init__(self, uri: str, rank: int, world: int, max_image_bytes: int | None = None):
-        self.reader = datasets.PromptReader(uri)
+    def __init__(self, uri: str, rank: int, world: int, max_image_bytes: int | None = None, schema=datasets.PROMPTS):
+        self.reader = datasets.PromptReader(uri, schema)  # schema: PREFERENCES for data.preferences
         self.rank, self.world, self.max_image_bytes = rank, world, max_image_bytes
 
     def __len__(self) -> int:

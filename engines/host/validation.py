@@ -63,12 +63,14 @@ def validate_inputs(config) -> dict:
     check_critic(config, policy)
     renderer = chat.Renderer(processor or AutoTokenizer.from_pretrained(policy), chat.PromptFormat.policy(config))
     counts = {}
-    for field, path in (("data.prompts", config.data.prompts), ("data.heldout", config.data.heldout)):
+    training = (("data.preferences", config.data.preferences, datasets.PREFERENCES) if config.data.preferences
+                else ("data.prompts", config.data.prompts, datasets.PROMPTS))  # the preferences are read instead
+    for field, path, schema in (training, ("data.heldout", config.data.heldout, datasets.PROMPTS)):
         if path is None:
             continue
         uri = config.uri(path)
         try:
-            reader = datasets.PromptReader(uri)
+            reader = datasets.PromptReader(uri, schema)
         except objectstore.StorageError as e:
             raise InputError(f"{field}: {e}") from e
         if len(reader) == 0:

@@ -26,7 +26,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engines.host import balance, critic as critic_host, rewards, validation
+from engines.host import balance, critic as critic_host, experience, rewards, validation
+from engines.host.preferences import PreferenceRows
 from engines.host.prompts import PromptStream
 
 from engines.backends import chat, distributed, build, multimodal
@@ -64,6 +65,7 @@ class Worker:
         self.rule: rewards.Rule | None = None  # ``reward.rule``, imported
         self.format_rule: rewards.Rule | None = None  # ``reward.format_rule``, imported
         self.prompts: PromptStream | None = None  # this group's stream of prompts (rows rank, rank+world, ...)
+        self.preferences: PreferenceRows | None = None  # data.preferences: its rows are the samples (offline DPO)
         self.vision = False  # the policy is a vision-language model: prompts come with images
         self.judge_sees_images = False  # the judge is a vision-language model too
         self.placeholder = ""  # the policy's image placeholder (taken out of a text judge's prompt)
@@ -87,7 +89,7 @@ class Worker:
         start = time.perf_counter()
         cfg = self.config = request.config
         torch.set_num_threads(self.threads)
-        prompts_uri = cfg.uri(cfg.data.prompts)
+        prompts_uri = cfg.uri(cfg.data.preferences or cfg.data.prompts)  # a preference dataset is the stream instead
         self.checkpoints = Checkpoints(self.rank, cfg.train.backend, datasets.part_files(prompts_uri))
         if request.resume:
             self.checkpoints.check_prompt_files(prompts_uri, request.resume)  # before any engine loads
@@ -115,7 +117,9 @@ class Worker:
         self.format_rule = rewards.load_rule(cfg.reward.format_rule, "reward.format_rule") if cfg.reward.format_rule else None
         self.awake = {"policy", "judge", "trainer", "critic"}  # all loaded, all on the devices
         self.engine_loads += 1
-        self.prompts = PromptStream(prompts_uri, self.rank, self.world, cfg.data.max_image_bytes)
+        self.prompts = PromptStream(prompts_uri, self.rank, self.world, cfg.data.max_image_bytes,
+                                    datasets.PREFERENCES if cfg.data.preferences else datasets.PROMPTS)
+        self.preferences = PreferenceRows(policy_dir, cfg, self.vision) if cfg.data.preferences else None
         if request.resume:
             self.checkpoints.load(self.trainer, request.resume, self.critic)
             self.sync_weights(SyncWeights())
@@ -261,12 +265,10 @@ class Worker:
         flat = [row for rows in train for row in rows]
         if cfg.train.algorithm.needs.critic:  # per-token advantages from the critic's values (full colocation: it wakes)
             self.take("critic")
-            experience = critic_host.with_token_advantages(cfg.train.algorithm, self.critic, flat, cfg.train.micro_batch_tokens)
+            trained = critic_host.with_token_advantages(cfg.train.algorithm, self.critic, flat, cfg.train.micro_batch_tokens)
         else:
-            advantages = cfg.train.algorithm.advantages([row["reward"] for row in flat],
-                                                        [hash((row["step"], row["wave"], row["prompt_id"])) for row in flat])
-            experience = [row | {"advantage": a} for row, a in zip(flat, advantages)]
-        datasets.write_rows(r.out, experience, datasets.EXPERIENCE)
+            trained = experience.training_rows(cfg.train.algorithm, flat)
+        datasets.write_rows(r.out, trained, datasets.EXPERIENCE)
         if carry:
             datasets.write_rows(r.carry_out, [row for rows in carry for row in rows], datasets.CARRY)
         elif r.carry_out is not None:
@@ -292,9 +294,11 @@ class Worker:
         start = time.perf_counter()
         switch = self.take("trainer", "critic")  # training takes the group's devices (both placement modes)
         rows = datasets.read_table(request.experience, datasets.EXPERIENCE).to_pylist()
-        batch, balanced = balance.balanced_batch(self.rank, self.world, request.experience, rows, t.minibatches, t.balance_tokens)
+        unit = t.algorithm.needs.unit  # a pair's rows stay together
+        batch, balanced = balance.balanced_batch(self.rank, self.world, request.experience, rows, t.minibatches,
+                                                 t.balance_tokens, unit)
         if self.vision:  # the rows reference their prompts' images: read them here, on the host that trains them
-            parts = batch.split(t.minibatches)
+            parts = batch.split(t.minibatches, unit)
             batch = balance.presplit([replace(p, images=self.prompts.images(p.prompt_rows)) for p in parts])
         statistics = self.trainer.train_step(batch, t.algorithm, minibatches=t.minibatches, micro_batch_tokens=t.micro_batch_tokens)
         if self.critic is not None:  # the same rows and minibatches; its statistics join the step's one dict
@@ -406,6 +410,8 @@ class Worker:
     def _generate_chunk(self, step: int, wave: int, k: int, chunk: list[dict]) -> list[dict]:
         """Rollout rows of chunk ``k`` of a wave: G samples per prompt, prompt-major."""
         progress()  # the host's heartbeat (engines/wire/channel.py): each chunk is a piece of work done
+        if self.preferences is not None:  # nothing to generate: the dataset's two responses are the samples
+            return self.preferences.rollout_rows(chunk, wave, self.trainer.version)
         ro = self.config.rollout
         gens = self.policy.generate([chat.source(row) for row in chunk], n=ro.samples_per_prompt, temperature=ro.temperature,
                                     top_p=ro.top_p, max_new_tokens=ro.max_new_tokens,
@@ -446,7 +452,8 @@ class Worker:
         """``rows`` with their verdicts and rewards (new dicts: the rollout rows are left as they are)."""
         progress()
         cfg = self.config
-        verdicts = self._verdicts(rows) if self.judge is not None and rows else [None] * len(rows)
+        judged = self.judge is not None and rows and self.preferences is None  # a preference's label is its reward
+        verdicts = self._verdicts(rows) if judged else [None] * len(rows)
         out = []
         for r, verdict in zip(rows, verdicts):
             genrm = None if verdict is None else float(verdict.startswith(cfg.judge.good))
@@ -455,6 +462,7 @@ class Worker:
             reward = cfg.reward.genrm_weight * (genrm or 0.0) + (cfg.reward.rule_weight * rule if rule is not None else 0.0)
             reward += cfg.reward.format_weight * form if form is not None else 0.0
             reward += overlong_penalty(len(r["response_ids"]), cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
+            reward = self.preferences.reward(r) if self.preferences is not None else reward
             out.append(r | {"judge_text": verdict, "genrm_reward": genrm, "rule_reward": rule, "format_reward": form,
                             "reward": reward})
         return out

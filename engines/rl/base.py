@@ -14,6 +14,12 @@ classes; ``train.algorithm`` in the run config is their discriminated union. Tra
 backward, micro-batches and the all-reduces; they hand the algorithm to :class:`LossStep`, which
 turns log-probabilities into the pass's loss and sums its statistics, so the loss loop and the
 names of the statistics live here once.
+
+An algorithm that learns from preference pairs (``Needs.pairs``: DPO) has instead ``pairs(rewards,
+groups)`` (which of a step's samples form each (chosen, rejected) pair) and ``pair_loss(chosen,
+rejected, ref_chosen, ref_rejected)`` over sequence log-probabilities. Its rows travel as
+consecutive (chosen, rejected) twos: ``Needs.unit`` is 2, and minibatches, micro-batches and the
+DP balance cut only between pairs, so a pass always holds both sequences of a pair.
 """
 
 from __future__ import annotations
@@ -36,6 +42,13 @@ class Needs:
     reference: bool = False  # a frozen copy of the starting policy (KL to it)
     batch_whitening: bool = False  # advantages normalised over the whole step, every DP group together
     critic: bool = False  # a value model (model.critic), trained beside the policy; advantages per token from its values
+    pairs: bool = False  # trains on (chosen, rejected) pairs: ``pairs`` and ``pair_loss`` instead of ``advantages`` and ``loss``
+    preferences: bool = False  # the pairs come from a preference dataset (``data.preferences``), not from rollouts
+
+    @property
+    def unit(self) -> int:
+        """Consecutive rows that one loss term reads, which batching never separates."""
+        return 2 if self.pairs else 1
 
 
 class AlgorithmConfig(BaseModel):
@@ -63,6 +76,19 @@ class AlgorithmConfig(BaseModel):
         the response tokens for the step's metrics, e.g. ``clip_fraction``: 1 where clipped)."""
         raise NotImplementedError
 
+    # -- pair algorithms (Needs.pairs) ---------------------------------------------------
+
+    def pairs(self, rewards: Sequence[float], groups: Sequence[Hashable]) -> list[tuple[int, int]]:
+        """(chosen, rejected) indices of one step's samples of one DP group."""
+        raise NotImplementedError
+
+    def pair_loss(self, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
+                  ref_rejected: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-pair loss [pairs] from sequence log-probabilities (sums over the response tokens) of
+        the policy and the reference, and per-pair statistics of the same shape (averaged over the
+        step's pairs)."""
+        raise NotImplementedError
+
 
 SHARED_STATISTICS = ("entropy", "kl_rollout", "kl_reference")  # every algorithm's (algorithms.step_statistics)
 DPSum = Callable[[list[float]], list[float]]  # the trainer's all-reduce: these numbers summed over the DP groups
@@ -88,11 +114,18 @@ class LossStep:
 
     def __init__(self, algorithm: AlgorithmConfig, advantages: Sequence[float], dp_sum: DPSum):
         self.algorithm = algorithm
+        self.unit = algorithm.needs.unit  # rows per loss term: the trainers cut their batches between units
         # per-token statistics summed over this rank's tokens (on the device once added to); their
         # names from a pass over no tokens, so that a rank given no rows reports them too (as 0)
         empty = torch.zeros(0, 0, dtype=torch.float64)
-        names = [*algorithm.loss(empty, empty, torch.zeros(0, dtype=torch.float64), empty)[1], *SHARED_STATISTICS]
+        if algorithm.needs.pairs:  # per-pair statistics: averaged over pairs rather than tokens
+            names = list(algorithm.pair_loss(*[torch.zeros(0, dtype=torch.float64)] * 4)[1])
+        else:
+            names = list(algorithm.loss(empty, empty, torch.zeros(0, dtype=torch.float64), empty)[1])
+        self.pair_statistics = set(names) if algorithm.needs.pairs else set()
+        names += SHARED_STATISTICS
         self.sums = {name: torch.zeros((), dtype=torch.float64) for name in names}
+        self.pairs = 0
         self.shift, self.scale = 0.0, 1.0
         if algorithm.needs.batch_whitening:
             # the step's batch is every DP group's rows (their tokens, with per-token advantages):
@@ -103,7 +136,9 @@ class LossStep:
             self.shift, self.scale = mean, math.sqrt(max(ss / max(n, 1.0) - mean * mean, 0.0)) + 1e-6
 
     def count(self, response_ids: Sequence[Sequence[int]]) -> float:
-        """This rank's share of a minibatch's normaliser: response tokens, or sequences."""
+        """This rank's share of a minibatch's normaliser: response tokens, sequences, or pairs."""
+        if self.algorithm.needs.pairs:
+            return float(len(response_ids) // 2)
         return float(sum(len(r) for r in response_ids)) if self.algorithm.loss_aggregation == "token" else float(len(response_ids))
 
     def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: Sequence[float | Sequence[float]],
@@ -113,6 +148,8 @@ class LossStep:
 
         ``advantages``: one per sequence (a float), or one per response token (a list per sequence,
         an algorithm with a critic); the loss then gets them as ``[batch]`` or ``[batch, tokens]``."""
+        if self.algorithm.needs.pairs:
+            return self._pairs(logprobs, old_logprobs, mask, total, ref_logprobs)
         adv = (on_response_tokens(advantages, mask) if any(isinstance(a, (list, tuple)) for a in advantages)
                else torch.tensor(advantages, dtype=logprobs.dtype, device=logprobs.device))
         adv = (adv.to(logprobs.dtype) - self.shift) / self.scale
@@ -127,6 +164,25 @@ class LossStep:
                 self.sums[name] = self.sums[name] + value
         return (per_token * algorithms.token_weights(mask, self.algorithm.loss_aggregation, total)).sum()
 
+    def _pairs(self, logprobs, old_logprobs, mask, total, ref_logprobs) -> torch.Tensor:
+        """A pass of (chosen, rejected) rows: sequence log-probabilities, the algorithm's pair loss, each
+        pair weighted 1 / the minibatch's DP-global pair count."""
+        if ref_logprobs is None:
+            raise ValueError("a pair loss compares with the reference policy: the trainer computed no reference log-probs")
+        seq, ref = (logprobs * mask).sum(-1), (ref_logprobs * mask).sum(-1)
+        per_pair, stats = self.algorithm.pair_loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2])
+        with torch.no_grad():
+            shared = algorithms.step_statistics(logprobs, old_logprobs, mask, ref_logprobs)
+            stats = {name: value.detach().double().sum() for name, value in stats.items()}
+            stats |= dict(zip(SHARED_STATISTICS, shared.double()))
+            for name, value in stats.items():
+                self.sums[name] = self.sums[name] + value
+        self.pairs += len(per_pair)
+        return per_pair.sum() / max(total, 1.0)
+
     def result(self, tokens: float, **figures: float) -> dict[str, float]:
-        """``figures`` (loss, grad_norm, tokens: the trainer's own) and every statistic per trained token."""
-        return figures | {"tokens": tokens} | {name: value.item() / max(tokens, 1.0) for name, value in self.sums.items()}
+        """``figures`` (loss, grad_norm, tokens: the trainer's own) and every statistic per trained
+        token (a pair statistic: per trained pair)."""
+        return figures | {"tokens": tokens} | {
+            name: value.item() / max(float(self.pairs if name in self.pair_statistics else tokens), 1.0)
+            for name, value in self.sums.items()}

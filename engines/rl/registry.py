@@ -8,13 +8,15 @@ from typing import Annotated, Union
 from pydantic import Discriminator, Tag
 
 from engines.rl.cispo import CISPOConfig
+from engines.rl.dpo import DPOConfig
 from engines.rl.grpo import GRPOConfig
 from engines.rl.gspo import GSPOConfig
+from engines.rl.online_dpo import OnlineDPOConfig
 from engines.rl.ppo import PPOConfig
 from engines.rl.reinforce_pp import ReinforcePPConfig
 from engines.rl.rloo import RLOOConfig
 
-ALGORITHMS = (GRPOConfig, GSPOConfig, CISPOConfig, RLOOConfig, ReinforcePPConfig, PPOConfig)
+ALGORITHMS = (GRPOConfig, GSPOConfig, CISPOConfig, RLOOConfig, ReinforcePPConfig, PPOConfig, OnlineDPOConfig, DPOConfig)
 DEFAULT = GRPOConfig  # DAPO's settings: what the demo's figures were measured with
 
 

@@ -227,12 +227,12 @@ class MegatronTrainer:
         loss_total, tokens, grad_norm = 0.0, 0.0, 0.0
         self.model.train()
         pixel_cache = multimodal.PixelCache(self.processor) if self.processor is not None else None  # this step's images
-        for part in batch.split(minibatches):
+        for part in batch.split(minibatches, step.unit):
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             (total,) = self._dp_sums([step.count(part.response_ids)])
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # summed on the device: no host sync per pass
-            passes = micro_batches(part, micro_batch_tokens)
+            passes = micro_batches(part, micro_batch_tokens, step.unit)
             for k, micro in enumerate(passes):
                 report_progress()  # the host's heartbeat: a long train step is moving (engines/wire/channel.py)
                 with self.model.no_sync() if k < len(passes) - 1 else contextlib.nullcontext():

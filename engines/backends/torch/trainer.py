@@ -132,11 +132,11 @@ class TorchTrainer:
         step = LossStep(algorithm, batch.advantages, self._global_sums)
         loss_total, tokens, grad_norm = 0.0, 0.0, 0.0
         pixel_cache = multimodal.PixelCache(self.processor) if self.processor is not None else None  # this step's images
-        for part in batch.split(minibatches):
+        for part in batch.split(minibatches, step.unit):
             self.optimizer.zero_grad(set_to_none=True)
             (total,) = self._global_sums([step.count(part.response_ids)])
             loss_value = 0.0
-            for micro in micro_batches(part, micro_batch_tokens):
+            for micro in micro_batches(part, micro_batch_tokens, step.unit):
                 report_progress()  # the host's heartbeat: a long train step is moving
                 # the named regions are what a profile of the step shows (bench/train_step.py)
                 with record_function("pad_batch"):
