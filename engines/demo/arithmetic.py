@@ -80,3 +80,15 @@ def judge_examples(problems: list[tuple[str, str]], template: str, seed: int) ->
 def exact_match(prompt: str, response: str, answer: str | None) -> float:
     """Rule reward: 1.0 when the response is the exact answer, else 0.0."""
     return float(answer is not None and response.strip() == answer)
+
+
+def preference_pairs(problems: list[tuple[str, str]], seed: int) -> list[tuple[str, str, str]]:
+    """(prompt, chosen, rejected) for a scalar reward model: chosen is the right answer; rejected is
+    the teacher's carry slip (the mistake the warm-started policy makes) half the time where there
+    is one, else a near miss (one digit changed)."""
+    rng = random.Random(seed)
+    out = []
+    for p, a in problems:
+        slip = forgot_to_carry(p)
+        out.append((p, a, slip if slip != a and rng.random() < 0.5 else near_miss(rng, a)))
+    return out
