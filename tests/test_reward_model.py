@@ -132,3 +132,24 @@ def test_an_rl_step_scores_each_sample_with_the_reward_model(prepared, trained):
     assert [r["reward"] for r in scored] == pytest.approx(own, abs=1e-4)
     assert len({round(s, 4) for s in own}) > 1  # real, different scores
     assert all(r["genrm_reward"] is None and r["judge_text"] is None for r in scored)  # no judge loaded
+
+
+def test_under_partial_colocation_the_reward_model_scores_in_a_process_of_its_own_the_same(tmp_path):
+    """placement.mode=partial: the RM is a process beside the rollout engine (as the judge is); its
+    scores are the in-host model's."""
+    from engines.backends import build
+
+    folder = str(tmp_path / "rm")  # a random one-output classifier on a tiny Llama's body
+    AutoModelForSequenceClassification.from_pretrained(save_tiny_model(tmp_path / "causal"), num_labels=1).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tmp_path / "causal").save_pretrained(folder)
+    config = load_config(None, ["placement.mode=partial", "reward.reward_model_weight=1", f"model.reward_model={folder}"])
+    prompts, responses = ["47+85=", "10+20=", "99+99="], ["231", "030", "8911"]
+    here = build.make_reward_model(config.model_copy(update={"placement": config.placement.model_copy(update={"mode": "full"})}),
+                                   folder, threads=1, device="cpu")
+    apart = build.make_reward_model(config, folder, threads=1)
+    try:
+        assert isinstance(apart, build.JudgeProcess) and apart.process.is_alive()
+        scores = here.score(prompts, responses)
+        assert len(set(scores)) == 3 and apart.score(prompts, responses) == pytest.approx(scores, abs=1e-5)
+    finally:
+        apart.close()
