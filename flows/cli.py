@@ -7,6 +7,7 @@ Ctrl-C or SIGTERM stop a run, saying the step it stopped at and its last checkpo
 command continues it:
 
     yattflow sft     [-c run.yaml] [key=value ...]   supervised fine-tuning on your Parquet (or resume it)
+    yattflow rm      [-c run.yaml] [key=value ...]   train a scalar reward model on preference pairs (or resume it)
     yattflow prepare [-c run.yaml] [key=value ...]   build the demo's datasets and tiny models
     yattflow train   [-c run.yaml] [key=value ...]   run (or resume) RL training
     yattflow demo    [-c run.yaml] [key=value ...]   prepare, then train, then print accuracy
@@ -100,6 +101,10 @@ IN_PROCESS = {
     "sft": "Supervised fine-tuning of a Hugging Face causal LM (sft.base), or of a tiny model built from scratch, on a "
            "Parquet of prompts and completions (sft.data), into a new model folder (sft.output); the same run name "
            "continues a stopped run from its last check.",
+    "rm": "Train a scalar reward model (a sequence-classification head, num_labels=1) with the Bradley-Terry loss on a "
+          "Parquet of preference pairs (rm.data: chosen, rejected, prompt or messages), from a Hugging Face folder "
+          "(rm.base) or a tiny model from scratch, into a new model folder (rm.output) for model.reward_model; "
+          "rm.demo=true builds the arithmetic demo's pairs first. The same run name continues a stopped run.",
     "prepare": "Build the demo's prompt datasets and its two tiny SFT'd models (policy and GenRM) where the config "
                "points; skips what it built before, and never writes over a folder it did not make.",
     "train": "Run RL training, or resume it: the same run name continues from its last committed checkpoint.",
@@ -133,6 +138,7 @@ def _in_process(argv: list[str]) -> int:
         return 2
     from flows.console import RunConsole, log_path, ui_of_command
     from flows.prepare import prepare
+    from flows.rm import rm, summary_line, where_rm_stopped
     from flows.sft import sft
     from flows.training import train
 
@@ -143,13 +149,15 @@ def _in_process(argv: list[str]) -> int:
             if args.command == "sft":
                 result = sft(config_file=args.config, overrides=args.overrides)
                 print(f"\nsft '{config.name}': {_sft_line(result)}")
+            if args.command == "rm":
+                print(f"\nrm '{config.name}': {summary_line(rm(config_file=args.config, overrides=args.overrides))}")
             if args.command in ("prepare", "demo"):
                 prepare(config_file=args.config, overrides=args.overrides)
             if args.command in ("train", "demo"):
                 summary = asyncio.run(train(config_file=args.config, overrides=args.overrides))
                 print(f"\nrun '{config.name}': {_heldout_line(summary)}; final policy: {summary['final_model']}")
     except (KeyboardInterrupt, asyncio.CancelledError):  # (asyncio.run re-raises a cancel that was not only ours)
-        where = where_sft_stopped(config) if args.command == "sft" else where_it_stopped(config)
+        where = {"sft": where_sft_stopped, "rm": where_rm_stopped}.get(args.command, where_it_stopped)(config)
         print(f"\nyattflow {args.command}: {where}", file=sys.stderr, flush=True)
         return 130
     except Exception as e:  # noqa: BLE001 - the traceback is in the log above; the cause goes last, alone

@@ -62,7 +62,8 @@ ROLLOUTS = pa.schema(
 
 SCORED = ROLLOUTS.append(pa.field("judge_text", pa.string())).append(pa.field("genrm_reward", pa.float32())).append(
     pa.field("rule_reward", pa.float32())
-).append(pa.field("format_reward", pa.float32())).append(pa.field("reward", pa.float32(), nullable=False))
+).append(pa.field("format_reward", pa.float32())).append(pa.field("rm_reward", pa.float32())).append(
+    pa.field("reward", pa.float32(), nullable=False))
 
 EXPERIENCE = SCORED.append(pa.field("advantage", pa.float32(), nullable=False)).append(
     # an algorithm with a critic (engines/host/critic.py): per response token, the advantages, the

@@ -78,6 +78,22 @@ def make_judge(cfg: RunConfig, model_dir: str, threads: int, device=None) -> Gen
     return make_generator(cfg.judge.backend, model_dir, cfg, threads, device, chat.PromptFormat.judge(cfg))
 
 
+def make_reward_model(cfg: RunConfig, model_dir: str, threads: int, device=None):
+    """The scalar reward model (``model.reward_model``), on the judge's side of placement: under
+    partial colocation in a process of its own as the judge is (its share of the devices), else
+    in the host, switched with the judge (``Worker.take``)."""
+    if cfg.placement.mode == "partial":
+        return JudgeProcess(cfg, model_dir, cfg.placement.judge_threads or max(1, threads // 2), cfg.placement.judge_devices,
+                            role="reward model")
+    return _reward_model(cfg, model_dir, device)
+
+
+def _reward_model(cfg: RunConfig, model_dir: str, device=None):
+    from engines.backends.torch.reward_model import TorchRewardModel
+
+    return TorchRewardModel(model_dir, dtype=cfg.model.dtype, device=device, prompt_format=chat.PromptFormat.policy(cfg))
+
+
 class JudgeProcess:
     """Partial colocation's GenRM judge: a generator of its own in a child process, with its own
     share of the group's devices (CUDA: ``placement.judge_devices`` of the host's visible ones;
@@ -88,7 +104,9 @@ class JudgeProcess:
     child (never the network), one at a time. The child exits when the pipe closes (and with the
     host's process group)."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str, threads: int, devices: list[int] | None = None):
+    def __init__(self, cfg: RunConfig, model_dir: str, threads: int, devices: list[int] | None = None,
+                 role: str = "GenRM judge"):
+        self.role = role  # "reward model": the child holds the scalar reward model instead (its ``score``)
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited torch or CUDA state
         self._conn, child = ctx.Pipe()
         env = {}
@@ -97,8 +115,8 @@ class JudgeProcess:
             ids = visible.split(",") if visible else [str(i) for i in range(max(devices) + 1)]
             env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in devices)
         self._lock = threading.Lock()
-        self.process = ctx.Process(target=_judge_process, args=(child, cfg.model_dump(), model_dir, threads, env),
-                                   name="genrm-judge", daemon=True)
+        self.process = ctx.Process(target=_judge_process, args=(child, cfg.model_dump(), model_dir, threads, env, role),
+                                   name=role.lower().replace(" ", "-"), daemon=True)
         self.process.start()
         child.close()
         self._call("ping")  # loaded: fail at setup, not in the first wave
@@ -109,13 +127,16 @@ class JudgeProcess:
                 self._conn.send((method, args, kwargs))
                 ok, value = self._conn.recv()
             except (EOFError, OSError) as e:
-                raise RuntimeError(f"the GenRM judge process is gone (exit code {self.process.exitcode})") from e
+                raise RuntimeError(f"the {self.role} process is gone (exit code {self.process.exitcode})") from e
         if not ok:
-            raise RuntimeError(f"the GenRM judge process failed in '{method}':\n{value}")
+            raise RuntimeError(f"the {self.role} process failed in '{method}':\n{value}")
         return value
 
     def generate(self, prompts: list[str], **kwargs) -> list[Generation]:
         return self._call("generate", prompts, **kwargs)
+
+    def score(self, prompts: list, responses: list[str]) -> list[float]:
+        return self._call("score", prompts, responses)
 
     def update_weights(self, named_tensors) -> int:
         return self._call("update_weights", list(named_tensors))
@@ -131,15 +152,16 @@ class JudgeProcess:
         self.process.join(timeout=10)
 
 
-def _judge_process(conn, config: dict, model_dir: str, threads: int, env: dict) -> None:
-    """The judge's child process: load the generator, then answer calls until the pipe closes."""
+def _judge_process(conn, config: dict, model_dir: str, threads: int, env: dict, role: str = "GenRM judge") -> None:
+    """The judge's (or the reward model's) child process: load it, then answer calls until the pipe closes."""
     os.environ.update(env)  # before torch (and CUDA) load
     import torch
 
     torch.set_num_threads(threads)
     cfg = RunConfig.model_validate(config)
     try:
-        judge = make_generator(cfg.judge.backend, model_dir, cfg, threads, prompt_format=chat.PromptFormat.judge(cfg))
+        judge = (_reward_model(cfg, model_dir) if role == "reward model" else
+                 make_generator(cfg.judge.backend, model_dir, cfg, threads, prompt_format=chat.PromptFormat.judge(cfg)))
     except Exception:  # noqa: BLE001 - answered to the first call
         judge, error = None, traceback.format_exc()
     while True:
@@ -149,7 +171,7 @@ def _judge_process(conn, config: dict, model_dir: str, threads: int, env: dict) 
             return
         try:
             if judge is None:
-                raise RuntimeError(f"the judge did not load:\n{error}")
+                raise RuntimeError(f"the {role} did not load:\n{error}")
             value = None if method == "ping" else getattr(judge, method)(*args, **kwargs)
             conn.send((True, value))
         except Exception:  # noqa: BLE001 - sent back to the host's command

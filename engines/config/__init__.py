@@ -23,6 +23,7 @@ from engines.config.sections import (
     JudgeConfig, RewardConfig, SamplingConfig, PlacementConfig, CheckpointConfig, HostsConfig,
     RunControlConfig, RetriesConfig, TimeoutsConfig,
 )
+from engines.config.rm import RMConfig
 from engines.config.train import TrainConfig
 from storage import objectstore
 
@@ -42,6 +43,7 @@ class RunConfig(Section):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    rm: RMConfig = Field(default_factory=RMConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -61,6 +63,12 @@ class RunConfig(Section):
     def _devices_per_group(self):
         if self.hosts.devices is not None and len(self.hosts.devices) != self.dp:
             raise ValueError(f"hosts.devices has {len(self.hosts.devices)} entries for dp={self.dp} groups (one per group)")
+        if self.reward.reward_model_weight > 0 and self.model.reward_model is None:
+            raise ValueError(f"reward.reward_model_weight={self.reward.reward_model_weight} but model.reward_model is not "
+                             "set: name the reward model's folder (e.g. one `yattflow rm` wrote: model.reward_model=models/rm)")
+        if self.data.heldout is not None and not self.reward.rule and self.reward.genrm_weight == 0:
+            raise ValueError("data.heldout is scored by reward.rule, else by the judge (reward.genrm_weight > 0), never by "
+                             "the reward model: name a reward.rule (its rule_weight may be 0) or set data.heldout=null")
         return self
 
     @model_validator(mode="after")

@@ -140,6 +140,10 @@ class ModelConfig(Section):
         None, description="Hugging Face folder (a causal LM) whose transformer, with a fresh scalar value head, is the "
         "critic of an algorithm that has one (train.algorithm.name=ppo); None: the policy's folder (model.policy), as "
         "OpenRLHF and veRL initialise it. Unused by algorithms without a critic.")
+    reward_model: str | None = Field(
+        None, description="Hugging Face folder of a scalar reward model: an AutoModelForSequenceClassification with "
+        "num_labels=1 (e.g. trained by `yattflow rm`), scoring the rendered prompt + response; used with "
+        "reward.reward_model_weight > 0. None: none.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Engine dtype.")
 
 
@@ -238,6 +242,8 @@ class JudgeConfig(Section):
 
 class RewardConfig(Section):
     genrm_weight: float = Field(1.0, ge=0, description="Weight of the generative reward model's verdict.")
+    reward_model_weight: float = Field(
+        0.0, ge=0, description="Weight of the scalar reward model's score (model.reward_model; docs/reward-model.md).")
     rule: str | None = Field(
         "engines.demo.arithmetic:exact_match",
         description="Rule reward 'module:function' or 'path/to/file.py:function', called as function(prompt, response, "
@@ -256,8 +262,8 @@ class RewardConfig(Section):
 
     @model_validator(mode="after")
     def _some_reward(self):
-        if self.genrm_weight == 0 and (self.rule is None or self.rule_weight == 0):
-            raise ValueError("no reward: set genrm_weight > 0 or a rule with rule_weight > 0")
+        if self.genrm_weight == 0 and self.reward_model_weight == 0 and (self.rule is None or self.rule_weight == 0):
+            raise ValueError("no reward: set genrm_weight > 0, reward_model_weight > 0 or a rule with rule_weight > 0")
         if self.format_weight > 0 and self.format_rule is None:
             raise ValueError(f"format_weight={self.format_weight} but no format_rule: name one (module:function)")
         return self

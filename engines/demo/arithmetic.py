@@ -77,18 +77,23 @@ def judge_examples(problems: list[tuple[str, str]], template: str, seed: int) ->
     return out
 
 
-def preference_pairs(problems: list[tuple[str, str]], seed: int) -> list[tuple[str, str, str, str]]:
-    """(prompt, answer, chosen, rejected) per problem for offline DPO: the right answer over the carry
-    mistake the SFT'd policy learned from the teacher (its greedy answer wherever a carry is needed),
-    or over a near miss where no carry is needed (the mistake would be the right answer)."""
+def preference_pairs(problems: list[tuple[str, str]], seed: int, slip_share: float = 1.0) -> list[tuple[str, str, str, str]]:
+    """(prompt, answer, chosen, rejected) per problem: chosen is the right answer; rejected is the
+    carry mistake the SFT'd policy learned from the teacher (its greedy answer wherever a carry is
+    needed), a ``slip_share`` of the time where there is one, else a near miss (one digit changed).
+    Offline DPO's pairs take every slip (1.0); the scalar reward model's demo half (0.5), so that it
+    also learns to rank near misses."""
     rng = random.Random(seed)
     out = []
     for p, a in problems:
         slip = forgot_to_carry(p)
-        out.append((p, a, a, slip if slip != a else near_miss(rng, a)))
+        use_slip = slip != a and (slip_share >= 1.0 or rng.random() < slip_share)
+        out.append((p, a, a, slip if use_slip else near_miss(rng, a)))
     return out
 
 
 def exact_match(prompt: str, response: str, answer: str | None) -> float:
     """Rule reward: 1.0 when the response is the exact answer, else 0.0."""
     return float(answer is not None and response.strip() == answer)
+
+

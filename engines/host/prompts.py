@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engines.backends import multimodal
+from engines.backends import chat, multimodal
 from storage import datasets
 
 
@@ -35,6 +35,12 @@ class PromptStream:
                 multimodal.check_image(blob, f"{self.reader.uri} (prompt_id {r['prompt_id']}): field 'images'[{i}]",
                                        self.max_image_bytes or len(blob))
         return batch
+
+    def sources(self, rows: list[int]) -> list:
+        """What the prompts at dataset ``rows`` ask the model (``chat.source``: messages, else text)."""
+        distinct = sorted(set(rows))
+        found = dict(zip(distinct, (chat.source(r) for r in self.reader.rows(distinct))))
+        return [found[row] for row in rows]
 
     def images(self, rows: list[int]) -> list[list[bytes]]:
         """The images of the prompts at dataset ``rows`` (each distinct row read once)."""

@@ -112,3 +112,12 @@ def _import_file(spec: str, path: Path, field: str):
     except Exception as e:  # noqa: BLE001 - any failure of the user's file is reported by name
         raise RewardRuleError(f"{field} {spec}: importing {path} failed ({type(e).__name__}: {e})") from e
     return module
+
+
+def model_scores(reward_model, prompts, rows: list[dict]) -> list[float | None]:
+    """The scalar reward model's score of each scored row (None each without one): it reads the
+    prompt as the policy was given it (``prompts``, the group's ``PromptStream``: a chat row's
+    ``messages``, not only its last turn), then the response."""
+    if reward_model is None or not rows:
+        return [None] * len(rows)
+    return reward_model.score(prompts.sources([r["prompt_row"] for r in rows]), [r["response"] for r in rows])

@@ -54,6 +54,7 @@ def validate_inputs(config) -> dict:
     if config.reward.genrm_weight > 0:
         check_verdict_words(config, AutoTokenizer.from_pretrained(check_model_folder("model.judge", config.uri(config.model.judge),
                                                                                      config.judge.backend)))
+    check_reward_model(config)
     rule = rewards.load_rule(config.reward.rule) if config.reward.rule else None
     form = rewards.load_rule(config.reward.format_rule, "reward.format_rule") if config.reward.format_rule else None
     processor = check_vision(config, policy)
@@ -102,6 +103,26 @@ def validate_inputs(config) -> dict:
         check_answers(config, field, uri, first, unanswered, len(reader), rule, form)
         counts[field] = len(reader)
     return counts
+
+
+def check_reward_model(config) -> None:
+    """With reward.reward_model_weight > 0, model.reward_model is a sequence classifier with one
+    output (``engines.reward_model.reward_head_problem``), else an error naming the field and what
+    its config.json holds."""
+    if config.reward.reward_model_weight == 0:
+        return
+    from transformers import AutoConfig
+
+    from engines.reward_model import reward_head_problem
+
+    uri = config.uri(config.model.reward_model)
+    try:
+        found = AutoConfig.from_pretrained(objectstore.local_folder(uri))
+    except Exception as e:  # noqa: BLE001 - any failure means the folder is unusable
+        raise InputError(f"model.reward_model: {uri} is not a readable Hugging Face model folder ({type(e).__name__}: {e})") from e
+    if problem := reward_head_problem(found):
+        raise InputError(f"model.reward_model: {uri}/config.json: {problem}: a scalar reward model is an "
+                         "AutoModelForSequenceClassification with num_labels=1 (`yattflow rm` trains one)")
 
 
 def check_megatron_architecture(config, policy: str) -> None:

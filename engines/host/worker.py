@@ -60,6 +60,7 @@ class Worker:
         self.config: RunConfig | None = None
         self.policy: Generator | None = None  # the rollout engine
         self.judge: Generator | None = None  # the GenRM (None: no judge)
+        self.reward_model = None  # the scalar reward model (model.reward_model; None: none), on the judge's side
         self.trainer: Trainer | None = None
         self.critic = None  # an algorithm with a critic (Needs.critic): its value model (engines/host/critic.py)
         self.rule: rewards.Rule | None = None  # ``reward.rule``, imported
@@ -111,6 +112,8 @@ class Worker:
             judge_dir = objectstore.local_folder(cfg.uri(cfg.model.judge))
             self.judge = build.make_judge(cfg, judge_dir, self.threads, device)
             self.judge_sees_images = self.vision and multimodal.is_vision_folder(judge_dir)
+        self.reward_model = (build.make_reward_model(cfg, objectstore.local_folder(cfg.uri(cfg.model.reward_model)), self.threads,
+                                                     device) if cfg.reward.reward_model_weight > 0 else None)
         if self.vision:
             self.placeholder = multimodal.placeholder(multimodal.load_processor(policy_dir))
         self.rule = rewards.load_rule(cfg.reward.rule) if cfg.reward.rule else None
@@ -148,7 +151,8 @@ class Worker:
 
     @handle.register
     def genrm_score(self, request: GenRMScore) -> GenRMScoreResult:
-        """Reward = genrm_weight * judge verdict + rule_weight * rule + format_weight * format rule + overlong penalty.
+        """Reward = genrm_weight * judge verdict + rule_weight * rule + format_weight * format rule
+        + reward_model_weight * reward model score + overlong penalty.
 
         The judge scores the rollout's chunks one by one (the same batches as in
         ``rollout_and_score``, so its batched greedy verdicts are the same in both placement modes)."""
@@ -383,14 +387,16 @@ class Worker:
         takes the devices alone. Stages that only read the trainer's weights (``export_policy``,
         ``params_sha``) read a sleeping trainer's host copy."""
         start = time.perf_counter()
-        engines_by_name = {"policy": self.policy, "judge": self.judge, "trainer": self.trainer, "critic": self.critic}
+        # "judge": the scorers, GenRM and scalar reward model (either may be None)
+        engines_by_name = {"policy": [self.policy], "judge": [self.judge, self.reward_model], "trainer": [self.trainer],
+                           "critic": [self.critic]}
         for name in sorted(self.awake - set(engines)):
-            if engines_by_name[name] is not None:
-                engines_by_name[name].sleep()
+            for engine in (e for e in engines_by_name[name] if e is not None):
+                engine.sleep()
             self.awake.discard(name)
         for name in engines:
-            if name not in self.awake and engines_by_name[name] is not None:
-                engines_by_name[name].wake()
+            for engine in (e for e in engines_by_name[name] if e is not None and name not in self.awake):
+                engine.wake()
             self.awake.add(name)
         return time.perf_counter() - start
 
@@ -454,17 +460,19 @@ class Worker:
         cfg = self.config
         judged = self.judge is not None and rows and self.preferences is None  # a preference's label is its reward
         verdicts = self._verdicts(rows) if judged else [None] * len(rows)
+        scores = rewards.model_scores(self.reward_model, self.prompts, rows) if self.preferences is None else [None] * len(rows)
         out = []
-        for r, verdict in zip(rows, verdicts):
+        for r, verdict, rm in zip(rows, verdicts, scores):
             genrm = None if verdict is None else float(verdict.startswith(cfg.judge.good))
             rule = self.rule(r["prompt"], r["response"], r["answer"], r["prompt_id"]) if self.rule else None
             form = self.format_rule(r["prompt"], r["response"], r["answer"], r["prompt_id"]) if self.format_rule else None
             reward = cfg.reward.genrm_weight * (genrm or 0.0) + (cfg.reward.rule_weight * rule if rule is not None else 0.0)
             reward += cfg.reward.format_weight * form if form is not None else 0.0
+            reward += cfg.reward.reward_model_weight * rm if rm is not None else 0.0
             reward += overlong_penalty(len(r["response_ids"]), cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
             reward = self.preferences.reward(r) if self.preferences is not None else reward
             out.append(r | {"judge_text": verdict, "genrm_reward": genrm, "rule_reward": rule, "format_reward": form,
-                            "reward": reward})
+                            "rm_reward": rm, "reward": reward})
         return out
 
     def _rollout_result(self, r: Rollout, rows: list[dict], seconds: float, switch: float) -> RolloutResult:
