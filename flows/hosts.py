@@ -84,7 +84,7 @@ class DeployedHosts:
 
     async def __aenter__(self) -> "DeployedHosts":
         cfg, h = self.config, self.config.hosts
-        secret = secrets.token_bytes(32)
+        self.secret = secret = secrets.token_bytes(32)  # node controllers (flows/nodes.py) connect with it too
         await Secret(value=secret.hex()).asave(self.block)
         try:
             controller = str(flow_run.get_id())
@@ -101,6 +101,7 @@ class DeployedHosts:
             for g, w in enumerate(where):
                 connect(cfg.name, g, (w["address"], w["port"]), secret, cfg.host_timeout_s, cfg.timeouts.stage_s)
             self.master = f"{where[0]['address']}:{where[0]['dist_port']}"
+            self.addresses = [(w["address"], w["port"]) for w in where]
         except BaseException:
             await self.__aexit__(None, None, None)
             raise

@@ -23,6 +23,7 @@ from engines.config.sections import (
     JudgeConfig, RewardConfig, SamplingConfig, PlacementConfig, CheckpointConfig, HostsConfig,
     RunControlConfig, RetriesConfig, TimeoutsConfig,
 )
+from engines.config.controllers import ControllersConfig
 from engines.config.train import TrainConfig
 from storage import objectstore
 
@@ -53,6 +54,7 @@ class RunConfig(Section):
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     hosts: HostsConfig = Field(default_factory=HostsConfig)
+    controllers: ControllersConfig = Field(default_factory=ControllersConfig)
     run: RunControlConfig = Field(default_factory=RunControlConfig)
     retries: RetriesConfig = Field(default_factory=RetriesConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
