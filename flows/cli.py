@@ -409,7 +409,13 @@ def status(argv: list[str]) -> int:
     return run_status(argv)
 
 
-PREFECT_COMMANDS = {"server": server, "deploy": deploy, "run": run, "status": status}
+def stack(argv: list[str]) -> int:
+    from flows.stack import stack as start_stack  # (flows/stack.py: API replicas, Redis, services)
+
+    return start_stack(argv)
+
+
+PREFECT_COMMANDS = {"server": server, "stack": stack, "deploy": deploy, "run": run, "status": status}
 
 
 if __name__ == "__main__":
