@@ -60,8 +60,8 @@ def cpu_of(p: psutil.Process, tree: bool = False) -> float:
 class CpuMeter:
     """Snapshots every component's CPU seconds whenever the run's log shows another finished step."""
 
-    def __init__(self, log: Path, server: psutil.Process, postmaster: psutil.Process):
-        self.log, self.server, self.postmaster = log, server, postmaster
+    def __init__(self, log: Path, server: list[psutil.Process], postmaster: psutil.Process):
+        self.log, self.server, self.postmaster = log, server, postmaster  # server: its processes (a stack's: several)
         self.me = psutil.Process()
         self.snaps: list[dict] = []  # one per finished step, in order
         self._stop = threading.Event()
@@ -95,7 +95,7 @@ class CpuMeter:
         nodes = sorted(procs["nodes"], key=lambda p: p.pid)
         return {"t": time.perf_counter(), "parent": sum(cpu_of(p) for p in procs["parent"]),
                 "nodes": [cpu_of(p) for p in nodes], "hosts": sum(cpu_of(p) for p in procs["hosts"]),
-                "server": cpu_of(self.server, tree=True), "postgres": cpu_of(self.postmaster, tree=True)}
+                "server": sum(cpu_of(p, tree=True) for p in self.server), "postgres": cpu_of(self.postmaster, tree=True)}
 
     def _run(self):
         seen = 0
@@ -142,7 +142,8 @@ def one_run(server: PrefectServer, cluster: PostgresCluster, root: str, work: Pa
     if per_node:
         overrides.append(f"controllers.groups_per_node={per_node}")
     start = time.perf_counter()
-    with CpuMeter(log, psutil.Process(server.proc.pid), postmaster(cluster)) as meter:
+    procs = [psutil.Process(p.pid) for p, _ in server.procs] if hasattr(server, "procs") else [psutil.Process(server.proc.pid)]
+    with CpuMeter(log, procs, postmaster(cluster)) as meter:
         summary = run_flow_subprocess(server.url, "flows.training:train", log_path=log, overrides=overrides,
                                       timeout=args.timeout or 120 + 25 * dp)
     fig = per_iteration(meter.snaps, summary["history"], args.warmup)
@@ -167,6 +168,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host-mb", type=float, default=250, help="private memory per engine host assumed for the memory check (MB)")
     p.add_argument("--project", default="256,1024,4096", help="DP sizes of the projection table")
     p.add_argument("--keep", metavar="DIR", help="keep the work folder in DIR")
+    p.add_argument("--only-nodes", action="store_true", help="run the node-controller shape only")
+    p.add_argument("--stack", type=int, default=0, metavar="REPLICAS",
+                   help="run on `yattflow stack` (flows/stack.py: REPLICAS API replicas, Redis, a services process, yattflow's "
+                   "server settings) instead of one default `prefect server start`; its CPU is all of them together")
     return p.parse_args(argv)
 
 
@@ -175,11 +180,17 @@ def main(argv=None) -> dict:
     dps = [int(x) for x in args.dps.split(",") if x.strip()]
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="yattflow-nodes-"))
     work.mkdir(parents=True, exist_ok=True)
-    tag, out = time.strftime("%H%M%S"), {"runs": [], "skipped": {}, "cpu": CPU}
+    tag, out = time.strftime("%H%M%S"), {"runs": [], "skipped": {}, "cpu": CPU,
+                                         "server": f"yattflow stack, {args.stack} replicas" if args.stack else "prefect server start"}
     cluster, server = PostgresCluster(), None
     try:
         cluster.start()
-        server = PrefectServer(cluster.url, home=work / "prefect").start()
+        if args.stack:
+            from flows.stack import Stack
+
+            server = Stack(cluster.url, replicas=args.stack, home=work / "stack").start()
+        else:
+            server = PrefectServer(cluster.url, home=work / "prefect").start()
         root = args.store or str(work / "store")
         if not args.store:
             run_flow_subprocess(server.url, "flows.prepare:prepare", log_path=work / "prepare.log",
@@ -190,7 +201,7 @@ def main(argv=None) -> dict:
                 out["skipped"][dp] = f"needs ~{need / 1024:.1f} GB for {dp} hosts, {available_mb() / 1024:.1f} GB available"
                 print(f"  dp={dp}: skipped, {out['skipped'][dp]}", flush=True)
                 continue
-            for per_node in (None, args.groups_per_node):  # the same server, store and size: today's shape, then nodes
+            for per_node in ((args.groups_per_node,) if args.only_nodes else (None, args.groups_per_node)):  # the same server, store and size: today's shape, then nodes
                 out["runs"].append(one_run(server, cluster, root, work, dp, per_node, args, tag))
     finally:
         if server is not None:
@@ -204,7 +215,8 @@ def main(argv=None) -> dict:
 
 
 def report(runs: list[dict], args) -> str:
-    lines = [f"\n### Orchestration CPU per iteration, timing-stub engines, PostgreSQL ({CPU})\n",
+    server = f"yattflow stack ({args.stack} API replicas, Redis, services process)" if args.stack else "one `prefect server start`"
+    lines = [f"\n### Orchestration CPU per iteration, timing-stub engines, PostgreSQL, {server} ({CPU})\n",
              "| dp | controllers | parent CPU (s) | node controllers' CPU, each (s) | Prefect server CPU (s) | PostgreSQL CPU (s) | "
              "orchestration CPU (s) | per DP group (ms) | wall (s) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:

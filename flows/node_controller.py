@@ -18,7 +18,7 @@ import os
 import threading
 from multiprocessing.connection import Listener
 
-from engines.host.process import _exit_with_parent
+from engines.host.process import _exit_with_parent, advertised_address
 from engines.wire.channel import answer, connect, disconnect, progress
 from flows.nodes import NodeConnect, NodeConnectResult, NodeIteration, NodeIterationResult
 
@@ -110,7 +110,7 @@ def main() -> None:
     threading.Thread(target=loop.run_forever, name="node-loop", daemon=True).start()
     connected: dict = {}
     with Listener((args.bind, 0), authkey=secret) as listener:
-        print(f"READY {args.bind}:{listener.address[1]} 0", flush=True)
+        print(f"READY {advertised_address(args.bind)}:{listener.address[1]} 0", flush=True)
         os.dup2(2, 1)
         answer(listener.accept(), functools.partial(_handle, loop, connected), args.rank)
     # the run said shutdown: end this node's host channels (their shutdown ends only this connection). A

@@ -88,17 +88,23 @@ async def node_controllers(config: RunConfig, hosts):
         raise ValueError("controllers.groups_per_node: node controllers report to a Prefect server, and this run has none "
                          "(set PREFECT_API_URL, e.g. to `yattflow server`'s or `yattflow stack`'s API)")
     nodes = c.nodes(config.dp)
-    procs = [HostProcess(k, len(nodes), 1, hosts.secret, c.bind, module="flows.node_controller") for k in range(len(nodes))]
+    # deployed hosts: each node's first host flow run started its node controller on that node (flows/hosts.py);
+    # local hosts: the node controllers are this process's children, on controllers.bind
+    deployed = getattr(hosts, "node_addresses", None)
+    procs = [] if deployed else [HostProcess(k, len(nodes), 1, hosts.secret, c.bind, module="flows.node_controller")
+                                 for k in range(len(nodes))]
     try:
-        for k, proc in enumerate(procs):
-            await asyncio.wait_for(asyncio.to_thread(proc.wait_ready), c.start_timeout_s)
-            _nodes[(config.name, k)] = HostClient(proc.address, hosts.secret, k, float("inf"), config.timeouts.stage_s,
+        for k in range(len(nodes)):
+            if not deployed:
+                await asyncio.wait_for(asyncio.to_thread(procs[k].wait_ready), c.start_timeout_s)
+            address = deployed[k] if deployed else procs[k].address
+            _nodes[(config.name, k)] = HostClient(address, hosts.secret, k, float("inf"), config.timeouts.stage_s,
                                                   label=f"node-{k}")
         await asyncio.gather(*(asyncio.to_thread(_nodes[(config.name, k)].call, NodeConnect(
             run=config.name, hosts=[(g, *hosts.addresses[g]) for g in groups], secret=hosts.secret.hex(),
             timeout_s=config.host_timeout_s, stage_s=config.timeouts.stage_s)) for k, groups in enumerate(nodes)))
-        get_run_logger().info("%d node controllers of %s DP groups each: pids %s", len(nodes), c.groups_per_node,
-                              ", ".join(str(p.proc.pid) for p in procs))
+        get_run_logger().info("%d node controllers of %s DP groups each, at %s", len(nodes), c.groups_per_node,
+                              ", ".join("{}:{}".format(*_nodes[(config.name, k)].address) for k in range(len(nodes))))
         yield
     finally:
         for k in range(len(nodes)):

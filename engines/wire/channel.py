@@ -50,6 +50,7 @@ class HostClient:
                  label: str | None = None):
         self.group = group
         self.label = label or f"dp-{group}"  # in messages: the group, or a node controller (flows/nodes.py)
+        self.address = address
         self.timeout_s, self.stage_s = timeout_s, stage_s
         self._conn: Connection = Client(address, authkey=secret)
         self._lock = threading.Lock()
