@@ -14,6 +14,7 @@ command continues it:
 The Prefect way (a server, a worker on a work pool, deployments from deployments/prefect.yaml):
 
     yattflow server [--port 4200]                    local Prefect server + a process worker; Ctrl-C stops both
+    yattflow stack --database-url URL [--replicas N] API replicas on PostgreSQL, Redis, services (flows/stack.py)
     yattflow deploy [--kubernetes]                   create the work pool(s) if missing, then `prefect deploy`
     yattflow run    [-c run.yaml] [key=value ...]    a flow run of train/yattflow; prints its URL
     yattflow status [name]                           each run from storage; with a server, its flow-run state too

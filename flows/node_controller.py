@@ -18,6 +18,7 @@ import os
 import threading
 from multiprocessing.connection import Listener
 
+from engines.host import faults
 from engines.host.process import _exit_with_parent, advertised_address
 from engines.wire.channel import answer, connect, disconnect, progress
 from flows.nodes import NodeConnect, NodeConnectResult, NodeIteration, NodeIterationResult
@@ -85,6 +86,8 @@ def _handle(loop: asyncio.AbstractEventLoop, connected: dict, request):
         connected["run"], connected["groups"] = request.run, [g for g, _, _ in request.hosts]
         return NodeConnectResult(groups=connected["groups"])
     if isinstance(request, NodeIteration):
+        faults.inject("node_iteration", request.step, connected["node"])  # a node that dies, for tests (engines/host/faults.py)
+
         async def step():
             done = asyncio.Event()
             beat = asyncio.ensure_future(_beat(done))
@@ -108,14 +111,14 @@ def main() -> None:
     _exit_with_parent()
     loop = asyncio.new_event_loop()  # one loop for the run: Prefect's clients and the host calls live on it
     threading.Thread(target=loop.run_forever, name="node-loop", daemon=True).start()
-    connected: dict = {}
+    connected: dict = {"node": args.rank}
     with Listener((args.bind, 0), authkey=secret) as listener:
         print(f"READY {advertised_address(args.bind)}:{listener.address[1]} 0", flush=True)
         os.dup2(2, 1)
         answer(listener.accept(), functools.partial(_handle, loop, connected), args.rank)
     # the run said shutdown: end this node's host channels (their shutdown ends only this connection). A
     # connection that dropped instead (SystemExit above) leaves them to drop too: the hosts exit, a lost node.
-    if connected:
+    if "run" in connected:
         disconnect(connected["run"], max(connected["groups"]) + 1)
 
 

@@ -91,7 +91,13 @@ class Stack:
             _wait_port(redis_port, self.procs[-1][0], timeout, self.home / "redis.log")
             env = self.env(redis_port)
             prefect = [sys.executable, "-m", "flows.prefect_server", "server"]
-            # the API first: its start migrates the database the services then use
+            # Migrate once, before any replica starts: replicas that each migrate a fresh database at start race
+            # (one failed with a duplicate pg_type, "Application startup failed"), as Prefect's guide warns.
+            migrate = subprocess.run([*prefect, "database", "upgrade", "--yes"], env=env, capture_output=True, text=True,
+                                     timeout=timeout)
+            if migrate.returncode != 0:
+                raise RuntimeError(f"prefect server database upgrade failed:\n{migrate.stdout[-2000:]}{migrate.stderr[-2000:]}")
+            env["PREFECT_API_DATABASE_MIGRATE_ON_START"] = "false"
             api = self._spawn([*prefect, "start", "--host", "127.0.0.1", "--port", str(self.port), "--no-services",
                                "--no-ui", "--workers", str(self.replicas)], env, "api")
             deadline = time.monotonic() + timeout
