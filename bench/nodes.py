@@ -27,6 +27,7 @@ import argparse
 import re
 import shutil
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -180,7 +181,7 @@ def main(argv=None) -> dict:
     dps = [int(x) for x in args.dps.split(",") if x.strip()]
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="yattflow-nodes-"))
     work.mkdir(parents=True, exist_ok=True)
-    tag, out = time.strftime("%H%M%S"), {"runs": [], "skipped": {}, "cpu": CPU,
+    tag, out = time.strftime("%H%M%S"), {"runs": [], "skipped": {}, "failed": [], "cpu": CPU,
                                          "server": f"yattflow stack, {args.stack} replicas" if args.stack else "prefect server start"}
     cluster, server = PostgresCluster(), None
     try:
@@ -202,7 +203,12 @@ def main(argv=None) -> dict:
                 print(f"  dp={dp}: skipped, {out['skipped'][dp]}", flush=True)
                 continue
             for per_node in ((args.groups_per_node,) if args.only_nodes else (None, args.groups_per_node)):  # the same server, store and size: today's shape, then nodes
-                out["runs"].append(one_run(server, cluster, root, work, dp, per_node, args, tag))
+                try:
+                    out["runs"].append(one_run(server, cluster, root, work, dp, per_node, args, tag))
+                except (RuntimeError, subprocess.TimeoutExpired) as e:  # a failed run is a finding: report it, go on
+                    reason = str(e).strip().splitlines()[-1][:300]
+                    out["failed"].append({"dp": dp, "groups_per_node": per_node, "error": reason})
+                    print(f"  dp={dp} {'nodes of ' + str(per_node) if per_node else 'one process'}: FAILED: {reason}", flush=True)
     finally:
         if server is not None:
             server.stop()
