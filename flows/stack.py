@@ -40,6 +40,21 @@ REDIS_SETTINGS = {  # prefect-redis, as Prefect's self-hosting guide configures 
 }
 
 
+_REGISTER_BLOCKS = """
+import asyncio
+from prefect.server.database import provide_database_interface
+from prefect.server.models.block_registration import run_block_auto_registration
+
+async def main():
+    session = await provide_database_interface().session()
+    async with session:
+        await run_block_auto_registration(session=session)
+        await session.commit()
+
+asyncio.run(main())
+"""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -97,7 +112,14 @@ class Stack:
                                      timeout=timeout)
             if migrate.returncode != 0:
                 raise RuntimeError(f"prefect server database upgrade failed:\n{migrate.stdout[-2000:]}{migrate.stderr[-2000:]}")
+            # The same for the block types every replica registers at start (they raced on uq_block_type__slug):
+            # once, here, as the server's startup does it; then the replicas skip both.
+            register = subprocess.run([sys.executable, "-c", _REGISTER_BLOCKS], env=env, capture_output=True, text=True,
+                                      timeout=timeout)
+            if register.returncode != 0:
+                raise RuntimeError(f"registering Prefect's block types failed:\n{register.stderr[-2000:]}")
             env["PREFECT_API_DATABASE_MIGRATE_ON_START"] = "false"
+            env["PREFECT_SERVER_REGISTER_BLOCKS_ON_START"] = "false"
             api = self._spawn([*prefect, "start", "--host", "127.0.0.1", "--port", str(self.port), "--no-services",
                                "--no-ui", "--workers", str(self.replicas)], env, "api")
             deadline = time.monotonic() + timeout

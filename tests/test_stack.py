@@ -45,5 +45,7 @@ def test_training_on_the_scaled_out_stack(prepared, tmp_path):
             assert tree["train-stacktest"][0] == "COMPLETED"
             assert_steps_completed(tree, steps=(0, 1), groups=(0, 1))
             assert sorted(stack.alive()) == ["api", "redis", "services"]
+            log = (tmp_path / "stack" / "api.log").read_text()
+            assert "startup failed" not in log and "Traceback" not in log, log[-3000:]  # both replicas started cleanly
     finally:
         cluster.stop()
