@@ -33,11 +33,12 @@ $(VENV)/.engines: $(VENV)/.installed requirements/engines.lock
 engines: $(VENV)/.engines
 
 # Debian packages some tests use: PostgreSQL (a Prefect server database that does not lock
-# under concurrent sub-flows) and Chromium (the real-browser check of the Prefect UI).
+# under concurrent sub-flows), Redis (`yattflow stack`: messaging between API replicas)
+# and Chromium (the real-browser check of the Prefect UI).
 # Installed when missing and when we are root; otherwise those tests skip and say why.
-SYSTEM_PACKAGES = postgresql chromium
+SYSTEM_PACKAGES = postgresql chromium redis-server
 system:
-	@if command -v chromium >/dev/null && ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then :; \
+	@if command -v chromium >/dev/null && command -v redis-server >/dev/null && ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ]; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null; \
 	else echo "make: not root, not installing $(SYSTEM_PACKAGES): the tests that need them will skip"; fi

@@ -6,6 +6,7 @@ torch engines; for scale benchmarks, not training).
     .venv/bin/python -m bench.scale --dps 1,4 --steps 3     # quicker
     .venv/bin/python -m bench.scale --profile               # + py-spy of the 16-group PostgreSQL run
     .venv/bin/python -m bench.scale --keep DIR; ... --store DIR/store   # prepare once, reuse the store
+    .venv/bin/python -m bench.scale --dps 16,64 --groups-per-node 8  # CPU per component, node controllers (bench/nodes.py)
 
 Everything but the engines is real: the ``flows.training:train`` flow in a fresh process, one
 async DP-group sub-flow per group with its stage tasks, one engine-host process per group (the
@@ -194,6 +195,12 @@ def prefect_floor(server: PrefectServer, dp: int, args) -> dict:
 
 
 def main(argv=None) -> dict:
+    import sys
+
+    if any(a.startswith("--groups-per-node") for a in (sys.argv[1:] if argv is None else argv)):
+        from bench import nodes  # one controller process against node controllers: CPU per component (bench/nodes.py)
+
+        return nodes.main(argv)
     args = parse_args(argv)
     dps = [int(x) for x in args.dps.split(",") if x.strip()]
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="yattflow-scale-"))

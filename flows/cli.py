@@ -15,6 +15,7 @@ command continues it:
 The Prefect way (a server, a worker on a work pool, deployments from deployments/prefect.yaml):
 
     yattflow server [--port 4200]                    local Prefect server + a process worker; Ctrl-C stops both
+    yattflow stack --database-url URL [--replicas N] API replicas on PostgreSQL, Redis, services (flows/stack.py)
     yattflow deploy [--kubernetes]                   create the work pool(s) if missing, then `prefect deploy`
     yattflow run    [-c run.yaml] [key=value ...]    a flow run of train/yattflow; prints its URL
     yattflow status [name]                           each run from storage; with a server, its flow-run state too
@@ -417,7 +418,13 @@ def status(argv: list[str]) -> int:
     return run_status(argv)
 
 
-PREFECT_COMMANDS = {"server": server, "deploy": deploy, "run": run, "status": status}
+def stack(argv: list[str]) -> int:
+    from flows.stack import stack as start_stack  # (flows/stack.py: API replicas, Redis, services)
+
+    return start_stack(argv)
+
+
+PREFECT_COMMANDS = {"server": server, "stack": stack, "deploy": deploy, "run": run, "status": status}
 
 
 if __name__ == "__main__":

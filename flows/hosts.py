@@ -42,11 +42,21 @@ from storage import objectstore
 
 @flow(name="engine-host", flow_run_name="{run}-dp-{rank}-host")
 def engine_host(run: str, rank: int, world: int, registry: str, secret_block: str, controller: str,
-                threads: int = 1, bind: str = "0.0.0.0") -> dict:
-    """Serve one DP group's engines to the training run ``controller`` until it says shutdown."""
+                threads: int = 1, bind: str = "0.0.0.0", node: int | None = None, nodes: int = 0) -> dict:
+    """Serve one DP group's engines to the training run ``controller`` until it says shutdown.
+
+    ``node``: this host's flow run also runs node controller ``node`` of ``nodes`` (flows/nodes.py:
+    the first group of each node's). A worker whose node sets ``YATTFLOW_HOST_BIND`` binds both
+    there: one address per node, whatever the run's ``hosts.bind`` says."""
     logger = get_run_logger()
     secret = bytes.fromhex(Secret.load(secret_block).get())
+    bind = os.environ.get("YATTFLOW_HOST_BIND") or bind
     host = HostProcess(rank, world, threads, secret, bind).wait_ready()
+    node_controller = None
+    if node is not None:
+        node_controller = HostProcess(node, nodes, 1, secret, bind, module="flows.node_controller").wait_ready()
+        objectstore.write_json(objectstore.join(registry, f"node-{node}.json"),  # before dp-{rank}.json: read after it
+                               {"address": node_controller.address[0], "port": node_controller.address[1]})
     devices = os.environ.get("CUDA_VISIBLE_DEVICES")
     where = {"address": host.address[0], "port": host.address[1], "dist_port": host.dist_port,
              "hostname": socket.gethostname(), "pid": host.proc.pid, "cuda_visible_devices": devices,
@@ -64,6 +74,8 @@ def engine_host(run: str, rank: int, world: int, registry: str, secret_block: st
                     reason = f"the training run ended ({state.name}) without shutting its hosts down"
                     break
     finally:
+        if node_controller is not None:
+            node_controller.stop(grace_s=0 if reason else 10)
         code = host.stop(grace_s=0 if reason else 10)
     if reason or code != 0:
         raise HostError(f"engine host dp-{rank}: {reason or f'exited with code {code} (its log is in the worker output)'}")
@@ -84,7 +96,7 @@ class DeployedHosts:
 
     async def __aenter__(self) -> "DeployedHosts":
         cfg, h = self.config, self.config.hosts
-        secret = secrets.token_bytes(32)
+        self.secret = secret = secrets.token_bytes(32)  # node controllers (flows/nodes.py) connect with it too
         await Secret(value=secret.hex()).asave(self.block)
         try:
             controller = str(flow_run.get_id())
@@ -95,16 +107,27 @@ class DeployedHosts:
                     job_variables={"env": {"CUDA_VISIBLE_DEVICES": h.devices[g]}} if h.devices else None,
                     parameters={"run": cfg.name, "rank": g, "world": cfg.dp, "registry": self.registry,
                                 "secret_block": self.block, "controller": controller,
-                                "threads": cfg.threads_per_host, "bind": h.bind},
+                                "threads": cfg.threads_per_host, "bind": h.bind, **self._node_of(g)},
                 ) for g in range(cfg.dp)))
             where = await self._registered()
             for g, w in enumerate(where):
                 connect(cfg.name, g, (w["address"], w["port"]), secret, cfg.host_timeout_s, cfg.timeouts.stage_s)
             self.master = f"{where[0]['address']}:{where[0]['dist_port']}"
+            self.addresses = [(w["address"], w["port"]) for w in where]
+            self.node_addresses = [(n["address"], n["port"]) for n in (
+                objectstore.read_json(objectstore.join(self.registry, f"node-{k}.json"))
+                for k in range(len(cfg.controllers.nodes(cfg.dp))))] if cfg.controllers.groups_per_node else None
         except BaseException:
             await self.__aexit__(None, None, None)
             raise
         return self
+
+    def _node_of(self, group: int) -> dict:
+        """The node controller a group's host flow run starts beside it: the first group of each node's."""
+        per = self.config.controllers.groups_per_node
+        if not per or group % per:
+            return {}
+        return {"node": group // per, "nodes": len(self.config.controllers.nodes(self.config.dp))}
 
     async def _registered(self) -> list[dict]:
         """Wait for every host's registration; fail early if a host flow run ends first."""

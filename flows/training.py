@@ -31,6 +31,7 @@ from flows.artifacts import Curves, Progress, StepProgress, percent
 from flows.console import shown
 from flows.hosts import engine_hosts
 from flows.metrics import GroupStep, StageClock, StepMetrics, Wave
+from flows.nodes import node_controllers, run_on_nodes
 from flows.tracking import MetricsLog
 from storage import objectstore
 from storage.lease import Lease, verify_held
@@ -112,14 +113,17 @@ async def iteration(config: RunConfig, step: int, cursors: list[int], end: int |
     synchronous one is committed here."""
     start = time.perf_counter()
     waiting = written["step"] if written else None
-    runs = [asyncio.ensure_future(dp_group(config, step, g, cursors[g], end, waiting, (sampling or [None] * config.dp)[g]))
-            for g in range(config.dp)]
-    try:
-        groups = await asyncio.gather(*runs)
-    except BaseException:
-        for r in runs:  # a failed group fails the step: the others must not go on into hosts the run restarts
-            r.cancel()
-        raise
+    if config.controllers.groups_per_node:  # the same sub-flows, in node controllers' processes (flows/nodes.py)
+        groups = await run_on_nodes(config, step, cursors, end, waiting, sampling)
+    else:
+        runs = [asyncio.ensure_future(dp_group(config, step, g, cursors[g], end, waiting, (sampling or [None] * config.dp)[g]))
+                for g in range(config.dp)]
+        try:
+            groups = await asyncio.gather(*runs)
+        except BaseException:
+            for r in runs:  # a failed group fails the step: the others must not go on into hosts the run restarts
+                r.cancel()
+            raise
     shas = {g.train.params_sha for g in groups}
     if len(shas) != 1:
         raise RuntimeError(f"step {step}: DP replicas diverged (parameter fingerprints {sorted(shas)})")
@@ -288,7 +292,8 @@ async def _attempt(config: RunConfig, history: list[StepMetrics]) -> dict:
         logger.info("run %s: steps %d to %d of %d in this run (steps_per_run=%d)", config.name, first, end - 1, config.steps,
                     config.steps_per_run, extra=shown("note"))
     metric = heldout_metric(config)
-    async with engine_hosts(config) as hosts:  # local subprocesses, or flow runs on a GPU pool (flows/hosts.py)
+    # hosts: local subprocesses, or flow runs on a GPU pool (flows/hosts.py); node controllers: flows/nodes.py
+    async with engine_hosts(config) as hosts, node_controllers(config, hosts):
         try:
             after, final_uri, state = await _train_on(hosts, config, state, first, end, history)
         except Exception as e:

@@ -190,8 +190,8 @@ class PrefectServer:
     ``env``: more server settings (``PREFECT_SERVER_...``)."""
 
     def __init__(self, database_url: str | None = None, home: str | Path | None = None, ui: bool = False,
-                 env: dict[str, str] | None = None):
-        self.database_url, self.ui, self.env = database_url, ui, env or {}
+                 env: dict[str, str] | None = None, host: str = "127.0.0.1"):
+        self.database_url, self.ui, self.env, self.host = database_url, ui, env or {}, host
         self._made_home = home is None
         self.home = Path(tempfile.mkdtemp(prefix="yattflow-prefect-")) if home is None else Path(home)
         self.port: int | None = None
@@ -199,7 +199,7 @@ class PrefectServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/api"
+        return f"http://{self.host}:{self.port}/api"
 
     @property
     def log_path(self) -> Path:
@@ -208,7 +208,7 @@ class PrefectServer:
     def start(self, timeout: float = 120) -> "PrefectServer":
         self.home.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", self.host, "--port", str(self.port),
                "--ui" if self.ui else "--no-ui"]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, env=server_env(self.home, self.database_url) | self.env, stdout=log,

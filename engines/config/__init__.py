@@ -24,6 +24,7 @@ from engines.config.sections import (
     RunControlConfig, RetriesConfig, TimeoutsConfig,
 )
 from engines.config.rm import RMConfig
+from engines.config.controllers import ControllersConfig
 from engines.config.train import TrainConfig
 from storage import objectstore
 
@@ -55,6 +56,7 @@ class RunConfig(Section):
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     hosts: HostsConfig = Field(default_factory=HostsConfig)
+    controllers: ControllersConfig = Field(default_factory=ControllersConfig)
     run: RunControlConfig = Field(default_factory=RunControlConfig)
     retries: RetriesConfig = Field(default_factory=RetriesConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)

@@ -4,8 +4,9 @@
 
     YATTFLOW_FAULTS="rollout@2:dp-1:kill,checkpoint_write@3:dp-0:kill,train_step@5:dp-0:hang,genrm_score@6:dp-0:kill-run"
 
-``point`` is a stage (``rollout``, ``train_step``, ... as the request arrives at the host) or
-``checkpoint_write`` (the background writer, after its first file). ``kill`` SIGKILLs the host
+``point`` is a stage (``rollout``, ``train_step``, ... as the request arrives at the host),
+``checkpoint_write`` (the background writer, after its first file), or ``node_iteration``: node
+controller ``rank`` (flows/node_controller.py) as a step's groups arrive there (``kill``: the node dies). ``kill`` SIGKILLs the host
 (its engines' processes die with it), ``hang`` stops it answering or making progress for good,
 ``kill-run`` SIGKILLs the process that started the host: the training run itself. Each fault
 fires once: it leaves a marker in ``YATTFLOW_FAULTS_FIRED`` (a folder) first, so the hosts a

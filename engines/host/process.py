@@ -93,15 +93,42 @@ def serve(rank: int, world: int, threads: int, bind: str = "127.0.0.1") -> None:
         # Nobody reads our stdout after READY: send whatever comes later (engine libraries and
         # the processes they spawn write there) to stderr, so a full pipe can never block us.
         os.dup2(2, 1)
-        answer(listener.accept(), functools.partial(_handle, worker, {}), rank)
+        handle = functools.partial(_handle, worker, {}, threading.Lock())
+        first = listener.accept()
+        threading.Thread(target=_node_controllers, args=(listener, handle, rank), name="node-controllers", daemon=True).start()
+        answer(first, handle, rank)
 
 
-def _handle(worker, seen: dict, request):
+def _node_controllers(listener: Listener, handle, rank: int) -> None:
+    """After the run's own connection: its node controller's (``controllers.groups_per_node``),
+    authenticated with the same secret, each answered on a thread of its own. Its ``shutdown`` ends
+    only that connection; a node controller that goes away without one is a lost node, so the
+    host exits as it does when the run's connection drops (the run heals from its checkpoint)."""
+    while True:
+        try:
+            conn = listener.accept()
+        except OSError:  # the listener closed: the host is exiting
+            return
+        except Exception:  # noqa: BLE001 - a failed handshake (a wrong secret): refuse that one, keep listening
+            continue
+        threading.Thread(target=_answer_node, args=(conn, handle, rank), daemon=True).start()
+
+
+def _answer_node(conn, handle, rank: int) -> None:
+    try:
+        answer(conn, handle, rank)
+    except SystemExit:
+        os.killpg(0, signal.SIGKILL)  # this host and its engines' processes, as ``_exit_with_parent`` does
+
+
+def _handle(worker, seen: dict, lock: threading.Lock, request):
     """``worker.handle``, after the fault ``YATTFLOW_FAULTS`` plans for this point, if any (engines/host/faults.py).
-    A request without a step (``train_step``, ``sync_weights``) belongs to the step of the last one with."""
-    seen["step"] = getattr(request, "step", seen.get("step"))
-    faults.inject(request.stage, seen["step"], worker.rank)
-    return worker.handle(request)
+    A request without a step (``train_step``, ``sync_weights``) belongs to the step of the last one with.
+    One command at a time, whichever connection (the run's, its node controller's) sent it."""
+    with lock:
+        seen["step"] = getattr(request, "step", seen.get("step"))
+        faults.inject(request.stage, seen["step"], worker.rank)
+        return worker.handle(request)
 
 
 def main() -> None:

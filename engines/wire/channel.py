@@ -46,8 +46,11 @@ BEAT_S = 1.0  # while a command runs, the host reports its progress counter this
 class HostClient:
     """The controller's end of one host's channel: ``call(request) -> (result, host log lines)``."""
 
-    def __init__(self, address: tuple[str, int], secret: bytes, group: int, timeout_s: float, stage_s: float):
+    def __init__(self, address: tuple[str, int], secret: bytes, group: int, timeout_s: float, stage_s: float,
+                 label: str | None = None):
         self.group = group
+        self.label = label or f"dp-{group}"  # in messages: the group, or a node controller (flows/nodes.py)
+        self.address = address
         self.timeout_s, self.stage_s = timeout_s, stage_s
         self._conn: Connection = Client(address, authkey=secret)
         self._lock = threading.Lock()
@@ -59,14 +62,14 @@ class HostClient:
         stage = request.stage
         with self._lock:
             if self._abandoned is not None:
-                raise HostLost(f"dp-{self.group}: channel unusable for '{stage}': {self._abandoned}")
+                raise HostLost(f"{self.label}: channel unusable for '{stage}': {self._abandoned}")
             try:
                 self._conn.send_bytes(json.dumps({"stage": stage, "fields": request.model_dump(mode="json")}).encode())
                 reply = self._reply(stage)
             except (EOFError, OSError) as e:
-                raise HostLost(f"dp-{self.group}: engine host is gone ({type(e).__name__}) during '{stage}'") from e
+                raise HostLost(f"{self.label}: engine host is gone ({type(e).__name__}) during '{stage}'") from e
         if "error" in reply:
-            error = HostError(f"dp-{self.group}: '{stage}' failed in the engine host:\n{reply['error']}")
+            error = HostError(f"{self.label}: '{stage}' failed in the engine host:\n{reply['error']}")
             error.logs = reply["logs"]
             raise error
         return request.result.model_validate(reply["result"] | {"host_s": reply["host_s"]}), reply["logs"]
@@ -80,10 +83,10 @@ class HostClient:
             now = time.monotonic()
             if now - moved > self.stage_s:
                 self._abandoned = f"'{stage}' hung: no progress for {now - moved:.0f}s (timeouts.stage_s={self.stage_s:g})"
-                raise HostLost(f"dp-{self.group}: {self._abandoned}")
+                raise HostLost(f"{self.label}: {self._abandoned}")
             if now - start > self.timeout_s:
                 self._abandoned = f"'{stage}' got no answer within {self.timeout_s:.0f}s (host_timeout_s)"
-                raise HostError(f"dp-{self.group}: {self._abandoned}")
+                raise HostError(f"{self.label}: {self._abandoned}")
             if not self._conn.poll(BEAT_S):
                 continue
             message = json.loads(self._conn.recv_bytes())

@@ -24,14 +24,15 @@ class HostProcess:
     """One engine-host process, started and read up to its ``READY`` line."""
 
     def __init__(self, rank: int, world: int, threads: int, secret: bytes, bind: str = "127.0.0.1",
-                 devices: str | None = None):
+                 devices: str | None = None, module: str = "engines.host"):
         env = dict(os.environ, YATTFLOW_HOST_SECRET=secret.hex(), OMP_NUM_THREADS=str(threads))
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = devices
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines flood the run's output
         project_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [project_root, env.get("PYTHONPATH")]))
-        cmd = [sys.executable, "-m", "engines.host", "--rank", str(rank), "--world", str(world),
+        # module: the engine host, or a node controller (flows/node_controller.py: the same arguments and READY line)
+        cmd = [sys.executable, "-m", module, "--rank", str(rank), "--world", str(world),
                "--threads", str(threads), "--bind", bind]
         # Its own process group: engines start processes of their own (vLLM's engine core,
         # checkpoint workers) that ``stop`` sweeps with it.
@@ -93,13 +94,14 @@ class LocalHosts:
         self.master: str | None = None  # rank 0's torch.distributed rendezvous, "host:port"
 
     def __enter__(self) -> "LocalHosts":
-        secret = secrets.token_bytes(32)
+        self.secret = secret = secrets.token_bytes(32)  # node controllers (flows/nodes.py) connect with it too
         try:
             self.hosts = [HostProcess(rank, self.world, self.threads, secret, devices=self.devices[rank])
                           for rank in range(self.world)]
             for h in self.hosts:
                 connect(self.run, h.rank, h.wait_ready().address, secret, self.timeout_s, self.stage_s)
             self.master = f"{self.hosts[0].address[0]}:{self.hosts[0].dist_port}"
+            self.addresses = [h.address for h in self.hosts]
         except BaseException:
             self.__exit__(None, None, None)
             raise

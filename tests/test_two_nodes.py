@@ -1,0 +1,71 @@
+"""Two nodes, for real: two network namespaces joined by a veth pair, each with its own address,
+process worker, engine host and node controller bound to that address, train one run across them
+(gloo between the namespaces). Only addresses this test assigns to the pair it made are used;
+both namespaces are removed after. Needs root and ``ip netns``; skips otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import assert_steps_completed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def test_one_run_across_two_namespaces(prepared, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    tag = os.getpid() % 10000
+    ns_a, ns_b, veth_a, veth_b = f"yfa{tag}", f"yfb{tag}", f"yfva{tag}", f"yfvb{tag}"
+    net = f"169.254.{100 + tag % 100}"
+    a, b = f"{net}.1", f"{net}.2"  # a /30 of the link-local range, on this pair only
+    try:
+        try:
+            ip("netns", "add", ns_a)
+            ip("netns", "add", ns_b)
+            ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
+            ip("link", "set", veth_a, "netns", ns_a)
+            ip("link", "set", veth_b, "netns", ns_b)
+            ip("-n", ns_a, "addr", "add", f"{a}/30", "dev", veth_a)
+            ip("-n", ns_b, "addr", "add", f"{b}/30", "dev", veth_b)
+            for ns, dev in ((ns_a, veth_a), (ns_b, veth_b)):
+                ip("-n", ns, "link", "set", dev, "up")
+                ip("-n", ns, "link", "set", "lo", "up")
+        except (subprocess.CalledProcessError, FileNotFoundError) as e:
+            pytest.skip(f"ip netns does not work here: {getattr(e, 'stderr', e)}")
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env.pop("PREFECT_API_URL", None)  # node A's own server
+        run = subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, "-m", "tests.two_nodes_run", "--store", prepared,
+                              "--work", str(tmp_path), "--a", a, "--b", b, "--ns-b", ns_b],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, f"{run.stdout[-5000:]}\n{run.stderr[-5000:]}"
+    finally:
+        for ns in (ns_a, ns_b):  # removing a namespace removes its end of the pair, and so the pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    assert subprocess.run(["ip", "link", "show", veth_a], capture_output=True).returncode != 0  # the pair is gone
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["steps"] == [0, 1]
+    assert result["tree"]["train-twonodes"][0] == "COMPLETED"
+    assert_steps_completed(result["tree"], steps=(0, 1), groups=(0, 1))
+    # each group's host flow run was taken by its own node's worker
+    logs = result["worker_logs"]
+    assert "twonodes-dp-0-host" in logs["a"] and "twonodes-dp-0-host" not in logs["b"]
+    assert "twonodes-dp-1-host" in logs["b"] and "twonodes-dp-1-host" not in logs["a"]
+    # node B served its host and its node controller (and gloo) on B's address, and otherwise on its own
+    # loopback only (reachable from inside B alone); node A on its address and its loopback (PostgreSQL, ...)
+    at = lambda side: {s.split()[0].rsplit(":", 1)[0] for s in result["listening"][side]}  # noqa: E731
+    assert at("b") == {b} | (at("b") & {"127.0.0.1"}), result["listening"]
+    assert at("a") == {a} | (at("a") & {"127.0.0.1"}), result["listening"]
+    on_b = [s for s in result["listening"]["b"] if s.startswith(f"{b}:")]
+    assert any("engines.host" in s for s in on_b) and any("flows.node_controller" in s for s in on_b), on_b
+    assert "2 node controllers of 1 DP groups each, at " in result["train_log"] and f"{b}:" in result["train_log"]
