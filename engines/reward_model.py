@@ -16,7 +16,6 @@ and continues exactly from it when given back as ``resume``.
 from __future__ import annotations
 
 import copy
-import random
 import time
 from typing import Callable
 
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from engines.backends import chat
+from engines.sft import Optimiser
 
 
 class NotARewardModel(ValueError):
@@ -126,13 +126,10 @@ def train(
     on_check: Callable[[dict], None] | None = None,
 ) -> dict:
     """Train ``model`` on (prompt, chosen, rejected) ``pairs`` with the Bradley-Terry loss until its
-    pairwise accuracy on the ``check`` pairs reaches ``target``, or ``steps`` pass. AdamW, the
-    learning rate warmed up over 100 steps and then constant (as ``engines/sft.py``, and for the
-    same reason: a continued run follows the same schedule)."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / 100, 1.0))
+    pairwise accuracy on the ``check`` pairs reaches ``target``, or ``steps`` pass; the optimisation,
+    and what a continued run restores, is SFT's (``engines.sft.Optimiser``)."""
+    optimiser = Optimiser(model, lr, seed)
+    rng = optimiser.rng
     pad = tokenizer.pad_token_id
 
     def encoded(rows):
@@ -143,11 +140,7 @@ def train(
     train_ids, check_ids = encoded(pairs), encoded(check)
     start, loss_ema, accuracy, step, converged = time.perf_counter(), None, None, 0, False
     if resume is not None:
-        model.load_state_dict(resume["model"])
-        opt.load_state_dict(resume["optimizer"])
-        sched.load_state_dict(resume["schedule"])
-        rng.setstate(resume["python_rng"])
-        torch.set_rng_state(resume["torch_rng"])
+        optimiser.restore(resume)
         step, loss_ema, accuracy = resume["step"], resume["loss"], resume["accuracy"]
         converged = target is not None and accuracy is not None and accuracy >= target
     while step < steps and not converged:
@@ -155,11 +148,7 @@ def train(
         chunk = rng.sample(train_ids, min(batch_size, len(train_ids)))
         both = forward(model, [c for c, _ in chunk] + [r for _, r in chunk], pad)  # one batch: chosen, then rejected
         loss = bt_loss(both[: len(chunk)], both[len(chunk) :])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        optimiser.step(loss)
         step += 1
         loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
         if step % check_every == 0 or step == steps:
@@ -170,8 +159,6 @@ def train(
                 on_check({"step": step, "steps": steps, "loss": loss_ema, "accuracy": accuracy,
                           "seconds": time.perf_counter() - start})
             if save is not None:
-                save({"model": model.state_dict(), "optimizer": opt.state_dict(), "schedule": sched.state_dict(),
-                      "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "step": step, "loss": loss_ema,
-                      "accuracy": accuracy})
+                save(optimiser.state(step=step, loss=loss_ema, accuracy=accuracy))
     model.eval()
     return {"steps": step, "converged": converged, "accuracy": accuracy, "loss": loss_ema, "seconds": time.perf_counter() - start}

@@ -25,6 +25,39 @@ from engines.backends import chat, multimodal
 from engines.demo.tiny import build_char_tokenizer, build_tiny_llama
 
 
+class Optimiser:
+    """The optimisation ``yattflow sft`` and ``yattflow rm`` both run, and what a continued run
+    restores: AdamW, the learning rate warmed up linearly over the first 100 steps and then
+    constant (a decay tied to a step budget would cool the model before it had converged, and a
+    run continued with a larger budget follows the same schedule), gradients clipped at norm 1,
+    the Python and torch random streams."""
+
+    def __init__(self, model, lr: float, seed: int):
+        self.model, self.rng = model, random.Random(seed)
+        torch.manual_seed(seed)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min((s + 1) / 100, 1.0))
+
+    def step(self, loss: torch.Tensor) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.sched.step()
+
+    def state(self, **figures) -> dict:
+        """The whole training state, with the caller's ``figures`` (step, loss, ...)."""
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "schedule": self.sched.state_dict(),
+                "python_rng": self.rng.getstate(), "torch_rng": torch.get_rng_state()} | figures
+
+    def restore(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["schedule"])
+        self.rng.setstate(state["python_rng"])
+        torch.set_rng_state(state["torch_rng"])
+
+
 def sft(
     model,
     tokenizer,
@@ -49,9 +82,7 @@ def sft(
     ``check`` prompts equal their expected completions for a ``target`` fraction of them,
     or ``max_steps`` pass (``target`` None, or no ``check`` pairs: ``max_steps``, exactly).
     The loss covers completion tokens (and end-of-sequence) only.
-    The learning rate warms up linearly over the first 100 steps, then stays constant:
-    a decay tied to a step budget would cool the model before it had converged, and a run
-    continued with a larger ``max_steps`` follows the same schedule.
+    The optimisation is :class:`Optimiser`'s.
 
     A vision-language model (``processor`` given) learns from ``images`` (each pair's encoded
     images; ``check_images`` the check pairs'): its prompts are expanded by the processor and its
@@ -61,10 +92,8 @@ def sft(
 
     ``on_check``: called after every check with its figures (step, max_steps, loss, exact_match,
     seconds) instead of ``log``-ging them as a line."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / 100, 1.0))
+    optimiser = Optimiser(model, lr, seed)
+    rng = optimiser.rng
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     renderer = renderer or chat.Renderer(processor or tokenizer)
     special = renderer.encode_kwargs
@@ -81,11 +110,7 @@ def sft(
     answer_tokens = max(len(c) for c in [c for _, c, _ in encoded] + expected)  # the longest completion, and its end
     start, loss_ema, matched, step, converged = time.perf_counter(), None, None, 0, False
     if resume is not None:
-        model.load_state_dict(resume["model"])
-        opt.load_state_dict(resume["optimizer"])
-        sched.load_state_dict(resume["schedule"])
-        rng.setstate(resume["python_rng"])
-        torch.set_rng_state(resume["torch_rng"])
+        optimiser.restore(resume)
         step, loss_ema, matched = resume["step"], resume["loss"], resume["exact_match"]
         converged = target is not None and matched is not None and matched >= target
         log(f"sft: continuing from step {step} (held-out exact match {_pct(matched)})")
@@ -102,11 +127,7 @@ def sft(
             attn[i, : len(p) + len(c)] = 1
         pixels = pixel_cache.batch([images[k] for _, _, k in chunk], "cpu") if processor is not None else {}
         loss = model(input_ids=ids, attention_mask=attn, labels=labels, **pixels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        optimiser.step(loss)
         step += 1
         loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
         if step % check_every == 0 or step == max_steps:
@@ -120,9 +141,7 @@ def sft(
             else:
                 log(f"sft step {step}/{max_steps} loss {loss_ema:.4f} held-out exact match {_pct(matched)} ({seconds:.0f}s)")
             if save is not None:
-                save({"model": model.state_dict(), "optimizer": opt.state_dict(), "schedule": sched.state_dict(),
-                      "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "step": step, "loss": loss_ema,
-                      "exact_match": matched})
+                save(optimiser.state(step=step, loss=loss_ema, exact_match=matched))
     model.eval()
     return {"steps": step, "converged": converged, "exact_match": matched, "loss": loss_ema, "seconds": time.perf_counter() - start}
 
