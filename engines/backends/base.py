@@ -59,6 +59,7 @@ class TrainBatch:
     advantages: list[float]
     prompt_rows: list[int] | None = None  # each prompt's row in the prompts dataset (where its images are)
     images: list[list[bytes]] | None = None  # encoded images of each sequence's prompt (None: a text batch)
+    is_weights: list[list[float]] | None = None  # per response token: the off-policy correction (engines/rl/off_policy.py)
 
     def __len__(self) -> int:
         return len(self.response_ids)

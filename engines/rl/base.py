@@ -92,11 +92,16 @@ class LossStep:
         return float(sum(len(r) for r in response_ids)) if self.algorithm.loss_aggregation == "token" else float(len(response_ids))
 
     def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: Sequence[float],
-                 mask: torch.Tensor, total: float, ref_logprobs: torch.Tensor | None = None) -> torch.Tensor:
+                 mask: torch.Tensor, total: float, ref_logprobs: torch.Tensor | None = None,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
         """The pass's share of the minibatch loss, ``total`` being the minibatch's DP-global count:
-        the passes' losses sum to the minibatch's, and the DP groups' gradients to one process's."""
+        the passes' losses sum to the minibatch's, and the DP groups' gradients to one process's.
+        ``weights``: the off-policy correction per token (``engines/rl/off_policy.py``; None: 1),
+        multiplying the algorithm's loss (not the KL to the reference, which is the current policy's)."""
         adv = (torch.tensor(advantages, dtype=logprobs.dtype, device=logprobs.device) - self.shift) / self.scale
         per_token, stats = self.algorithm.loss(logprobs, old_logprobs, adv, mask)
+        if weights is not None:
+            per_token = per_token * weights.to(device=per_token.device, dtype=per_token.dtype)
         if ref_logprobs is not None and self.algorithm.kl_coef > 0:
             per_token = per_token + self.algorithm.kl_coef * algorithms.kl_k3(logprobs, ref_logprobs)
         with torch.no_grad():
