@@ -93,14 +93,32 @@ def serve(rank: int, world: int, threads: int, bind: str = "127.0.0.1") -> None:
         # Nobody reads our stdout after READY: send whatever comes later (engine libraries and
         # the processes they spawn write there) to stderr, so a full pipe can never block us.
         os.dup2(2, 1)
-        answer(listener.accept(), functools.partial(_handle, worker, {}), rank)
+        main = listener.accept()
+        # rollout.max_staleness >= 1: the controller may open a second connection, the rollout lane,
+        # answered on its own thread beside this one (docs/off-policy.md)
+        threading.Thread(target=_second_lane, args=(listener, worker, rank), name="rollout-lane", daemon=True).start()
+        answer(main, functools.partial(_handle, worker, {}), rank)
+
+
+def _second_lane(listener, worker, rank: int) -> None:
+    """Answer a second connection (the rollout lane) until its 'shutdown' or until it closes;
+    never ends the host (the first connection's 'shutdown' does)."""
+    try:
+        conn = listener.accept()
+    except Exception:  # noqa: BLE001 - the host is shutting down (no second lane was opened), or a stranger failed the HMAC
+        return
+    try:
+        answer(conn, functools.partial(_handle, worker, {}), rank)
+    except SystemExit:  # the lane's connection closed; the first connection decides the host's fate
+        pass
 
 
 def _handle(worker, seen: dict, request):
     """``worker.handle``, after the fault ``YATTFLOW_FAULTS`` plans for this point, if any (engines/host/faults.py).
     A request without a step (``train_step``, ``sync_weights``) belongs to the step of the last one with."""
-    seen["step"] = getattr(request, "step", seen.get("step"))
-    faults.inject(request.stage, seen["step"], worker.rank)
+    if getattr(request, "step", None) is not None:
+        seen["step"] = request.step
+    faults.inject(request.stage, seen.get("step"), worker.rank)
     return worker.handle(request)
 
 
