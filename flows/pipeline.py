@@ -65,6 +65,8 @@ async def overlapped(run: str, dp: int, k: int, first: int, end: int, cursors: l
 
     A failed iteration fails the run at once (the others are cancelled: the run's restart or
     resume must not meet them in the hosts), even while an earlier step is still training."""
+    if first >= end:
+        return None
     r = _runs[run] = _Run(dp)
     tasks = {first: asyncio.ensure_future(iteration(first, cursors, sampling))}
     launched, written = first, None

@@ -10,6 +10,7 @@ atomically; requests and results carry URIs and metrics, never sample data.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -337,15 +338,16 @@ class Worker:
         if not rows:
             return EvaluateResult(score_sum=0.0, total=0)
         self.take("policy")
-        with self.policy_lock:
+        with self.policy_lock:  # overlapping: the rollout lane's engines wait (the judge too: one generate at a time)
             outs = self.policy.generate([chat.source(r) for r in rows], greedy=True, max_new_tokens=self.config.rollout.max_new_tokens,
                                         images=self._images_of(rows))
-        answered = [rows[o.prompt_index] | {"response": o.response} for o in outs]
+            answered = [rows[o.prompt_index] | {"response": o.response} for o in outs]
+            if self.rule is None:
+                self.take("judge")
+                verdicts = self._verdicts(answered, [r["images"] or [] for r in answered])
         if self.rule is not None:
             scores = [self.rule(r["prompt"], r["response"], r["answer"], r["prompt_id"]) for r in answered]
         else:
-            self.take("judge")
-            verdicts = self._verdicts(answered, [r["images"] or [] for r in answered])
             scores = [float(v.startswith(self.config.judge.good)) for v in verdicts]
         return EvaluateResult(score_sum=sum(scores), total=len(rows))
 
@@ -439,8 +441,10 @@ class Worker:
             images = self.prompts.images([r["prompt_row"] for r in rows])
         prompts = [cfg.template.format(prompt=self._judge_text(r["prompt"]), response=r["response"], answer=r["answer"] or "")
                    for r in rows]
-        return [o.response.strip() for o in self.judge.generate(prompts, greedy=True, max_new_tokens=cfg.max_new_tokens,
-                                                                  images=images)]
+        # overlapping lanes: the held-out evaluation's judge and the rollout lane's never generate at once
+        with self.policy_lock if self.config.rollout.max_staleness else contextlib.nullcontext():
+            return [o.response.strip() for o in self.judge.generate(prompts, greedy=True, max_new_tokens=cfg.max_new_tokens,
+                                                                      images=images)]
 
     def _judge_text(self, prompt: str) -> str:
         if self.vision and not self.judge_sees_images:
