@@ -48,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-spt", type=float, default=0.009, help="train.stub_seconds_per_token (default 0.009)")
     p.add_argument("--real", action="store_true", help="also the real torch engines (tiny demo models), dp=--dp")
     p.add_argument("--keep", metavar="DIR", help="keep the work folder in DIR")
+    p.add_argument("--store", metavar="DIR", help="a store an earlier --keep prepared (DIR/store): no prepare")
     return p.parse_args(argv)
 
 
@@ -66,7 +67,7 @@ def compare(server, root: str, work: Path, args, engines: str, extra: list[str])
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for rep in range(args.repeats):
         for mode in (list(MODES) if rep % 2 == 0 else list(MODES)[::-1]):  # alternate which goes first
-            history, wall, _ = train_once(server, root, work, "bench", args.dp, args.steps, f"{engines}-{mode}-r{rep}".replace("=", ""),
+            history, wall, _ = train_once(server, root, work, "bench", args.dp, args.steps, f"{engines}-{mode}-r{rep}".replace("=", "").replace("_", ""),
                                           extra=[*extra, *MODES[mode]], prefix="overlap", timeout=1800)
             fig = figures(history, args.warmup) | {"wall_s": wall}
             runs[mode].append(fig)
@@ -92,10 +93,11 @@ def main(argv=None) -> dict:
             server = PrefectServer(cluster.url, home=work / "prefect").start()
         except PostgresUnavailable:
             cluster, server = None, PrefectServer(home=work / "prefect").start()
-        root = str(work / "store")
-        start = time.perf_counter()
-        run_flow_subprocess(server.url, "flows.prepare:prepare", log_path=work / "prepare.log", overrides=TINY + [f"storage.root={root}"])
-        print(f"prepared {root} ({time.perf_counter() - start:.0f}s)", flush=True)
+        root = args.store or str(work / "store")
+        if not args.store:
+            start = time.perf_counter()
+            run_flow_subprocess(server.url, "flows.prepare:prepare", log_path=work / "prepare.log", overrides=TINY + [f"storage.root={root}"])
+            print(f"prepared {root} ({time.perf_counter() - start:.0f}s)", flush=True)
         out["stub"] = compare(server, root, work, args, "stub", [*STUBS, f"rollout.stub_seconds_per_token={args.rollout_spt}",
                                                                  f"train.stub_seconds_per_token={args.train_spt}"])
         if args.real:
