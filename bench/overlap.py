@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="yattflow-overlap-"))
     work.mkdir(parents=True, exist_ok=True)
-    cluster, out = None, {}
+    cluster, server, out = None, None, {}
     try:
         try:
             cluster = PostgresCluster().start()
@@ -102,8 +102,9 @@ def main(argv=None) -> dict:
                                                                  f"train.stub_seconds_per_token={args.train_spt}"])
         if args.real:
             out["real"] = compare(server, root, work, args, "torch", [])
-        server.stop()
     finally:
+        if server is not None:
+            server.stop()
         if cluster is not None:
             cluster.stop()
         if not args.keep:

@@ -24,16 +24,14 @@ from typing import Awaitable, Callable
 
 
 class _Run:
-    def __init__(self, dp: int):
-        self.dp = dp
-        self.generated: dict[int, asyncio.Future] = {}  # step -> (cursors, sampling) once every group generated
-        self.parts: dict[int, dict[int, tuple[int, dict]]] = {}
+    def __init__(self):
+        self.generated: dict[tuple[int, int], asyncio.Future] = {}  # (step, group) -> (cursor, sampling) after its generation
         self.turns: dict[int, asyncio.Future] = {}  # step -> the earlier checkpoint still being written (or None)
 
-    def future(self, table: dict[int, asyncio.Future], step: int) -> asyncio.Future:
-        if step not in table:
-            table[step] = asyncio.get_running_loop().create_future()
-        return table[step]
+    def future(self, table: dict, key) -> asyncio.Future:
+        if key not in table:
+            table[key] = asyncio.get_running_loop().create_future()
+        return table[key]
 
 
 _runs: dict[str, _Run] = {}
@@ -44,11 +42,15 @@ async def generated_then_turn(run: str, step: int, group: int, cursor: int, samp
     state after it: where the next step's generation starts); wait for the step's turn to train.
     Returns the asynchronous checkpoint the hosts are still writing (committed by this step)."""
     r = _runs[run]
-    parts = r.parts.setdefault(step, {})
-    parts[group] = (cursor, sampling)
-    if len(parts) == r.dp:
-        r.future(r.generated, step).set_result(([parts[g][0] for g in range(r.dp)], [parts[g][1] for g in range(r.dp)]))
+    r.future(r.generated, (step, group)).set_result((cursor, sampling))
     return await asyncio.shield(r.future(r.turns, step))
+
+
+async def generation_start(run: str, step: int, group: int) -> tuple[int, dict]:
+    """Where a DP group's generation of ``step`` starts: its data cursor and dynamic-sampling state
+    after its generation of ``step - 1`` (the iteration flow is started early, while that one still
+    generates, so that Prefect's own start-up of the flow runs overlaps it too)."""
+    return await asyncio.shield(_runs[run].future(_runs[run].generated, (step - 1, group)))
 
 
 def turn_given(run: str, step: int) -> dict | None:
@@ -56,7 +58,7 @@ def turn_given(run: str, step: int) -> dict | None:
     return _runs[run].turns[step].result()
 
 
-async def overlapped(run: str, dp: int, k: int, first: int, end: int, cursors: list[int], sampling: list[dict] | None,
+async def overlapped(run: str, k: int, first: int, end: int, cursors: list[int], sampling: list[dict] | None,
                      iteration: Callable[[int, list[int], list[dict] | None], Awaitable],
                      record: Callable[[object], Awaitable[dict | None]]) -> dict | None:
     """Steps ``first`` to ``end - 1``, up to ``k`` generations ahead of training: ``iteration(step,
@@ -67,16 +69,15 @@ async def overlapped(run: str, dp: int, k: int, first: int, end: int, cursors: l
     resume must not meet them in the hosts), even while an earlier step is still training."""
     if first >= end:
         return None
-    r = _runs[run] = _Run(dp)
+    r = _runs[run] = _Run()
     tasks = {first: asyncio.ensure_future(iteration(first, cursors, sampling))}
     launched, written = first, None
     try:
         for step in range(first, end):
             r.future(r.turns, step).set_result(written)
             while launched + 1 < min(end, step + k + 1):  # generation of launched+1 needs weights >= launched+1-k: step-1 trained
-                following = await _watch(r.future(r.generated, launched), tasks)
-                launched += 1
-                tasks[launched] = asyncio.ensure_future(iteration(launched, *following))
+                launched += 1  # its groups start where launched-1's end (generation_start)
+                tasks[launched] = asyncio.ensure_future(iteration(launched, None, None))
             metrics = await _watch(tasks[step], tasks)
             del tasks[step]
             written = await record(metrics)

@@ -40,7 +40,7 @@ from tasks import stages
 
 
 @flow(name="dp-group", flow_run_name="iteration-{step:04d}-dp-{group}")
-async def dp_group(config: RunConfig, step: int, group: int, cursor: int, end: int | None = None,
+async def dp_group(config: RunConfig, step: int, group: int, cursor: int | None, end: int | None = None,
                    written: int | None = None, sampling: dict | None = None) -> GroupStep:
     """The controller of one DP group for one step: rollout → score → filter, in waves until
     enough groups are kept, then train → sync (→ checkpoint).
@@ -49,6 +49,8 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int, end: i
     host is still writing in the background; ``sampling``: the group's dynamic-sampling state
     after the previous step (``GroupSampling``)."""
     s, partial = config.sampling, config.placement.mode == "partial"
+    if cursor is None:  # overlapping steps: where this group's generation of the previous step ends (flows/pipeline.py)
+        cursor, sampling = await pipeline.generation_start(config.name, step, group)
     checkpointing = is_checkpoint_step(config, step, end)
     clock = StageClock(StepProgress(config.name, step, group, wave_stages=2 if partial else 3,
                                     after_stages=2 + (written is not None) + checkpointing))  # live in the UI
@@ -101,7 +103,7 @@ def is_checkpoint_step(config: RunConfig, step: int, end: int | None = None) -> 
 
 
 @flow(name="iteration", flow_run_name="iteration-{step:04d}")
-async def iteration(config: RunConfig, step: int, cursors: list[int], end: int | None = None, written: dict | None = None,
+async def iteration(config: RunConfig, step: int, cursors: list[int] | None, end: int | None = None, written: dict | None = None,
                     sampling: list[dict] | None = None) -> StepMetrics:
     """One RL step: every DP group concurrently, then commit the checkpoints that are written.
 
@@ -116,7 +118,8 @@ async def iteration(config: RunConfig, step: int, cursors: list[int], end: int |
     synchronous one is committed here."""
     start = time.perf_counter()
     waiting = written["step"] if written else None
-    runs = [asyncio.ensure_future(dp_group(config, step, g, cursors[g], end, waiting, (sampling or [None] * config.dp)[g]))
+    runs = [asyncio.ensure_future(dp_group(config, step, g, (cursors or [None] * config.dp)[g], end, waiting,
+                                           (sampling or [None] * config.dp)[g]))
             for g in range(config.dp)]
     try:
         groups = await asyncio.gather(*runs)
@@ -398,7 +401,7 @@ async def _steps(config: RunConfig, state: RunState, first: int, end: int, histo
 
     if config.rollout.max_staleness:  # step n+1's generation overlaps step n's training (flows/pipeline.py)
         written = await pipeline.overlapped(
-            config.name, config.dp, config.rollout.max_staleness, first, end, cursors, sampling,
+            config.name, config.rollout.max_staleness, first, end, cursors, sampling,
             lambda step, cursors, sampling: iteration(config, step, cursors, end, None, sampling), record)
     else:
         for step in range(first, end):
