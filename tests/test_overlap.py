@@ -72,7 +72,7 @@ def test_kill_during_overlap_resumes_with_no_prompt_trained_twice_or_skipped(pre
                YATTFLOW_FAULTS="rollout@3:dp-0:kill-run,dynamic_filter@4:dp-1:kill")
     args = TINY + STUBS + [f"storage.root={prepared}", "name=overlap-killed", "steps=6", "dp=2", "checkpoint.every=2",
                            "rollout.max_staleness=1", "sampling.max_waves=1", "data.heldout=null", "retries.run=2",
-                           "timeouts.stage_s=10", "run.lease_s=10",
+                           "timeouts.stage_s=60", "run.lease_s=10",
                            "rollout.stub_seconds_per_token=0.004", "train.stub_seconds_per_token=0.006"]
     script = "import asyncio, sys\nfrom flows.training import train\nasyncio.run(train(overrides=sys.argv[1:]))\n"
     codes = []
