@@ -47,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rollout-spt", type=float, default=0.012, help="rollout.stub_seconds_per_token (default 0.012)")
     p.add_argument("--train-spt", type=float, default=0.009, help="train.stub_seconds_per_token (default 0.009)")
     p.add_argument("--real", action="store_true", help="also the real torch engines (tiny demo models), dp=--dp")
+    p.add_argument("--no-stub", action="store_true", help="leave out the timing stubs (with --real: the real engines only)")
     p.add_argument("--keep", metavar="DIR", help="keep the work folder in DIR")
     p.add_argument("--store", metavar="DIR", help="a store an earlier --keep prepared (DIR/store): no prepare")
     return p.parse_args(argv)
@@ -98,8 +99,9 @@ def main(argv=None) -> dict:
             start = time.perf_counter()
             run_flow_subprocess(server.url, "flows.prepare:prepare", log_path=work / "prepare.log", overrides=TINY + [f"storage.root={root}"])
             print(f"prepared {root} ({time.perf_counter() - start:.0f}s)", flush=True)
-        out["stub"] = compare(server, root, work, args, "stub", [*STUBS, f"rollout.stub_seconds_per_token={args.rollout_spt}",
-                                                                 f"train.stub_seconds_per_token={args.train_spt}"])
+        if not args.no_stub:
+            out["stub"] = compare(server, root, work, args, "stub", [*STUBS, f"rollout.stub_seconds_per_token={args.rollout_spt}",
+                                                                     f"train.stub_seconds_per_token={args.train_spt}"])
         if args.real:
             out["real"] = compare(server, root, work, args, "torch", [])
     finally:
