@@ -139,3 +139,18 @@ def test_loss_step_weights_scale_the_per_token_loss():
     plain, _ = algorithm.loss(lp, old, torch.tensor(adv), mask)
     got = LossStep(algorithm, adv, lambda v: v)(lp, old, adv, mask, total=12.0, weights=w)
     assert got.item() == pytest.approx((plain * w).sum().item() / 12.0, rel=1e-6)
+
+
+def test_carried_groups_count_against_the_staleness_bound():
+    """rollout.max_staleness=k: a group trained at step t may be at most k versions behind (t - its
+    oldest sample's policy_version); k=0 leaves carry-over to sampling.max_carry_age."""
+    from types import SimpleNamespace
+
+    def config(k):
+        return SimpleNamespace(rollout=SimpleNamespace(max_staleness=k))
+
+    group = [{"policy_version": 4}, {"policy_version": 5}]
+    assert not offpolicy.too_stale(config(1), 5, group)  # fresh from version 4, trained at 5: 1 behind
+    assert offpolicy.too_stale(config(1), 6, group)  # carried one step further: 2 behind
+    assert not offpolicy.too_stale(config(2), 6, group)
+    assert not offpolicy.too_stale(config(0), 9, group)
