@@ -50,12 +50,14 @@ def needs(algorithm: str):
 
 
 def run_demo(seed: int, path: str, steps: int | None, root: str, config: str = "deployments/demo.yaml",
-             algorithm: str | None = None) -> dict:
+             algorithm: str | None = None, variant: tuple[str, list[str]] | None = None) -> dict:
     env = dict(os.environ, **PATHS[path])
     # another algorithm on the same root: the prepared data and SFT'd models are reused, the run is its own
     picked = [f"train.algorithm.name={algorithm}", f"name=demo-{algorithm.replace('_', '-')}"] if algorithm else []
     if algorithm and needs(algorithm).preferences:  # its pairs: the demo's, which prepare builds where this names
         picked.append(f"data.preferences={PREFERENCES}")
+    if variant:  # --variant: the same, with more overrides (e.g. off-policy overlap), a run of its own
+        picked += [f"name=demo-{variant[0]}{'-' + algorithm.replace('_', '-') if algorithm else ''}", *variant[1]]
     command = [sys.executable, "-m", "flows.cli", "demo", "-c", str(ROOT / config),
                f"storage.root={root}", f"seed={seed}", *([f"steps={steps}"] if steps else []), *picked]
     start = time.perf_counter()
@@ -80,6 +82,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--algorithms", default=None,
                         help="comma-separated train.algorithm.name values, each run on the same prepared data and models "
                         "(default: the config's algorithm only)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES",
+                        help="also run each seed with these space-separated overrides, on the same prepared data and models "
+                        "(repeatable), e.g. --variant 'offpolicy=rollout.max_staleness=1 train.old_policy=decoupled "
+                        "train.off_policy_correction=tis'")
     parser.add_argument("--config", default="deployments/demo.yaml",
                         help="the demo's config, relative to the checkout (deployments/vision-demo.yaml: the vision demo)")
     args = parser.parse_args(argv)
@@ -91,15 +97,16 @@ def main(argv=None) -> dict:
     steps = args.steps or "the config's"
     print(f"CPU: {cpu}; {args.config}: {len(seeds)} seeds x {len(paths)} paths, {steps} RL steps each\n")
     algorithms = args.algorithms.split(",") if args.algorithms else [None]
+    variants = [None] + [(v.split("=", 1)[0], v.split("=", 1)[1].split()) for v in args.variant]
     print("| seed | path | algorithm | policy SFT steps | SFT % | RL % | lift (points) | GenRM SFT | seconds |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
             for path in paths:
-                for algorithm in algorithms:  # the first one's seconds include prepare (SFT)
-                    r = run_demo(seed, path, args.steps, os.path.join(tmp, f"{path}-{seed}"), args.config, algorithm)
-                    r["algorithm"] = algorithm or "the config's"
+                for algorithm, variant in ((a, v) for a in algorithms for v in variants):  # the first one's seconds include prepare
+                    r = run_demo(seed, path, args.steps, os.path.join(tmp, f"{path}-{seed}"), args.config, algorithm, variant)
+                    r["algorithm"] = (algorithm or "the config's") + (f" + {variant[0]}" if variant else "")
                     rows.append(r)
                     figures = f"{r['sft']} | {r['rl']} | {r['lift']}" if "failed" not in r else f"failed: {r['failed']} | | "
                     print(f"| {seed} | {path} | {r['algorithm']} | {r['sft_steps']} | {figures} | {r['judge']} | "
@@ -109,7 +116,7 @@ def main(argv=None) -> dict:
     if span:
         print(f"\nSFT {span['sft'][0]}-{span['sft'][1]}%, after RL {span['rl'][0]}-{span['rl'][1]}%, "
               f"lift {span['lift'][0]}-{span['lift'][1]} points; {len(rows) - len(done)} of {len(rows)} runs failed ({cpu})")
-        for algorithm in dict.fromkeys(r["algorithm"] for r in done) if len(algorithms) > 1 else ():
+        for algorithm in dict.fromkeys(r["algorithm"] for r in done) if len(algorithms) + len(variants) > 2 else ():
             lifts = [r["lift"] for r in done if r["algorithm"] == algorithm]
             print(f"{algorithm}: lift {min(lifts)}-{max(lifts)} points over {len(lifts)} runs")
     return {"cpu": cpu, "rows": rows, "span": span, "failed": len(rows) - len(done)}

@@ -92,6 +92,8 @@ class StepMetrics(BaseModel):
     carried_groups: int
     carried_over: int
     surplus_dropped: int
+    stale_dropped: int = 0  # of those: more than rollout.max_staleness versions behind the trainer
+    staleness: dict[int, int] = {}  # trained samples by versions behind the trainer (TensorBoard's histogram)
     keep_ratio: float | None
     # the trainer's figures: loss, grad_norm and the algorithm's statistics per trained token over
     # every group (engines.rl.base.LossStep); TensorBoard, the tables and the curves iterate over it
@@ -149,6 +151,8 @@ class StepMetrics(BaseModel):
             carried_groups=sum(g.kept.carried_in for g in groups),
             carried_over=sum(g.kept.carried_out for g in groups),
             surplus_dropped=sum(g.kept.surplus_dropped for g in groups),
+            stale_dropped=sum(g.kept.stale_dropped for g in groups),
+            staleness={k: sum(g.train.staleness.get(k, 0) for g in groups) for k in sorted({k for g in groups for k in g.train.staleness})},
             keep_ratio=_mean([GroupSampling.from_dict(g.sampling).keep_ratio for g in groups]),
             train=train_statistics([(g.train.statistics, g.train.tokens) for g in groups]),
             response_tokens=sum(w.rollout.tokens for g in groups for w in g.waves) / samples,
@@ -178,8 +182,8 @@ def train_statistics(groups: list[tuple[dict[str, float], float]]) -> dict[str, 
     as they are, every other one per trained token, weighted by the groups' tokens (a group that
     trained nothing reports no statistic)."""
     names = dict.fromkeys(k for stats, _ in groups for k in stats)
-    return {k: groups[0][0].get(k, 0.0) if k in REPLICATED else _token_mean([(s.get(k, 0.0), t) for s, t in groups])
-            for k in names}
+    return {k: groups[0][0].get(k, 0.0) if k in REPLICATED else max(s.get(k, 0.0) for s, _ in groups) if k.endswith("_max")
+            else _token_mean([(s.get(k, 0.0), t) for s, t in groups]) for k in names}
 
 
 def _token_mean(values: list[tuple[float, float]]) -> float:

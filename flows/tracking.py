@@ -15,6 +15,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 from torch.utils.tensorboard import SummaryWriter
 
 from engines.config import RunConfig
@@ -25,6 +26,7 @@ from storage import objectstore
 SCALARS = {
     "rollout/reward": "reward", "rollout/accuracy": "accuracy", "rollout/response_tokens": "response_tokens",
     "sampling/kept_groups": "kept_groups", "sampling/dropped_groups": "dropped_groups", "sampling/waves": "waves",
+    "sampling/stale_dropped": "stale_dropped",
     "seconds/step": "step_s", "seconds/engines": "engine_s", **{f"seconds/{stage}": f"{stage}_s" for stage in TIMED},
 }
 
@@ -48,6 +50,10 @@ class MetricsLog:
         values = {tag: getattr(metrics, field) for tag, field in SCALARS.items() if getattr(metrics, field) is not None}
         values |= {f"train/{name}": value for name, value in metrics.train.items()}
         self._log(values, metrics.step + 1)
+        if metrics.staleness:  # off-policy: how many versions behind the trainer its samples were
+            ages = [age for age, count in metrics.staleness.items() for _ in range(count)]
+            self.writer.add_histogram("off_policy/staleness", np.asarray(ages, dtype=np.float64), metrics.step + 1,
+                                      bins=np.arange(-0.5, max(ages) + 1.5))
         if metrics.heldout is not None:
             self.heldout(metrics.step + 1, metrics.heldout)
         self._publish()

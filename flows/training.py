@@ -26,6 +26,7 @@ from prefect.runtime import flow_run
 from engines.wire.channel import HostLost
 from engines.wire.commands import CheckpointWaitResult
 from engines.config import RunConfig, load_config
+from flows import pipeline
 from flows.sampling import GroupSampling, plan_wave
 from flows.artifacts import Curves, Progress, StepProgress, percent
 from flows.console import shown
@@ -40,7 +41,7 @@ from tasks import stages
 
 
 @flow(name="dp-group", flow_run_name="iteration-{step:04d}-dp-{group}")
-async def dp_group(config: RunConfig, step: int, group: int, cursor: int, end: int | None = None,
+async def dp_group(config: RunConfig, step: int, group: int, cursor: int | None, end: int | None = None,
                    written: int | None = None, sampling: dict | None = None) -> GroupStep:
     """The controller of one DP group for one step: rollout → score → filter, in waves until
     enough groups are kept, then train → sync (→ checkpoint).
@@ -49,6 +50,8 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int, end: i
     host is still writing in the background; ``sampling``: the group's dynamic-sampling state
     after the previous step (``GroupSampling``)."""
     s, partial = config.sampling, config.placement.mode == "partial"
+    if cursor is None:  # overlapping steps: where this group's generation of the previous step ends (flows/pipeline.py)
+        cursor, sampling = await pipeline.generation_start(config.name, step, group)
     checkpointing = is_checkpoint_step(config, step, end)
     clock = StageClock(StepProgress(config.name, step, group, wave_stages=2 if partial else 3,
                                     after_stages=2 + (written is not None) + checkpointing))  # live in the UI
@@ -76,6 +79,9 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int, end: i
                           "keep ratio estimate %.2f", group, step, kept.reason, len(waves),
                           "+".join(str(w.rollout.prompts) for w in waves), kept.carried_out, kept.surplus_dropped,
                           state.keep_ratio or 0.0)
+    if config.rollout.max_staleness:  # overlapping steps: train in step order, when the run gives the turn (flows/pipeline.py)
+        turn = await pipeline.generated_then_turn(config.name, step, group, cursor, state.to_dict())
+        written = turn["step"] if turn else None
     trained = await clock("train_step", stages.train_step(config, step, group))
     synced = await clock("sync_weights", stages.sync_weights(config, group))
     waited = saved = None
@@ -98,7 +104,7 @@ def is_checkpoint_step(config: RunConfig, step: int, end: int | None = None) -> 
 
 
 @flow(name="iteration", flow_run_name="iteration-{step:04d}")
-async def iteration(config: RunConfig, step: int, cursors: list[int], end: int | None = None, written: dict | None = None,
+async def iteration(config: RunConfig, step: int, cursors: list[int] | None, end: int | None = None, written: dict | None = None,
                     sampling: list[dict] | None = None) -> StepMetrics:
     """One RL step: every DP group concurrently, then commit the checkpoints that are written.
 
@@ -116,7 +122,7 @@ async def iteration(config: RunConfig, step: int, cursors: list[int], end: int |
     if config.controllers.groups_per_node:  # the same sub-flows, in node controllers' processes (flows/nodes.py)
         groups = await run_on_nodes(config, step, cursors, end, waiting, sampling)
     else:
-        runs = [asyncio.ensure_future(dp_group(config, step, g, cursors[g], end, waiting, (sampling or [None] * config.dp)[g]))
+        runs = [asyncio.ensure_future(dp_group(config, step, g, (cursors or [None] * config.dp)[g], end, waiting, (sampling or [None] * config.dp)[g]))
                 for g in range(config.dp)]
         try:
             groups = await asyncio.gather(*runs)
@@ -127,6 +133,8 @@ async def iteration(config: RunConfig, step: int, cursors: list[int], end: int |
     shas = {g.train.params_sha for g in groups}
     if len(shas) != 1:
         raise RuntimeError(f"step {step}: DP replicas diverged (parameter fingerprints {sorted(shas)})")
+    if config.rollout.max_staleness:
+        written = pipeline.turn_given(config.name, step)  # the checkpoint its groups waited for
     metrics = StepMetrics.of(config, step, groups, time.perf_counter() - start)
     if written is not None:
         commit(config, written, waited_files(written, [g.checkpoint_waited for g in groups]))
@@ -362,21 +370,23 @@ async def _steps(config: RunConfig, state: RunState, first: int, end: int, histo
     cursors, sampling = state.cursors, state.sampling or None
     written = None  # the last asynchronous checkpoint, still being written (committed by the next iteration)
     empty_steps = 0  # steps in a row that kept no prompt group
-    for step in range(first, end):
-        began = time.perf_counter()
-        metrics = await iteration(config, step, cursors, end, written, sampling)
+    began = time.perf_counter()  # since the last step was recorded: with overlapping steps, the pace of the run
+
+    async def record(metrics: StepMetrics) -> dict | None:
+        """Book a finished step (in step order); returns its checkpoint still being written."""
+        nonlocal began, empty_steps
+        step = metrics.step
         written, metrics.pending_checkpoint = metrics.pending_checkpoint, None
         if metric and config.eval.every and (step + 1) % config.eval.every == 0:
             metrics.heldout = await heldout_score(config, f"step {step}")
             metrics.heldout_checkpoint = checkpoint_uri(run_uri, step) if is_checkpoint_step(config, step, end) else None
-        cursors, sampling = metrics.cursors, metrics.sampling
         history.append(metrics)
         run_progress.advance(f"{config.name}: {step + 1} of {config.steps} steps done; step {step}: reward "
                              f"{metrics.reward:.3f}, rollout accuracy {percent(metrics.accuracy)}")
         curves.add(metrics.model_dump())
         # the step as the run pays for it: ``seconds`` is timed inside the iteration flow, so it
         # leaves out that sub-flow's own creation and state changes, and this loop's bookkeeping
-        metrics.step_s = time.perf_counter() - began
+        metrics.step_s, began = time.perf_counter() - began, time.perf_counter()
         logger.info(
             "step %d/%d reward %.3f accuracy %.3f kept %d dropped %d waves %d (%.1fs, %.1fs in engines)", step + 1, config.steps,
             metrics.reward, metrics.accuracy, metrics.kept_groups, metrics.dropped_groups, metrics.waves, metrics.step_s,
@@ -391,6 +401,18 @@ async def _steps(config: RunConfig, state: RunState, first: int, end: int, histo
         empty_steps = empty_steps + 1 if metrics.kept_groups == 0 else 0
         if empty_steps:
             check_empty_steps(config, metrics, empty_steps)
+        return written
+
+    if config.rollout.max_staleness:  # step n+1's generation overlaps step n's training (flows/pipeline.py)
+        written = await pipeline.overlapped(
+            config.name, config.rollout.max_staleness, first, end, cursors, sampling,
+            lambda step, cursors, sampling: iteration(config, step, cursors, end, None, sampling), record)
+    else:
+        for step in range(first, end):
+            began = time.perf_counter()
+            metrics = await iteration(config, step, cursors, end, written, sampling)
+            cursors, sampling = metrics.cursors, metrics.sampling
+            written = await record(metrics)
     await finish_checkpoint(config, written)  # this run's last checkpoint: the next run resumes there
     after = await heldout_score(config, "after")
     tracking.heldout(end, after)

@@ -18,16 +18,17 @@ from engines.wire.commands import Request, Result
 _CALLS = ThreadPoolExecutor(max_workers=4096, thread_name_prefix="yattflow-host-call")
 
 
-async def call_host(run: str, group: int, request: Request) -> Result:
+async def call_host(run: str, group: int, request: Request, lane: str | None = None) -> Result:
     """Send ``request`` to the group's host without blocking the event loop, replay the host's
     log lines into this task's log (so they show in the Prefect UI), and return its result.
 
     A failed command keeps its inputs: the task's log and the exception (the failed state's
     message in the UI) name the stage, the group and the request's fields — URIs, step, wave,
-    cursor; never sample data — followed by the host's own error."""
+    cursor; never sample data — followed by the host's own error. ``lane``: the host's rollout lane
+    (``engines.wire.channel.client``), for the stages that overlap a train step."""
     logger = get_run_logger()
     try:
-        result, logs = await asyncio.get_running_loop().run_in_executor(_CALLS, client(run, group).call, request)
+        result, logs = await asyncio.get_running_loop().run_in_executor(_CALLS, client(run, group, lane).call, request)
     except HostError as e:
         inputs = describe_call(run, group, request)
         for line in e.logs:

@@ -12,8 +12,14 @@ from engines.wire.commands import (Checkpoint, CheckpointResult, CheckpointWait,
                               SetupEnginesResult, SyncWeights, SyncWeightsResult, TrainStep, TrainStepResult, ValidateInputs,
                               ValidateInputsResult)
 from engines.config import RunConfig
+from engines.wire.channel import ROLLOUT_LANE
 from storage.datasets import stage_uri
 from tasks._host import call_host
+
+
+def lane(config: RunConfig) -> str | None:
+    """Rollout, scoring and filtering go over the host's rollout lane when they overlap training."""
+    return ROLLOUT_LANE if config.rollout.max_staleness else None
 
 # Stage outputs live in object storage; Prefect keeps states and metrics, not results.
 stage = task(cache_policy=NO_CACHE, persist_result=False)
@@ -32,13 +38,13 @@ async def setup_engines(config: RunConfig, group: int, resume: str | None, maste
 @stage(name="rollout", task_run_name="rollout dp={group} wave={wave}")
 async def rollout(config: RunConfig, step: int, group: int, wave: int, cursor: int, count: int) -> RolloutResult:
     out = stage_uri(config.run_uri, step, "rollouts", group, wave)
-    return await call_host(config.name, group, Rollout(step=step, wave=wave, cursor=cursor, count=count, out=out))
+    return await call_host(config.name, group, Rollout(step=step, wave=wave, cursor=cursor, count=count, out=out), lane(config))
 
 
 @stage(name="genrm-score", task_run_name="genrm_score dp={group} wave={wave}")
 async def genrm_score(config: RunConfig, step: int, group: int, wave: int) -> GenRMScoreResult:
     rollouts, out = (stage_uri(config.run_uri, step, name, group, wave) for name in ("rollouts", "scored"))
-    return await call_host(config.name, group, GenRMScore(rollouts=rollouts, out=out))
+    return await call_host(config.name, group, GenRMScore(rollouts=rollouts, out=out), lane(config))
 
 
 @stage(name="rollout-and-score", task_run_name="rollout_and_score dp={group} wave={wave}")
@@ -47,7 +53,7 @@ async def rollout_and_score(config: RunConfig, step: int, group: int, wave: int,
     samples streaming to the judge; the same outputs as ``rollout`` then ``genrm_score``."""
     rollouts, scored = (stage_uri(config.run_uri, step, name, group, wave) for name in ("rollouts", "scored"))
     return await call_host(config.name, group, RolloutAndScore(step=step, wave=wave, cursor=cursor, count=count,
-                                                               rollouts_out=rollouts, scored_out=scored))
+                                                               rollouts_out=rollouts, scored_out=scored), lane(config))
 
 
 @stage(name="dynamic-filter", task_run_name="dynamic_filter dp={group} wave={wave}")
@@ -58,17 +64,18 @@ async def dynamic_filter(config: RunConfig, step: int, group: int, wave: int, ca
     return await call_host(config.name, group, DynamicFilter(
         step=step, scored=[stage_uri(run_uri, step, "scored", group, w) for w in range(wave + 1)],
         out=stage_uri(run_uri, step, "experience", group), target_groups=config.sampling.target_groups,
-        carry_in=carry, carry_out=stage_uri(run_uri, step, "carry", group)))
+        carry_in=carry, carry_out=stage_uri(run_uri, step, "carry", group)), lane(config))
 
 
 @stage(name="train-step", task_run_name="train_step dp={group}")
 async def train_step(config: RunConfig, step: int, group: int) -> TrainStepResult:
-    return await call_host(config.name, group, TrainStep(experience=stage_uri(config.run_uri, step, "experience", group)))
+    return await call_host(config.name, group, TrainStep(experience=stage_uri(config.run_uri, step, "experience", group), step=step))
 
 
 @stage(name="sync-weights", task_run_name="sync_weights dp={group}")
 async def sync_weights(config: RunConfig, group: int) -> SyncWeightsResult:
-    return await call_host(config.name, group, SyncWeights())
+    timeout = config.rollout.sync_timeout_s if config.rollout.max_staleness else None  # overlapping: never a hang
+    return await call_host(config.name, group, SyncWeights(timeout_s=timeout))
 
 
 @stage(name="checkpoint", task_run_name="checkpoint dp={group} step={step}")

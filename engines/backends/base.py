@@ -61,6 +61,7 @@ class TrainBatch:
     returns: list[list[float]] | None = None  # the critic's targets per response token (Needs.critic)
     values: list[list[float]] | None = None  # the critic's values the advantages were computed with (its value clip)
     images: list[list[bytes]] | None = None  # encoded images of each sequence's prompt (None: a text batch)
+    is_weights: list[list[float]] | None = None  # per response token: the off-policy correction (engines/rl/off_policy.py)
 
     def __len__(self) -> int:
         return len(self.response_ids)

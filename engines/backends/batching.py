@@ -23,6 +23,18 @@ def pad_batch(batch: TrainBatch, pad_id: int):
     return ids, attn, resp, old
 
 
+def pad_weights(batch: TrainBatch) -> torch.Tensor | None:
+    """The off-policy correction's per-token weights (``TrainBatch.is_weights``) aligned like
+    :func:`pad_batch`'s response mask; None when the batch has none (``train.old_policy=bypass``)."""
+    if batch.is_weights is None:
+        return None
+    width = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
+    out = torch.zeros((len(batch), width - 1))
+    for i, (p, w) in enumerate(zip(batch.prompt_ids, batch.is_weights)):
+        out[i, len(p) - 1 : len(p) - 1 + len(w)] = torch.tensor(w)
+    return out
+
+
 def micro_batches(batch: TrainBatch, max_tokens: int | None, unit: int = 1) -> list[TrainBatch]:
     """``batch`` cut into forward passes of at most ``max_tokens`` *padded* tokens each (rows x
     longest row, what :func:`pad_batch` computes), so that short rows are padded to short rows

@@ -87,6 +87,20 @@ class RunConfig(Section):
                              "does (docs/algorithms.md)")
         return self
 
+    @model_validator(mode="after")
+    def _overlap_has_what_it_needs(self):
+        # rollout.max_staleness >= 1 runs the rollout lane's commands beside the train step in each host
+        k = self.rollout.max_staleness
+        if k and self.train.algorithm.needs.critic:
+            raise ValueError(f"rollout.max_staleness={k} with train.algorithm.name={self.train.algorithm.name}: the dynamic "
+                             "filter computes advantages with the critic the train step is updating at the same time; "
+                             "use rollout.max_staleness=0 with an algorithm that has a critic")
+        if k and self.controllers.groups_per_node:
+            raise ValueError(f"rollout.max_staleness={k} with controllers.groups_per_node={self.controllers.groups_per_node}: "
+                             "node controllers run each step's groups in order (overlap is one process's, flows/pipeline.py); "
+                             "use one of the two")
+        return self
+
     def uri(self, path: str) -> str:
         """Resolve a config path against the storage root."""
         return objectstore.resolve(self.storage.root, path)

@@ -201,6 +201,14 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(
         1024, gt=0, description="Response length cap; longer responses are truncated. 1024 leaves room for a worked "
         "solution by a small instruct model (raise it for long reasoning); the tiny demos set 8.")
+    max_staleness: int = Field(
+        0, ge=0, description="k, off-policy overlap (docs/off-policy.md): 0 runs each step's rollout, scoring, filtering "
+        "and training one after the other (on-policy). k >= 1: step n+1's rollout, scoring and filtering run while step n "
+        "trains, from weights at most k versions older than the trainer's when it trains them (carried-over groups "
+        "included; older ones are dropped and counted); pair it with train.old_policy=decoupled and a correction.")
+    sync_timeout_s: float = Field(
+        300.0, gt=0, description="rollout.max_staleness >= 1: a weight sync (trainer -> rollout engine) that has not "
+        "finished after this many seconds is a lost host: the run restarts its hosts from the last checkpoint.")
 
 
 class JudgeConfig(Section):

@@ -110,6 +110,30 @@ class TrainConfig(Section):
         "The update is the same either way (up to float summation order); only which group computes which sequence changes.",
     )
 
+    old_policy: Literal["bypass", "decoupled"] = Field(
+        "bypass", description="The old policy of the clipped ratio. bypass: the rollout's log-probabilities (the behaviour "
+        "policy) serve as it, no weight (exact when rollouts are on-policy, rollout.max_staleness=0). decoupled (AReaL): the "
+        "trainer recomputes the old policy's log-probabilities at the start of the step and weights each token's loss by "
+        "old / behaviour, corrected by off_policy_correction (docs/off-policy.md).")
+    off_policy_correction: Literal["none", "tis", "mis"] = Field(
+        "none", description="old_policy=decoupled: how the weight old / behaviour is bounded. none: as it is; tis: "
+        "truncated at tis_cap per token; mis: whole sequences whose length-normalised ratio leaves [mis_low, mis_high] "
+        "masked out. tis and mis need old_policy=decoupled.")
+    tis_cap: float = Field(2.0, gt=0, description="off_policy_correction=tis: the cap C of min(old / behaviour, C).")
+    mis_low: float = Field(0.5, gt=0, description="off_policy_correction=mis: a sequence whose geometric-mean ratio "
+                           "old / behaviour is below this is masked.")
+    mis_high: float = Field(2.0, gt=0, description="off_policy_correction=mis: a sequence whose geometric-mean ratio "
+                            "old / behaviour is above this is masked.")
+
+    @model_validator(mode="after")
+    def _correction_needs_old_policy(self):
+        if self.off_policy_correction != "none" and self.old_policy != "decoupled":
+            raise ValueError(f"train.off_policy_correction={self.off_policy_correction} needs train.old_policy=decoupled "
+                             "(under bypass the behaviour policy is the old policy: the ratio to correct is 1)")
+        if self.mis_low >= self.mis_high:
+            raise ValueError(f"train.mis_low ({self.mis_low}) must be below train.mis_high ({self.mis_high})")
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _moved_to_algorithm(cls, data):

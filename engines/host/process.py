@@ -12,6 +12,7 @@ gloo on CPU), so the train step is a real collective (``engines/backends/distrib
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import signal
@@ -95,15 +96,20 @@ def serve(rank: int, world: int, threads: int, bind: str = "127.0.0.1") -> None:
         os.dup2(2, 1)
         handle = functools.partial(_handle, worker, {}, threading.Lock())
         first = listener.accept()
-        threading.Thread(target=_node_controllers, args=(listener, handle, rank), name="node-controllers", daemon=True).start()
+        # later connections: a node controller's (controllers.groups_per_node), or the rollout lane
+        # (rollout.max_staleness >= 1: rollout, scoring and filtering beside the run's train step)
+        threading.Thread(target=_more_connections, args=(listener, worker, handle, rank), name="more-connections",
+                         daemon=True).start()
         answer(first, handle, rank)
 
 
-def _node_controllers(listener: Listener, handle, rank: int) -> None:
-    """After the run's own connection: its node controller's (``controllers.groups_per_node``),
-    authenticated with the same secret, each answered on a thread of its own. Its ``shutdown`` ends
-    only that connection; a node controller that goes away without one is a lost node, so the
-    host exits as it does when the run's connection drops (the run heals from its checkpoint)."""
+def _more_connections(listener: Listener, worker, handle, rank: int) -> None:
+    """After the run's own connection: its node controller's (``controllers.groups_per_node``) or
+    its rollout lane (``rollout.max_staleness``), authenticated with the same secret, each answered
+    on a thread of its own. Its ``shutdown`` ends only that connection. A node controller that goes
+    away without one is a lost node, so the host exits as it does when the run's connection drops
+    (the run heals from its checkpoint); a rollout lane that closes leaves the host to the run's
+    connection."""
     while True:
         try:
             conn = listener.accept()
@@ -111,23 +117,28 @@ def _node_controllers(listener: Listener, handle, rank: int) -> None:
             return
         except Exception:  # noqa: BLE001 - a failed handshake (a wrong secret): refuse that one, keep listening
             continue
-        threading.Thread(target=_answer_node, args=(conn, handle, rank), daemon=True).start()
+        threading.Thread(target=_answer_more, args=(conn, worker, handle, rank), daemon=True).start()
 
 
-def _answer_node(conn, handle, rank: int) -> None:
+def _answer_more(conn, worker, handle, rank: int) -> None:
     try:
         answer(conn, handle, rank)
     except SystemExit:
-        os.killpg(0, signal.SIGKILL)  # this host and its engines' processes, as ``_exit_with_parent`` does
+        if worker.config is not None and worker.config.controllers.groups_per_node:
+            os.killpg(0, signal.SIGKILL)  # this host and its engines' processes, as ``_exit_with_parent`` does
 
 
 def _handle(worker, seen: dict, lock: threading.Lock, request):
     """``worker.handle``, after the fault ``YATTFLOW_FAULTS`` plans for this point, if any (engines/host/faults.py).
     A request without a step (``train_step``, ``sync_weights``) belongs to the step of the last one with.
-    One command at a time, whichever connection (the run's, its node controller's) sent it."""
-    with lock:
-        seen["step"] = getattr(request, "step", seen.get("step"))
-        faults.inject(request.stage, seen["step"], worker.rank)
+    One command at a time, whichever connection sent it, unless the run overlaps steps
+    (``rollout.max_staleness``): then the rollout lane's commands run beside the train step, the
+    worker's own locks keeping each chunk on one policy version (docs/off-policy.md)."""
+    overlapping = worker.config is not None and worker.config.rollout.max_staleness > 0
+    with contextlib.nullcontext() if overlapping else lock:
+        if getattr(request, "step", None) is not None:
+            seen["step"] = request.step
+        faults.inject(request.stage, seen.get("step"), worker.rank)
         return worker.handle(request)
 
 

@@ -10,6 +10,7 @@ atomically; requests and results carry URIs and metrics, never sample data.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -26,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engines.host import balance, critic as critic_host, experience, rewards, validation
+from engines.host import balance, critic as critic_host, experience, offpolicy, rewards, validation
 from engines.host.preferences import PreferenceRows
 from engines.host.prompts import PromptStream
 
@@ -73,6 +74,8 @@ class Worker:
         self.checkpoints: Checkpoints | None = None
         self.engine_loads = 0  # times this host loaded its models: once per run is the point of a host
         self.awake: set[str] = set()  # the engines holding the group's devices (see ``take``)
+        self.policy_version = 0  # the trainer version whose weights the rollout engine holds (set by sync_weights)
+        self.policy_lock = offpolicy.PolicyLock()  # the rollout engine, between an overlapping host's two lanes
 
     @functools.singledispatchmethod
     def handle(self, request: Request) -> Result:
@@ -123,6 +126,7 @@ class Worker:
         self.prompts = PromptStream(prompts_uri, self.rank, self.world, cfg.data.max_image_bytes,
                                     datasets.PREFERENCES if cfg.data.preferences else datasets.PROMPTS)
         self.preferences = PreferenceRows(policy_dir, cfg, self.vision) if cfg.data.preferences else None
+        self.policy_version = self.trainer.version  # both engines loaded the same folder
         if request.resume:
             self.checkpoints.load(self.trainer, request.resume, self.critic)
             self.sync_weights(SyncWeights())
@@ -250,6 +254,7 @@ class Worker:
             for row in datasets.read_table(r.carry_in, datasets.CARRY).to_pylist():
                 carried[(row["step"], row["wave"], row["prompt_id"])].append(row)
         too_old = [key for key in carried if r.step - key[0] > max_age]  # only if max_carry_age was lowered
+        too_old += (stale := [key for key in carried if key not in too_old and offpolicy.too_stale(cfg, r.step, carried[key])])
         for key in too_old:
             del carried[key]
         kept, equal, new_kept = [], 0, 0
@@ -265,7 +270,8 @@ class Worker:
                     new_kept += i == len(r.scored) - 1
         candidates = list(carried.values()) + kept
         train, rest = candidates[: r.target_groups], candidates[r.target_groups :]
-        carry = [rows for rows in rest if r.step + 1 - rows[0]["step"] <= max_age] if r.carry_out is not None else []
+        young = [rows for rows in rest if r.step + 1 - rows[0]["step"] <= max_age] if r.carry_out is not None else []
+        carry = [rows for rows in young if not offpolicy.too_stale(cfg, r.step + 1, rows)]  # rollout.max_staleness
         flat = [row for rows in train for row in rows]
         if cfg.train.algorithm.needs.critic:  # per-token advantages from the critic's values (full colocation: it wakes)
             self.take("critic")
@@ -285,7 +291,7 @@ class Worker:
         return DynamicFilterResult(
             uri=r.out, kept=len(train), dropped_equal=equal, new_kept=new_kept, enough=enough, reason=reason, carried_in=used,
             surplus=len(rest), carried_out=len(carry), surplus_dropped=len(rest) - len(carry) + len(too_old),
-            carry=r.carry_out if carry else None)
+            carry=r.carry_out if carry else None, stale_dropped=len(stale) + len(young) - len(carry))
 
     @handle.register
     def train_step(self, request: TrainStep) -> TrainStepResult:
@@ -304,14 +310,17 @@ class Worker:
         if self.vision:  # the rows reference their prompts' images: read them here, on the host that trains them
             parts = batch.split(t.minibatches, unit)
             batch = balance.presplit([replace(p, images=self.prompts.images(p.prompt_rows)) for p in parts])
+        batch, correction = offpolicy.correct(self.trainer, batch, t)  # train.old_policy=decoupled: old log-probs, IS weights
+        stale, staleness = offpolicy.staleness(self.trainer.version, rows)
         statistics = self.trainer.train_step(batch, t.algorithm, minibatches=t.minibatches, micro_batch_tokens=t.micro_batch_tokens)
         if self.critic is not None:  # the same rows and minibatches; its statistics join the step's one dict
             statistics |= self.critic.train_step(batch, t.algorithm, minibatches=t.minibatches, micro_batch_tokens=t.micro_batch_tokens)
+        statistics |= correction | staleness
         tokens = statistics.pop("tokens")
         seconds = time.perf_counter() - start
         return TrainStepResult(statistics=statistics, tokens=tokens, **balanced, seconds=seconds,
                                tokens_per_s=tokens / seconds if seconds else 0.0,
-                               sequences=len(batch), policy_version=self.trainer.version, params_sha=self.params_sha(),
+                               sequences=len(batch), policy_version=self.trainer.version, staleness=stale, params_sha=self.params_sha(),
                                switch_s=switch, engine_loads=self.engine_loads)
 
     @handle.register
@@ -319,7 +328,9 @@ class Worker:
         """Trainer → rollout engine, by Hugging Face parameter name."""
         start = time.perf_counter()
         switch = self.take("policy", "trainer")  # a sleeping vLLM engine cannot load weights
-        count = self.policy.update_weights(self.trainer.export_weights())
+        with self.policy_lock:  # overlapping: between two chunks of the rollout lane's generation
+            count = self.policy.update_weights(self.trainer.export_weights())
+            self.policy_version = self.trainer.version
         return SyncWeightsResult(tensors=count, seconds=time.perf_counter() - start, switch_s=switch)
 
     @handle.register
@@ -345,14 +356,16 @@ class Worker:
         if not rows:
             return EvaluateResult(score_sum=0.0, total=0)
         self.take("policy")
-        outs = self.policy.generate([chat.source(r) for r in rows], greedy=True, max_new_tokens=self.config.rollout.max_new_tokens,
-                                    images=self._images_of(rows))
-        answered = [rows[o.prompt_index] | {"response": o.response} for o in outs]
+        with self.policy_lock:  # overlapping: the rollout lane's engines wait (the judge too: one generate at a time)
+            outs = self.policy.generate([chat.source(r) for r in rows], greedy=True, max_new_tokens=self.config.rollout.max_new_tokens,
+                                        images=self._images_of(rows))
+            answered = [rows[o.prompt_index] | {"response": o.response} for o in outs]
+            if self.rule is None:
+                self.take("judge")
+                verdicts = self._verdicts(answered, [r["images"] or [] for r in answered])
         if self.rule is not None:
             scores = [self.rule(r["prompt"], r["response"], r["answer"], r["prompt_id"]) for r in answered]
         else:
-            self.take("judge")
-            verdicts = self._verdicts(answered, [r["images"] or [] for r in answered])
             scores = [float(v.startswith(self.config.judge.good)) for v in verdicts]
         return EvaluateResult(score_sum=sum(scores), total=len(rows))
 
@@ -386,6 +399,8 @@ class Worker:
         policy and judge resident together through ``rollout_and_score``, and training still
         takes the devices alone. Stages that only read the trainer's weights (``export_policy``,
         ``params_sha``) read a sleeping trainer's host copy."""
+        if self.config.rollout.max_staleness:
+            return 0.0  # overlapping lanes: every engine stays resident (docs/off-policy.md)
         start = time.perf_counter()
         # "judge": the scorers, GenRM and scalar reward model (either may be None)
         engines_by_name = {"policy": [self.policy], "judge": [self.judge, self.reward_model], "trainer": [self.trainer],
@@ -419,12 +434,14 @@ class Worker:
         if self.preferences is not None:  # nothing to generate: the dataset's two responses are the samples
             return self.preferences.rollout_rows(chunk, wave, self.trainer.version)
         ro = self.config.rollout
-        gens = self.policy.generate([chat.source(row) for row in chunk], n=ro.samples_per_prompt, temperature=ro.temperature,
-                                    top_p=ro.top_p, max_new_tokens=ro.max_new_tokens,
-                                    seed=stable_seed(self.config.seed, step, self.rank, wave, k), images=self._images_of(chunk))
+        with self.policy_lock:  # one policy version per chunk: a sync waits for the chunk to end
+            version = self.policy_version
+            gens = self.policy.generate([chat.source(row) for row in chunk], n=ro.samples_per_prompt, temperature=ro.temperature,
+                                        top_p=ro.top_p, max_new_tokens=ro.max_new_tokens,
+                                        seed=stable_seed(self.config.seed, step, self.rank, wave, k), images=self._images_of(chunk))
         return [{
             "prompt_id": chunk[g.prompt_index]["prompt_id"], "sample_index": j % ro.samples_per_prompt,
-            "policy_version": self.trainer.version, "wave": wave, "prompt": chunk[g.prompt_index]["prompt"],
+            "policy_version": version, "wave": wave, "prompt": chunk[g.prompt_index]["prompt"],
             "answer": chunk[g.prompt_index]["answer"],
             "prompt_row": chunk[g.prompt_index]["prompt_row"],  # where its images are: rollouts never copy them
             "prompt_ids": g.prompt_ids, "response": g.response, "response_ids": g.response_ids,
@@ -446,8 +463,10 @@ class Worker:
             images = self.prompts.images([r["prompt_row"] for r in rows])
         prompts = [cfg.template.format(prompt=self._judge_text(r["prompt"]), response=r["response"], answer=r["answer"] or "")
                    for r in rows]
-        return [o.response.strip() for o in self.judge.generate(prompts, greedy=True, max_new_tokens=cfg.max_new_tokens,
-                                                                  images=images)]
+        # overlapping lanes: the held-out evaluation's judge and the rollout lane's never generate at once
+        with self.policy_lock if self.config.rollout.max_staleness else contextlib.nullcontext():
+            return [o.response.strip() for o in self.judge.generate(prompts, greedy=True, max_new_tokens=cfg.max_new_tokens,
+                                                                      images=images)]
 
     def _judge_text(self, prompt: str) -> str:
         if self.vision and not self.judge_sees_images:

@@ -142,18 +142,23 @@ class LossStep:
         return float(sum(len(r) for r in response_ids)) if self.algorithm.loss_aggregation == "token" else float(len(response_ids))
 
     def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: Sequence[float | Sequence[float]],
-                 mask: torch.Tensor, total: float, ref_logprobs: torch.Tensor | None = None) -> torch.Tensor:
+                 mask: torch.Tensor, total: float, ref_logprobs: torch.Tensor | None = None,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
         """The pass's share of the minibatch loss, ``total`` being the minibatch's DP-global count:
         the passes' losses sum to the minibatch's, and the DP groups' gradients to one process's.
 
         ``advantages``: one per sequence (a float), or one per response token (a list per sequence,
-        an algorithm with a critic); the loss then gets them as ``[batch]`` or ``[batch, tokens]``."""
+        an algorithm with a critic); the loss then gets them as ``[batch]`` or ``[batch, tokens]``.
+        ``weights``: the off-policy correction per token (``engines/rl/off_policy.py``; None: 1),
+        multiplying the algorithm's loss (not the KL to the reference, which is the current policy's)."""
         if self.algorithm.needs.pairs:
             return self._pairs(logprobs, old_logprobs, mask, total, ref_logprobs)
         adv = (on_response_tokens(advantages, mask) if any(isinstance(a, (list, tuple)) for a in advantages)
                else torch.tensor(advantages, dtype=logprobs.dtype, device=logprobs.device))
         adv = (adv.to(logprobs.dtype) - self.shift) / self.scale
         per_token, stats = self.algorithm.loss(logprobs, old_logprobs, adv, mask)
+        if weights is not None:
+            per_token = per_token * weights.to(device=per_token.device, dtype=per_token.dtype)
         if ref_logprobs is not None and self.algorithm.kl_coef > 0:
             per_token = per_token + self.algorithm.kl_coef * algorithms.kl_k3(logprobs, ref_logprobs)
         with torch.no_grad():

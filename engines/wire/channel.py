@@ -65,7 +65,7 @@ class HostClient:
                 raise HostLost(f"{self.label}: channel unusable for '{stage}': {self._abandoned}")
             try:
                 self._conn.send_bytes(json.dumps({"stage": stage, "fields": request.model_dump(mode="json")}).encode())
-                reply = self._reply(stage)
+                reply = self._reply(stage, getattr(request, "timeout_s", None))
             except (EOFError, OSError) as e:
                 raise HostLost(f"{self.label}: engine host is gone ({type(e).__name__}) during '{stage}'") from e
         if "error" in reply:
@@ -74,13 +74,18 @@ class HostClient:
             raise error
         return request.result.model_validate(reply["result"] | {"host_s": reply["host_s"]}), reply["logs"]
 
-    def _reply(self, stage: str) -> dict:
+    def _reply(self, stage: str, deadline_s: float | None = None) -> dict:
         """The answer to the command just sent, watching its heartbeats: a command whose progress
-        counter stands still for ``stage_s`` (or whose host stops beating) is hung."""
+        counter stands still for ``stage_s`` (or whose host stops beating) is hung. A command
+        with its own deadline (a weight sync's ``timeout_s``) not answered by then is a lost host
+        too, however its heartbeats go: a transfer that does not finish must never be waited on."""
         start = moved = time.monotonic()
         progress = None
         while True:
             now = time.monotonic()
+            if deadline_s is not None and now - start > deadline_s:
+                self._abandoned = f"'{stage}' did not finish within its time-out of {deadline_s:g}s"
+                raise HostLost(f"dp-{self.group}: {self._abandoned}")
             if now - moved > self.stage_s:
                 self._abandoned = f"'{stage}' hung: no progress for {now - moved:.0f}s (timeouts.stage_s={self.stage_s:g})"
                 raise HostLost(f"{self.label}: {self._abandoned}")
@@ -119,28 +124,45 @@ class HostClient:
             pass
 
 
-_clients: dict[tuple[str, int], HostClient] = {}
+_clients: dict[tuple[str, int] | tuple[str, int, str], HostClient] = {}
+_opened: dict[tuple[str, int], tuple] = {}  # how each host was reached: a second lane connects the same way
+_lanes = threading.Lock()
+ROLLOUT_LANE = "rollout"
 
 
-def client(run: str, group: int) -> HostClient:
-    """The open channel to the host of ``group`` in ``run`` (opened by ``connect``)."""
+def client(run: str, group: int, lane: str | None = None) -> HostClient:
+    """The open channel to the host of ``group`` in ``run`` (opened by ``connect``).
+
+    ``lane="rollout"`` (``rollout.max_staleness`` >= 1): a second connection to the same host,
+    opened on first use, whose commands the host answers on a thread of their own, so that the
+    next step's rollout runs while this step's train step holds the first (docs/off-policy.md)."""
     try:
-        return _clients[(run, group)]
+        main = _clients[(run, group)]
     except KeyError:
         raise HostError(f"no engine host for run '{run}' dp-{group} in this process") from None
+    if lane is None:
+        return main
+    with _lanes:
+        if (run, group, lane) not in _clients:
+            _clients[(run, group, lane)] = HostClient(*_opened[(run, group)])
+        return _clients[(run, group, lane)]
 
 
 def connect(run: str, group: int, address: tuple[str, int], secret: bytes, timeout_s: float, stage_s: float) -> None:
     """Open the channel to a started host; tasks of ``run`` then reach it through ``client``."""
     _clients[(run, group)] = HostClient(address, secret, group, timeout_s, stage_s)
+    _opened[(run, group)] = (address, secret, group, timeout_s, stage_s)
 
 
 def disconnect(run: str, world: int) -> None:
-    """End every connected host channel of ``run`` (``HostClient.end``)."""
+    """End every connected host channel of ``run`` (``HostClient.end``): a rollout lane first,
+    then the channel whose 'shutdown' ends the host."""
     for group in range(world):
-        c = _clients.pop((run, group), None)
-        if c is not None:
-            c.end()
+        _opened.pop((run, group), None)
+        for key in ((run, group, ROLLOUT_LANE), (run, group)):
+            c = _clients.pop(key, None)
+            if c is not None:
+                c.end()
 
 
 # --------------------------------------------------------------------------- host side
@@ -153,10 +175,16 @@ class _Capture(logging.Handler):
         super().__init__(logging.INFO)
         self.setFormatter(logging.Formatter("%(message)s"))
         self.lines: list[str] = []
+        self.thread = threading.get_ident()  # the lane this capture answers on
 
     def emit(self, record):
+        if record.thread != self.thread and record.thread in _lane_threads:
+            return  # another lane's command: its own answer carries it
         self.lines.append(self.format(record))
         progress()
+
+
+_lane_threads: set[int] = set()  # the threads answering a connection (one per lane)
 
 
 _progress = 0  # the command in hand's progress counter, sent with every heartbeat
@@ -176,6 +204,7 @@ def answer(conn: Connection, handle: Callable[[Request], Result], rank: int) -> 
     that ends without ``Shutdown`` (the run crashed or was cancelled) raises ``SystemExit(3)``:
     a host never holds its devices for a controller that is gone."""
     capture = _Capture()
+    _lane_threads.add(capture.thread)
     logging.getLogger("yattflow").addHandler(capture)
     logging.getLogger("yattflow").setLevel(logging.INFO)
     sending, busy = threading.Lock(), threading.Event()

@@ -152,6 +152,7 @@ class DynamicFilterResult(Result):
     carried_out: int  # ... carried into the next step ...
     surplus_dropped: int  # ... or dropped
     carry: str | None  # the carry-over dataset, if anything is carried
+    stale_dropped: int = 0  # of the dropped: more than rollout.max_staleness versions behind the trainer
 
 
 class DynamicFilter(Request):
@@ -179,6 +180,7 @@ class TrainStepResult(Result):
     params_sha: str  # fingerprint of the trained weights: equal on every replica
     engine_loads: int  # times this host loaded its models (once per run is the point of a host)
     switch_s: float = 0.0
+    staleness: dict[int, int] = {}  # samples by versions behind the trainer (0: on-policy); docs/off-policy.md
     # DP token balancing (engines/host/balance.py)
     tokens_before_balance: float
     sequences_before_balance: int
@@ -194,6 +196,7 @@ class TrainStep(Request):
     stage = "train_step"
     result = TrainStepResult
     experience: str
+    step: int | None = None  # the step it trains (an overlapping host's rollout lane may be a step ahead)
 
 
 class SyncWeightsResult(Result):
@@ -207,6 +210,7 @@ class SyncWeights(Request):
 
     stage = "sync_weights"
     result = SyncWeightsResult
+    timeout_s: float | None = None  # the controller's deadline: past it the host is lost (rollout.sync_timeout_s)
 
 
 class CheckpointResult(Result):

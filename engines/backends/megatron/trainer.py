@@ -41,7 +41,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from engines.backends import multimodal
 from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
-from engines.backends.batching import micro_batches, pad_batch
+from engines.backends.batching import micro_batches, pad_batch, pad_weights
 from engines.backends.distributed import default_device
 from engines.backends.megatron import vision
 from engines.backends.megatron.mapping import _param_to_hf, load_hf_state, padded_vocab_size
@@ -244,7 +244,7 @@ class MegatronTrainer:
                         with torch.no_grad():
                             ref = self._token_logprobs(self.reference, ids, pixels)
                     # global ``total`` (not this pass's own count): the passes' losses sum to the minibatch's
-                    loss = step(logprobs, old, micro.advantages, resp, total, ref)
+                    loss = step(logprobs, old, micro.advantages, resp, total, ref, pad_weights(micro))
                     loss.backward()  # accumulates into the DDP grad buffer (main_grad)
                 loss_sum += loss.detach()
             finalize_model_grads([self.model])  # the DP all-reduce (a sum: see calculate_per_token_loss)

@@ -20,7 +20,7 @@ from torch.profiler import record_function
 
 from engines.backends import multimodal
 from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
-from engines.backends.batching import micro_batches, pad_batch
+from engines.backends.batching import micro_batches, pad_batch, pad_weights
 from engines.backends.torch import lora as lora_adapter
 from engines.backends.torch.model import forward_precision, is_vision_tower, load_model, resolve_device, sequence_logprobs
 from engines.rl import registry
@@ -150,7 +150,7 @@ class TorchTrainer:
                             ref = sequence_logprobs(reference, ids, attn, self.temperature, pixels, self.banned)
                 with record_function("loss"):
                     # global ``total`` (not this pass's own count): the passes' losses sum to the minibatch's
-                    loss = step(logprobs, old, micro.advantages, resp, total, ref)
+                    loss = step(logprobs, old, micro.advantages, resp, total, ref, pad_weights(micro))
                 with record_function("backward"):
                     loss.backward()  # accumulates into .grad
                 loss_value += loss.item()
