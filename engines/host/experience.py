@@ -1,4 +1,5 @@
-"""A step's training rows from its kept samples: what the algorithm needs of them.
+"""A step's kept samples and its training rows: DAPO's dynamic filter over the groups of the
+step's waves, and what the algorithm needs of the kept ones.
 
 An advantage algorithm trains on every kept sample with its advantage; a pair algorithm
 (``Needs.pairs``: DPO) on the (chosen, rejected) pairs it picks, written as consecutive rows
@@ -7,7 +8,10 @@ layout every batching step keeps together (``Needs.unit``)."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from engines.rl.base import AlgorithmConfig
+from storage import datasets
 
 
 def training_rows(algorithm: AlgorithmConfig, rows: list[dict]) -> list[dict]:
@@ -17,3 +21,21 @@ def training_rows(algorithm: AlgorithmConfig, rows: list[dict]) -> list[dict]:
     if algorithm.needs.pairs:
         return [rows[i] | {"advantage": mark} for pair in algorithm.pairs(rewards, groups) for i, mark in zip(pair, (1.0, -1.0))]
     return [row | {"advantage": a} for row, a in zip(rows, algorithm.advantages(rewards, groups))]
+
+
+def kept_groups(scored: list[str], step: int, filter_equal_rewards: bool) -> tuple[list[list[dict]], int, int]:
+    """DAPO's dynamic filter over this step's scored waves (``scored``: their URIs, in order): the
+    prompt groups (one prompt's samples of one wave, rows tagged with ``step``) whose rewards
+    differ, in order; how many had equal rewards; how many kept ones the last wave added."""
+    kept, equal, new_kept = [], 0, 0
+    for i, uri in enumerate(scored):
+        groups: dict[tuple[int, int], list[dict]] = defaultdict(list)
+        for row in datasets.read_table(uri, datasets.SCORED).to_pylist():
+            groups[(row["wave"], row["prompt_id"])].append(row | {"step": step})
+        for rows in groups.values():
+            if filter_equal_rewards and len({row["reward"] for row in rows}) == 1:
+                equal += 1
+            else:
+                kept.append(rows)
+                new_kept += i == len(scored) - 1
+    return kept, equal, new_kept

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from engines.rl.algorithms import overlong_penalty
+
 
 class RewardRuleError(ValueError):
     """The reward rule cannot be imported or called, raised, or returned something other than a number."""
@@ -121,3 +123,18 @@ def model_scores(reward_model, prompts, rows: list[dict]) -> list[float | None]:
     if reward_model is None or not rows:
         return [None] * len(rows)
     return reward_model.score(prompts.sources([r["prompt_row"] for r in rows]), [r["response"] for r in rows])
+
+
+def scored(cfg, row: dict, verdict: str | None, rm: float | None, rule: Rule | None, format_rule: Rule | None) -> dict:
+    """A rollout row with its rewards (a new dict): each source's (None where the run has none: the
+    judge's verdict, the scalar reward model's score, the rule's, the format rule's) and ``reward``,
+    their weighted sum plus DAPO's overlong penalty."""
+    r, w = row, cfg.reward
+    genrm = None if verdict is None else float(verdict.startswith(cfg.judge.good))
+    ruled = rule(r["prompt"], r["response"], r["answer"], r["prompt_id"]) if rule else None
+    form = format_rule(r["prompt"], r["response"], r["answer"], r["prompt_id"]) if format_rule else None
+    reward = sum(weight * value for weight, value in ((w.genrm_weight, genrm), (w.rule_weight, ruled),
+                                                      (w.format_weight, form), (w.reward_model_weight, rm)) if value is not None)
+    reward += overlong_penalty(len(r["response_ids"]), cfg.rollout.max_new_tokens, w.overlong_buffer, w.overlong_penalty)
+    return r | {"judge_text": verdict, "genrm_reward": genrm, "rule_reward": ruled, "format_reward": form, "rm_reward": rm,
+                "reward": reward}

@@ -32,7 +32,6 @@ from engines.host.preferences import PreferenceRows
 from engines.host.prompts import PromptStream
 
 from engines.backends import chat, distributed, build, multimodal
-from engines.rl.algorithms import overlong_penalty
 from engines.wire.channel import progress
 from engines.host.checkpointing import Checkpoints
 from engines.wire.commands import (Checkpoint, CheckpointResult, CheckpointWait, CheckpointWaitResult, DynamicFilter,
@@ -257,17 +256,7 @@ class Worker:
         too_old += (stale := [key for key in carried if key not in too_old and offpolicy.too_stale(cfg, r.step, carried[key])])
         for key in too_old:
             del carried[key]
-        kept, equal, new_kept = [], 0, 0
-        for i, uri in enumerate(r.scored):
-            groups: dict[tuple[int, int], list[dict]] = defaultdict(list)
-            for row in datasets.read_table(uri, datasets.SCORED).to_pylist():
-                groups[(row["wave"], row["prompt_id"])].append(row | {"step": r.step})
-            for rows in groups.values():
-                if cfg.sampling.filter_equal_rewards and len({row["reward"] for row in rows}) == 1:
-                    equal += 1
-                else:
-                    kept.append(rows)
-                    new_kept += i == len(r.scored) - 1
+        kept, equal, new_kept = experience.kept_groups(r.scored, r.step, cfg.sampling.filter_equal_rewards)
         candidates = list(carried.values()) + kept
         train, rest = candidates[: r.target_groups], candidates[r.target_groups :]
         young = [rows for rows in rest if r.step + 1 - rows[0]["step"] <= max_age] if r.carry_out is not None else []
@@ -480,18 +469,9 @@ class Worker:
         judged = self.judge is not None and rows and self.preferences is None  # a preference's label is its reward
         verdicts = self._verdicts(rows) if judged else [None] * len(rows)
         scores = rewards.model_scores(self.reward_model, self.prompts, rows) if self.preferences is None else [None] * len(rows)
-        out = []
-        for r, verdict, rm in zip(rows, verdicts, scores):
-            genrm = None if verdict is None else float(verdict.startswith(cfg.judge.good))
-            rule = self.rule(r["prompt"], r["response"], r["answer"], r["prompt_id"]) if self.rule else None
-            form = self.format_rule(r["prompt"], r["response"], r["answer"], r["prompt_id"]) if self.format_rule else None
-            reward = cfg.reward.genrm_weight * (genrm or 0.0) + (cfg.reward.rule_weight * rule if rule is not None else 0.0)
-            reward += cfg.reward.format_weight * form if form is not None else 0.0
-            reward += cfg.reward.reward_model_weight * rm if rm is not None else 0.0
-            reward += overlong_penalty(len(r["response_ids"]), cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
-            reward = self.preferences.reward(r) if self.preferences is not None else reward
-            out.append(r | {"judge_text": verdict, "genrm_reward": genrm, "rule_reward": rule, "format_reward": form,
-                            "rm_reward": rm, "reward": reward})
+        out = [rewards.scored(cfg, r, verdict, rm, self.rule, self.format_rule) for r, verdict, rm in zip(rows, verdicts, scores)]
+        if self.preferences is not None:  # a preference's label is its reward
+            out = [row | {"reward": self.preferences.reward(row)} for row in out]
         return out
 
     def _rollout_result(self, r: Rollout, rows: list[dict], seconds: float, switch: float) -> RolloutResult:
