@@ -22,3 +22,29 @@ def cpu_model() -> str:
     except OSError:
         return "unknown CPU"
     return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "unknown CPU")
+
+
+class Sampler:
+    """A thread that calls ``sample()`` every ``every`` seconds while in its ``with`` block (the
+    benchmarks' meters of the processes they start)."""
+
+    every = 1.0
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        import threading
+
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self):
+        while not self._stop.wait(self.every):
+            self.sample()

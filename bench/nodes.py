@@ -24,17 +24,16 @@ docs/controllers.md for how linear it was).
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
 import statistics
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import psutil
 
+from bench import Sampler
 from bench.overhead import TINY, PostgresCluster, PrefectServer, run_flow_subprocess
 from bench.scale import STEP_LINE, STUBS, available_mb
 
@@ -58,23 +57,16 @@ def cpu_of(p: psutil.Process, tree: bool = False) -> float:
         return 0.0
 
 
-class CpuMeter:
+class CpuMeter(Sampler):
     """Snapshots every component's CPU seconds whenever the run's log shows another finished step."""
+
+    every = 0.2
 
     def __init__(self, log: Path, server: list[psutil.Process], postmaster: psutil.Process):
         self.log, self.server, self.postmaster = log, server, postmaster  # server: its processes (a stack's: several)
         self.me = psutil.Process()
         self.snaps: list[dict] = []  # one per finished step, in order
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
+        self.seen = 0  # steps the log showed finished
 
     def _procs(self) -> dict[str, list[psutil.Process]]:
         found: dict[str, list] = {"parent": [], "nodes": [], "hosts": []}
@@ -98,15 +90,13 @@ class CpuMeter:
                 "nodes": [cpu_of(p) for p in nodes], "hosts": sum(cpu_of(p) for p in procs["hosts"]),
                 "server": sum(cpu_of(p, tree=True) for p in self.server), "postgres": cpu_of(self.postmaster, tree=True)}
 
-    def _run(self):
-        seen = 0
-        while not self._stop.wait(0.2):
-            text = self.log.read_text(errors="replace") if self.log.exists() else ""
-            steps = len(STEP_LINE.findall(text))
-            if steps > seen:
-                snap = self.snapshot()
-                self.snaps += [snap] * (steps - seen)  # two steps in one poll: the later snapshot for both
-                seen = steps
+    def sample(self):
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        steps = len(STEP_LINE.findall(text))
+        if steps > self.seen:
+            snap = self.snapshot()
+            self.snaps += [snap] * (steps - self.seen)  # two steps in one poll: the later snapshot for both
+            self.seen = steps
 
 
 def postmaster(cluster: PostgresCluster) -> psutil.Process:

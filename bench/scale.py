@@ -45,11 +45,11 @@ import shutil
 import statistics
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 
+from bench import Sampler  # noqa: E402
 from bench.overhead import (BACKENDS, TINY, PostgresCluster, PrefectServer, figures,  # noqa: E402
                             run_flow_subprocess, summarize_profile, train_once)
 
@@ -82,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class HostMemory:
+class HostMemory(Sampler):
     """Samples the engine hosts among this process's descendants every 2 s: peak count, the peak
     over samples of their summed RSS and of one host's RSS, and one host's USS (its private memory:
     what each further host adds; RSS also counts the shared library pages) and PSS (MB)."""
@@ -93,37 +93,28 @@ class HostMemory:
         self.psutil, self.me = psutil, psutil.Process()
         self.peak_total_mb = self.peak_host_mb = self.uss_mb = self.pss_mb = 0.0
         self.hosts = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self):
-        self._thread.start()
-        return self
+    every = 2.0
 
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self):
-        while not self._stop.wait(2.0):
-            rss, one = [], None
-            for p in self.me.children(recursive=True):
-                try:
-                    if "engines.host" in " ".join(p.cmdline()):
-                        rss.append(p.memory_info().rss / 2**20)
-                        one = one or p
-                except self.psutil.Error:
-                    pass
+    def sample(self):
+        rss, one = [], None
+        for p in self.me.children(recursive=True):
             try:
-                if one is not None:
-                    full = one.memory_full_info()
-                    self.uss_mb, self.pss_mb = max(self.uss_mb, full.uss / 2**20), max(self.pss_mb, full.pss / 2**20)
+                if "engines.host" in " ".join(p.cmdline()):
+                    rss.append(p.memory_info().rss / 2**20)
+                    one = one or p
             except self.psutil.Error:
                 pass
-            if rss:
-                self.hosts = max(self.hosts, len(rss))
-                self.peak_total_mb = max(self.peak_total_mb, sum(rss))
-                self.peak_host_mb = max(self.peak_host_mb, max(rss))
+        try:
+            if one is not None:
+                full = one.memory_full_info()
+                self.uss_mb, self.pss_mb = max(self.uss_mb, full.uss / 2**20), max(self.pss_mb, full.pss / 2**20)
+        except self.psutil.Error:
+            pass
+        if rss:
+            self.hosts = max(self.hosts, len(rss))
+            self.peak_total_mb = max(self.peak_total_mb, sum(rss))
+            self.peak_host_mb = max(self.peak_host_mb, max(rss))
 
 
 def available_mb() -> float:
