@@ -127,7 +127,13 @@ def test_ctrl_c_stops_sft_saying_where_it_can_continue(prefect_server, task_data
     found = re.search(r"yattflow sft: stopped; resume state: step (\d+); run the same command to continue", text)
     assert found and int(found.group(1)) >= 10, text[-2000:]  # the last check saved (the log line comes first)
     assert "Traceback" not in text, text[-3000:]
-    resumed = subprocess.run([*command[:-len(SMALL) - 1], "sft.max_steps=40", *SMALL], cwd=ROOT, capture_output=True,
+    # continue to 20 steps past the saved one: SIGINT lands a moment after the step-20 line was read,
+    # and a fast machine has saved later checks by then (a fixed max_steps=40 could already be reached)
+    further = f"sft.max_steps={int(found.group(1)) + 20}"
+    resumed = subprocess.run([*command[:-len(SMALL) - 1], further, *SMALL], cwd=ROOT, capture_output=True,
                              text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"continuing from step {found.group(1)}" in resumed.stdout + resumed.stderr
+    continued = re.search(r"continuing from step (\d+)", resumed.stdout + resumed.stderr)
+    # the step reported, or a later check's: the training thread may save once more between the
+    # message and the process's exit (nothing is lost; the continuation starts there)
+    assert continued and int(continued.group(1)) >= int(found.group(1)), (resumed.stdout + resumed.stderr)[-3000:]
