@@ -26,7 +26,7 @@ from engines.config import ConfigError, RunConfig, load_config
 from engines.demo import arithmetic
 from flows.artifacts import percent
 from flows.console import shown
-from flows.sft import _load_state, _save_state, needs_building
+from flows.sft import _load_state, _save_state, local_base, needs_building
 from flows.training import run_label
 from storage import datasets, objectstore
 
@@ -86,12 +86,7 @@ def train_reward_model(config: RunConfig) -> dict:
         return {"uri": output, "skipped": True}
     pairs = read_pairs(config.uri(settings.data), "rm.data")
     check = read_pairs(config.uri(settings.heldout), "rm.heldout") if settings.heldout is not None else []
-    base = None
-    if settings.base is not None:
-        try:
-            base = objectstore.local_folder(config.uri(settings.base))
-        except objectstore.StorageError as e:
-            raise ConfigError(f"rm.base: {e}") from None
+    base = local_base(config, settings.base, "rm.base")
     state_folder = objectstore.join(config.run_uri, STATE_NAME)
     scratch = config.sft.model_dump(include=set(SCRATCH_FIELDS))
     setup = settings.model_dump(include=set(SETUP_FIELDS)) | {"seed": config.seed} | ({} if base else scratch)

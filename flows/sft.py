@@ -100,12 +100,7 @@ def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields:
     if settings.heldout is not None:
         check, check_images = read_examples(config.uri(settings.heldout), settings.prompt_field,
                                             settings.heldout_field or settings.response_field, field["heldout"])
-    base = None
-    if settings.base is not None:
-        try:
-            base = objectstore.local_folder(config.uri(settings.base))
-        except objectstore.StorageError as e:
-            raise ConfigError(f"{field['base']}: {e}") from None
+    base = local_base(config, settings.base, field["base"])
 
     state_folder = objectstore.join(config.run_uri, name)
     setup = settings.model_dump(include=set(SETUP_FIELDS)) | {"seed": config.seed}
@@ -165,6 +160,17 @@ def saved_step(config: RunConfig, name: str = "sft") -> int | None:
     small ``progress.json`` beside the state."""
     progress = objectstore.join(config.run_uri, name, PROGRESS)
     return objectstore.read_json(progress)["step"] if objectstore.exists(progress) else None
+
+
+def local_base(config: RunConfig, base: str | None, field: str) -> str | None:
+    """The folder a model starts from (``field``'s value ``base``, local or on object storage) on this
+    machine; None: none (from scratch)."""
+    if base is None:
+        return None
+    try:
+        return objectstore.local_folder(config.uri(base))
+    except objectstore.StorageError as e:
+        raise ConfigError(f"{field}: {e}") from None
 
 
 def _load_state(uri: str, setup: dict) -> dict | None:
