@@ -142,9 +142,9 @@ class Checkpoints:
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
 
-    def check_prompt_files(self, prompts_uri: str, checkpoint: str) -> None:
-        """The prompts a checkpoint was trained on must still be the first files of the dataset:
-        the cursors it holds are positions in that order."""
+    def check_prompt_files(self, prompts_uri: str, checkpoint: str, field: str = "data.prompts") -> None:
+        """The prompts a checkpoint was trained on must still be the first files of the dataset
+        (``field`` names it in the error): the cursors it holds are positions in that order."""
         recorded = objectstore.join(checkpoint, "prompts.json")
         if not objectstore.exists(recorded):
             return  # a checkpoint written before this record existed
@@ -153,7 +153,7 @@ class Checkpoints:
             if now != [name, rows]:
                 found = f"'{now[0]}' ({now[1]} rows)" if now else "missing"
                 raise ValueError(
-                    f"data.prompts {prompts_uri}: part file {i + 1} (name order) was '{name}' ({rows} rows) when checkpoint "
+                    f"{field} {prompts_uri}: part file {i + 1} (name order) was '{name}' ({rows} rows) when checkpoint "
                     f"{checkpoint} was written and is now {found}; the data cursors would point at other prompts. "
                     "Leave existing files as they are and add new prompts as new files that sort after them "
                     "(e.g. part-00001.parquet)."

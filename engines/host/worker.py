@@ -95,7 +95,8 @@ class Worker:
         prompts_uri = cfg.uri(cfg.data.preferences or cfg.data.prompts)  # a preference dataset is the stream instead
         self.checkpoints = Checkpoints(self.rank, cfg.train.backend, datasets.part_files(prompts_uri))
         if request.resume:
-            self.checkpoints.check_prompt_files(prompts_uri, request.resume)  # before any engine loads
+            self.checkpoints.check_prompt_files(prompts_uri, request.resume,  # before any engine loads
+                                                "data.preferences" if cfg.data.preferences else "data.prompts")
         # the timing stub trains nothing on a device: its one all-reduce is of a CPU tensor
         device = torch.device("cpu") if cfg.train.backend == "stub" else distributed.default_device()
         if self.world > 1 and not dist.is_initialized():
