@@ -139,8 +139,8 @@ def _in_process(argv: list[str]) -> int:
         return 2
     from flows.console import RunConsole, log_path, ui_of_command
     from flows.prepare import prepare
-    from flows.rm import rm, summary_line, where_rm_stopped
-    from flows.sft import sft
+    from flows.rm import rm, summary_line
+    from flows.sft import sft, stopped_line
     from flows.training import train
 
     start = time.perf_counter()
@@ -158,7 +158,7 @@ def _in_process(argv: list[str]) -> int:
                 summary = asyncio.run(train(config_file=args.config, overrides=args.overrides))
                 print(f"\nrun '{config.name}': {_heldout_line(summary)}; final policy: {summary['final_model']}")
     except (KeyboardInterrupt, asyncio.CancelledError):  # (asyncio.run re-raises a cancel that was not only ours)
-        where = {"sft": where_sft_stopped, "rm": where_rm_stopped}.get(args.command, where_it_stopped)(config)
+        where = stopped_line(config, args.command) if args.command in ("sft", "rm") else where_it_stopped(config)
         print(f"\nyattflow {args.command}: {where}", file=sys.stderr, flush=True)
         return 130
     except Exception as e:  # noqa: BLE001 - the traceback is in the log above; the cause goes last, alone
@@ -193,16 +193,6 @@ def _sft_line(result: dict) -> str:
 
     heldout = "" if result["exact_match"] is None else f"held-out exact match {percent(result['exact_match'])}, "
     return f"{heldout}loss {result['loss']:.4f} after {result['steps']} steps; model: {result['uri']}"
-
-
-def where_sft_stopped(config) -> str:
-    """``stopped; resume state: step M; …`` from the SFT run's progress.json."""
-    from flows.sft import saved_step
-
-    step = saved_step(config)
-    if step is None:
-        return f"stopped before the first check (sft.check_every={config.sft.check_every}); the same command starts over"
-    return f"stopped; resume state: step {step}; run the same command to continue"
 
 
 def failure_cause(error: BaseException) -> str:

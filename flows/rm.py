@@ -141,16 +141,6 @@ def summary_line(result: dict) -> str:
             f"steps; model: {result['uri']}")
 
 
-def where_rm_stopped(config: RunConfig) -> str:
-    """``stopped; resume state: step M; …`` from the run's rm progress.json (after Ctrl-C)."""
-    from flows.sft import saved_step
-
-    step = saved_step(config, STATE_NAME)
-    if step is None:
-        return f"stopped before the first check (rm.check_every={config.rm.check_every}); the same command starts over"
-    return f"stopped; resume state: step {step}; run the same command to continue"
-
-
 @flow(name="rm", flow_run_name=run_label("rm"))
 def rm(config_file: str | None = None, overrides: list[str] | None = None) -> dict:
     config = load_config(config_file, overrides or [])

@@ -162,6 +162,16 @@ def saved_step(config: RunConfig, name: str = "sft") -> int | None:
     return objectstore.read_json(progress)["step"] if objectstore.exists(progress) else None
 
 
+def stopped_line(config: RunConfig, command: str) -> str:
+    """``stopped; resume state: step M; …`` after Ctrl-C of ``yattflow sft`` or ``yattflow rm`` (their
+    states live in ``runs/<name>/<command>``; their sections are ``config.<command>``)."""
+    step = saved_step(config, command)
+    if step is None:
+        return (f"stopped before the first check ({command}.check_every={getattr(config, command).check_every}); "
+                "the same command starts over")
+    return f"stopped; resume state: step {step}; run the same command to continue"
+
+
 def local_base(config: RunConfig, base: str | None, field: str) -> str | None:
     """The folder a model starts from (``field``'s value ``base``, local or on object storage) on this
     machine; None: none (from scratch)."""
