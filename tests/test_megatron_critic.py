@@ -4,6 +4,8 @@
   same weights and batch (two minibatches of several passes), as test_megatron.py checks the
   policy trainers against each other (same tolerances: fp32 forwards within ~1e-6, weights after
   an Adam step within 1e-5);
+- DP=2 (two processes over gloo, each on its shard, (3, 5) rows, two minibatches) equals one
+  process on the whole batch: the gradients are all-reduced (summed over DP-global token counts);
 - sleep releases every storage and wake restores it bit for bit; a checkpoint resumes exactly;
 - an engine host's PPO step and checkpoint with train.backend=megatron (policy and critic both
   Megatron), resumed exactly by another host;
@@ -14,7 +16,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +30,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -38,7 +43,7 @@ from engines.host.checkpointing import Checkpoints  # noqa: E402
 from engines.host.validation import InputError, check_critic  # noqa: E402
 from engines.host.worker import Worker  # noqa: E402
 from engines.wire.commands import Checkpoint, DynamicFilter, ExportPolicy, TrainStep  # noqa: E402
-from helpers import random_batch, save_tiny_model  # noqa: E402
+from helpers import free_port, random_batch, save_tiny_model  # noqa: E402
 from storage import datasets, objectstore  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -118,6 +123,42 @@ def test_values_loss_and_step_match_torch_critic(model_dir, tmp_path):
     assert (ref_after["model.layers.0.mlp.up_proj.weight"] - before["model.layers.0.mlp.up_proj.weight"]).abs().max() > 50 * ATOL
     assert max_diff(after, ref_after) <= ATOL
     assert value_diff(megatron.values(batch), reference.values(batch)) <= 1e-4
+
+
+def _dp_worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) -> None:
+    from datetime import timedelta
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    try:
+        steps = torch.load(cases_file, weights_only=False)
+        critic = with_head(MegatronCritic(model_dir, **HYPER))
+        stats = [critic.train_step(step[rank], ALGORITHM, minibatches=2, micro_batch_tokens=24) for step in steps]
+        weights = exported(critic, Path(out) / f"rank{rank}")
+        torch.save({"stats": stats, "weights": weights}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_dp2_equals_one_process(model_dir, tmp_path):
+    probe = with_head(TorchCritic(model_dir, **HYPER))
+    steps = [[critic_batch(probe, seed + rank, n) for rank, n in enumerate((3, 5))] for seed in (20, 30)]
+    torch.save(steps, tmp_path / "steps.pt")
+    mp.spawn(_dp_worker, args=(free_port(), model_dir, str(tmp_path / "steps.pt"), str(tmp_path)), nprocs=2, join=True)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert max_diff(rank0["weights"], rank1["weights"]) == 0.0  # replicas stay equal
+    one, solo = with_head(MegatronCritic(model_dir, **HYPER)), with_head(MegatronCritic(model_dir, **HYPER))
+    for k, step in enumerate(steps):  # minibatch k of every rank before minibatch k + 1 of any (test_dp.py's order)
+        parts = [b.split(2) for b in step]
+        stats = one.train_step(TrainBatch.concat([p[m] for m in range(2) for p in parts]), ALGORITHM, minibatches=2)
+        for key in ("explained_variance", "critic_grad_norm"):  # DP-global (value_loss is each rank's own)
+            assert rank0["stats"][k][key] == pytest.approx(stats[key], rel=1e-5), key
+        solo.train_step(step[1], ALGORITHM, minibatches=2)  # what a missing all-reduce amounts to
+    weights = exported(one, tmp_path / "one")
+    assert max_diff(rank0["weights"], weights) <= ATOL
+    assert max_diff(exported(solo, tmp_path / "solo"), weights) > 20 * ATOL
 
 
 def test_sleep_wake_and_exact_resume(model_dir, tmp_path):
