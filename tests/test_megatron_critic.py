@@ -161,8 +161,9 @@ def test_dp2_equals_one_process(model_dir, tmp_path):
     assert max_diff(exported(solo, tmp_path / "solo"), weights) > 20 * ATOL
 
 
-def test_sleep_wake_and_exact_resume(model_dir, tmp_path):
-    a = with_head(MegatronCritic(model_dir, **HYPER), seed=1)
+@pytest.mark.parametrize("options", [{}, {"dtype": "bfloat16", "distributed_optimizer": True}], ids=["fp32", "bf16-distopt"])
+def test_sleep_wake_and_exact_resume(model_dir, tmp_path, options):
+    a = with_head(MegatronCritic(model_dir, **HYPER, **options), seed=1)
     first, second, probe = critic_batch(a, 5), critic_batch(a, 6), random_batch(4, seed=9)
     a.train_step(first, ALGORITHM, minibatches=2)
     values = a.values(probe)
@@ -176,7 +177,7 @@ def test_sleep_wake_and_exact_resume(model_dir, tmp_path):
     files = a.save_checkpoint(str(tmp_path / "ckpt"))
     assert {"metadata.json", "common.pt"} <= set(files)
     a.train_step(second, ALGORITHM, minibatches=2)
-    b = MegatronCritic(model_dir, **HYPER)  # a zero head: the checkpoint brings its own
+    b = MegatronCritic(model_dir, **HYPER, **options)  # a zero head: the checkpoint brings its own
     b.load_checkpoint(str(tmp_path / "ckpt"))
     assert b.values(probe) == values
     b.train_step(second, ALGORITHM, minibatches=2)  # Adam moments and step count came back too
@@ -208,6 +209,31 @@ def test_exported_critic_loads_back_as_model_critic(model_dir, tmp_path):
     config = RunConfig.model_validate({"model": {"policy": model_dir, "critic": str(tmp_path / "again")}, **PPO})
     with pytest.raises(InputError, match="^model.critic: .*num_labels \\(id2label\\) is 2; a critic's value head has 1 output"):
         check_critic(config, model_dir)
+
+
+def test_qwen2_tied_critic_matches_torch(tmp_path):
+    """The other mapped family (Q/K/V bias, tied embeddings: the folder has no lm_head to leave out)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from engines.demo.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = Qwen2ForCausalLM(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # HF initialises biases to zero: make the mapping matter
+    model.save_pretrained(tmp_path / "qwen2")
+    tokenizer.save_pretrained(tmp_path / "qwen2")
+    megatron, reference = with_head(MegatronCritic(str(tmp_path / "qwen2"), **HYPER)), with_head(TorchCritic(str(tmp_path / "qwen2"), **HYPER))
+    batch = random_batch(5, seed=2)
+    assert value_diff(megatron.values(batch), reference.values(batch)) <= 1e-6
+    assert max_diff(exported(megatron, tmp_path / "m"), exported(reference, tmp_path / "t")) == 0.0
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["architectures"] == ["Qwen2ForTokenClassification"]
 
 
 def scored_rows(seed: int) -> list[dict]:

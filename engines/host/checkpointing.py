@@ -94,7 +94,8 @@ class Checkpoints:
         trainer_dir = os.path.join(tmp, f"trainer-{self.backend}")
         try:
             frozen = trainer.freeze_checkpoint(trainer_dir, copy=copy, hf_weights=self.rank == 0)
-            frozen_critic = critic.freeze_checkpoint(os.path.join(tmp, critic_dir(self.backend)), copy=copy) if critic else None
+            frozen_critic = (critic.freeze_checkpoint(os.path.join(tmp, critic_dir(self.backend)), copy=copy)
+                             if critic is not None else None)
             rng = to_bytes({"torch": torch.get_rng_state(), "python": random.getstate()})
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
