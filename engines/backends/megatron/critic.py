@@ -46,15 +46,15 @@ HEAD = "output_layer"  # the GPTModel attribute the value head takes
 class ValueHead(torch.nn.Module):
     """``GPTModel.output_layer`` of a critic: hidden states [seq, batch, hidden] → values
     [seq, batch, 1], computed in fp32 (as the torch critic's head, even on bf16 weights).
-    Replicated over TP ranks (veRL's ``LinearForLastLayer``); ``weight`` and
-    ``runtime_gather_output`` are the vocabulary layer's arguments, unused."""
+    Replicated over TP ranks (veRL's ``LinearForLastLayer``); ``weight``, ``runtime_gather_output``
+    (and whatever later Megatron versions pass) are the vocabulary layer's arguments, unused."""
 
     def __init__(self, hidden_size: int, device: torch.device, dtype: torch.dtype):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, device=device, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, device=device, dtype=dtype))
 
-    def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
+    def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None, **_):
         return F.linear(hidden.float(), self.weight.float(), self.bias.float()), None
 
 
