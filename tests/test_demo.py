@@ -63,6 +63,7 @@ def test_demo_learns_with_ppo(prefect_server, demo_root, capsys):
     assert after - before >= 20.0
     checkpoints = sorted((demo_root / "runs" / "demo-ppo" / "checkpoints").glob("*/critic-torch/critic.pt"))
     assert checkpoints  # the critic and its optimizer are in every checkpoint
+    assert (demo_root / "runs" / "demo-ppo" / "final" / "critic" / "model.safetensors").exists()  # exported beside the policy
 
 
 @pytest.mark.slow

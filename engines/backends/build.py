@@ -43,12 +43,19 @@ def make_trainer(cfg: RunConfig, model_dir: str, device=None) -> Trainer:
 
 def make_critic(cfg: RunConfig, model_dir: str, device=None):
     """The value model of an algorithm that has one (``Needs.critic``), on ``model_dir`` (model.critic,
-    else the policy's folder). torch only: ``train``'s validator refuses the other backends."""
+    else the policy's folder), of the trainer's backend (``train``'s validator refuses the stub)."""
+    t = cfg.train
+    kwargs = dict(lr=t.algorithm.critic_lr or t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                  dtype=cfg.model.dtype, device=device)
+    if t.backend == "megatron":
+        from engines.backends.megatron.critic import MegatronCritic
+
+        return MegatronCritic(model_dir, tensor_parallel=t.tensor_parallel, distributed_optimizer=t.distributed_optimizer,
+                              recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
+                              recompute_num_layers=t.recompute_num_layers, recompute_modules=t.recompute_modules, **kwargs)
     from engines.backends.torch.critic import TorchCritic
 
-    t = cfg.train
-    return TorchCritic(model_dir, lr=t.algorithm.critic_lr or t.lr, betas=t.betas, weight_decay=t.weight_decay,
-                       grad_clip=t.grad_clip, dtype=cfg.model.dtype, device=device)
+    return TorchCritic(model_dir, **kwargs)
 
 
 def make_generator(backend: str, model_dir: str, cfg: RunConfig, threads: int, device=None,

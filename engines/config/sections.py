@@ -138,8 +138,9 @@ class ModelConfig(Section):
     judge: str = Field("models/genrm", description="Hugging Face folder of the generative reward model.")
     critic: str | None = Field(
         None, description="Hugging Face folder (a causal LM) whose transformer, with a fresh scalar value head, is the "
-        "critic of an algorithm that has one (train.algorithm.name=ppo); None: the policy's folder (model.policy), as "
-        "OpenRLHF and veRL initialise it. Unused by algorithms without a critic.")
+        "critic of an algorithm that has one (train.algorithm.name=ppo), or a critic a run exported (runs/<name>/final/"
+        "critic: a *ForTokenClassification with one label, its head included) to continue training it; None: the "
+        "policy's folder (model.policy), as OpenRLHF and veRL initialise it. Unused by algorithms without a critic.")
     reward_model: str | None = Field(
         None, description="Hugging Face folder of a scalar reward model: an AutoModelForSequenceClassification with "
         "num_labels=1 (e.g. trained by `yattflow rm`), scoring the rendered prompt + response; used with "

@@ -170,12 +170,11 @@ class TrainConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _critic_on_torch_only(self):
-        # what an algorithm needs, not its name: a critic is trained by the torch backend only
-        if self.algorithm.needs.critic and self.backend != "torch":
-            why = ("the Megatron trainer has no value model (a GPTModel whose output layer is a scalar value head, with "
-                   "its own Hugging Face mapping, optimizer and dist_checkpointing shards) yet"
-                   if self.backend == "megatron" else "the timing stub trains nothing")
+    def _critic_trainable(self):
+        # what an algorithm needs, not its name: torch and Megatron train a critic (a VLM critic
+        # folder and, on Megatron, an unmapped architecture are refused with the inputs)
+        if self.algorithm.needs.critic and self.backend == "stub":
             raise ValueError(f"train.algorithm.name={self.algorithm.name} needs a critic (model.critic) and "
-                             f"train.backend={self.backend} cannot train one: {why}; use train.backend=torch")
+                             "train.backend=stub cannot train one: the timing stub trains nothing; use train.backend=torch "
+                             "or megatron")
         return self

@@ -6,7 +6,8 @@ every rank's files are written, ``storage/runstate.py``):
 
     trainer-{backend}/   the train engine's own format (one file for torch; Megatron
                          ``dist_checkpointing`` shards written by every rank)
-    critic-torch/        an algorithm with a critic: its weights (value head included) and optimizer (rank 0)
+    critic-{backend}/    an algorithm with a critic: its weights (value head included) and optimizer (torch:
+                         rank 0's file; Megatron: ``dist_checkpointing`` shards written by every rank)
     model/               the policy as a Hugging Face folder (rank 0); with train.lora the adapter
                          folder (the base is the policy folder, recorded in trainer-torch/)
     prompts.json         the prompt files the data cursors point into (rank 0)
@@ -35,7 +36,11 @@ from storage import objectstore
 from storage.runstate import checkpoint_step
 
 log = logging.getLogger("yattflow.host")
-CRITIC_DIR = "critic-torch"  # the critic's share of a checkpoint (engines/backends/torch/critic.py)
+
+
+def critic_dir(backend: str) -> str:
+    """The critic's share of a checkpoint (``engines/backends/{torch,megatron}/critic.py``)."""
+    return f"critic-{backend}"
 
 
 class Checkpoints:
@@ -89,7 +94,8 @@ class Checkpoints:
         trainer_dir = os.path.join(tmp, f"trainer-{self.backend}")
         try:
             frozen = trainer.freeze_checkpoint(trainer_dir, copy=copy, hf_weights=self.rank == 0)
-            frozen_critic = critic.freeze_checkpoint(os.path.join(tmp, CRITIC_DIR), copy=copy) if critic is not None else None
+            frozen_critic = (critic.freeze_checkpoint(os.path.join(tmp, critic_dir(self.backend)), copy=copy)
+                             if critic is not None else None)
             rng = to_bytes({"torch": torch.get_rng_state(), "python": random.getstate()})
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -109,7 +115,7 @@ class Checkpoints:
 
         def written() -> list[str]:
             files = [f"trainer-{backend}/{f}" for f in frozen.write()]
-            files += [f"{CRITIC_DIR}/{f}" for f in frozen_critic.write()] if frozen_critic is not None else []
+            files += [f"{critic_dir(backend)}/{f}" for f in frozen_critic.write()] if frozen_critic is not None else []
             if rank == 0:
                 trainer.save_hf(os.path.join(tmp, "model"), tensors=frozen.hf_weights)
                 files += sorted(str(p.relative_to(tmp)) for p in Path(tmp, "model").rglob("*") if p.is_file())
@@ -134,10 +140,11 @@ class Checkpoints:
             raise ValueError(f"{uri}: no {trainer_dir.name}/ to resume train.backend={self.backend} from (found {found})")
         trainer.load_checkpoint(str(trainer_dir))
         if critic is not None:
-            if not Path(local, CRITIC_DIR).is_dir():
-                raise ValueError(f"{uri}: no {CRITIC_DIR}/ to resume the critic from: the checkpoint was written by a "
+            folder = Path(local, critic_dir(self.backend))
+            if not folder.is_dir():
+                raise ValueError(f"{uri}: no {folder.name}/ to resume the critic from: the checkpoint was written by a "
                                  "run whose train.algorithm has no critic; resume it with that algorithm")
-            critic.load_checkpoint(str(Path(local, CRITIC_DIR)))
+            critic.load_checkpoint(str(folder))
         rng = from_bytes(objectstore.read_bytes(objectstore.join(uri, f"rng-{self.rank}.pt")))
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])

@@ -146,8 +146,9 @@ def check_critic(config, policy: str) -> None:
     the field."""
     if not config.train.algorithm.needs.critic:
         return
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
+    from engines.backends import value_head
     from engines.host.critic import folder
 
     field = "model.critic" if config.model.critic else "model.critic (unset: model.policy)"
@@ -157,6 +158,12 @@ def check_critic(config, policy: str) -> None:
         raise InputError(f"{field}: {uri} is a vision-language model; train.algorithm.name={config.train.algorithm.name}'s "
                          "critic is a value head on a text model's transformer and never sees images: set model.critic "
                          "to a text model with the policy's tokenizer")
+    try:  # an exported critic (final/critic/: *ForTokenClassification) must have one label, a value
+        value_head.check_folder(path)
+        if config.train.backend == "megatron":  # the Megatron critic maps its transformer as the policy's
+            architectures.architecture(AutoConfig.from_pretrained(path))
+    except (ValueError, architectures.Unsupported) as e:
+        raise InputError(f"{field}: {uri}: train.backend={config.train.backend} cannot train it as a critic: {e}") from None
     if path != policy and AutoTokenizer.from_pretrained(path).get_vocab() != AutoTokenizer.from_pretrained(policy).get_vocab():
         raise InputError(f"{field}: {uri}: its tokenizer's vocabulary differs from model.policy's; the critic reads the "
                          "policy's token ids")

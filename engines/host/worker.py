@@ -327,7 +327,7 @@ class Worker:
     def checkpoint(self, request: Checkpoint) -> CheckpointResult:
         """This rank's share of a checkpoint (``engines/host/checkpointing.py``), written in the
         background with ``checkpoint.asynchronous``; the controller commits the manifest."""
-        self.take(*self.awake | {"trainer"})  # awake after sync_weights anyway; a sleeping trainer is never read
+        self.take(*self.awake | {"trainer", "critic"})  # a sleeping trainer (or Megatron critic) is never read
         return self.checkpoints.save(self.trainer, request.uri, self.config.checkpoint.asynchronous, self.critic)
 
     @handle.register
@@ -367,6 +367,8 @@ class Worker:
         if self.rank == 0:
             with tempfile.TemporaryDirectory() as tmp:
                 self.trainer.save_hf(tmp)
+                if self.critic is not None:  # PPO's critic beside it, loadable as model.critic (value_head.py)
+                    self.critic.save_hf(os.path.join(tmp, "critic"))
                 lora = self.config.train.lora
                 if lora is not None and lora.export_merged:
                     self.trainer.save_merged(os.path.join(tmp, "merged"))

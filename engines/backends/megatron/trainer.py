@@ -29,12 +29,9 @@ from typing import Iterator, Literal
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER, OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
@@ -43,7 +40,7 @@ from engines.backends import multimodal
 from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
 from engines.backends.batching import micro_batches, pad_batch, pad_weights
 from engines.backends.distributed import default_device
-from engines.backends.megatron import vision
+from engines.backends.megatron import optimizer as megatron_optimizer, vision
 from engines.backends.megatron.mapping import _param_to_hf, load_hf_state, padded_vocab_size
 from engines.backends.megatron.model import RecomputeGranularity, _init_distributed, build_gpt, transformer_config
 from engines.backends.megatron.offload import Offload, trainer_tensors
@@ -96,9 +93,7 @@ class MegatronTrainer:
         self.tokenizer = self.processor.tokenizer if self.processor is not None else AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer.padding_side = "left"
         self.temperature = temperature
-        # Megatron without Transformer Engine or Apex steps torch's AdamW, whose distributed
-        # checkpoints need two repairs (see load_checkpoint).
-        self._distributed_torch_adam = distributed_optimizer and USING_PYTORCH_OPTIMIZER
+        self._adam_repairs = megatron_optimizer.needs_adam_repairs(distributed_optimizer)  # see load_checkpoint
         self.version = 0  # optimizer steps taken: the policy version rollouts are stamped with
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype {dtype!r}: float32 or bfloat16 (float16 would need loss scaling)")
@@ -128,23 +123,8 @@ class MegatronTrainer:
             self.reference.requires_grad_(False)
         del hf_state
 
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=lr,
-                min_lr=lr,
-                weight_decay=weight_decay,
-                adam_beta1=betas[0],
-                adam_beta2=betas[1],
-                adam_eps=1e-8,  # torch.optim.AdamW's default, as in TorchTrainer
-                clip_grad=grad_clip,
-                bf16=self.config.bf16,  # bf16 parameters, fp32 main copies in the optimizer
-                params_dtype=torch_dtype,
-                use_distributed_optimizer=distributed_optimizer,
-            ),
-            [self.model],
-            config_overrides={},  # decay every parameter, as TorchTrainer's AdamW does
-        )
+        self.optimizer = megatron_optimizer.megatron_adam(self.model, self.config, lr, betas, weight_decay, grad_clip,
+                                                          distributed_optimizer)
         # Megatron's pipeline schedules call this after the backward pass (without it DP gradients
         # are silently never all-reduced); train_step, which runs no schedule, calls it itself.
         self.config.finalize_model_grads_func = finalize_model_grads
@@ -329,15 +309,6 @@ class MegatronTrainer:
 
     # --- checkpoints ---------------------------------------------------------------------
 
-    def _sharded_state(self, is_loading: bool = False) -> dict:
-        model = self.model.module.sharded_state_dict()
-        # The distributed optimizer's default format in 0.16 ('fully_sharded_model_space') fails
-        # on save; with 'dp_reshardable' each rank writes its own optimizer shard without
-        # communication (Megatron documents it as reshardable across DP sizes, not TP sizes).
-        metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
-        optimizer = self.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=metadata)
-        return {"model": model, "optimizer": optimizer, "version": self.version}
-
     def save_checkpoint(self, local_dir: str, async_save: bool = False) -> list[str] | None:
         """Model + optimizer + version with ``dist_checkpointing`` (collective).
 
@@ -351,15 +322,10 @@ class MegatronTrainer:
         self._require_awake("save_checkpoint")
         self.finalize_checkpoint()
         path = Path(local_dir)
-        path.mkdir(parents=True, exist_ok=True)
-        if any(path.iterdir()):
-            raise FileExistsError(f"{path}: checkpoint folder is not empty")
-        strategy = FullyParallelSaveStrategyWrapper(
-            get_default_save_sharded_strategy(), parallel_state.get_data_parallel_group(with_context_parallel=True)
-        )
-        request = dist_checkpointing.save(self._sharded_state(), str(path), strategy, async_sharded_save=async_save)
+        state = megatron_optimizer.sharded_state(self.model, self.optimizer, version=self.version)
+        request = megatron_optimizer.save(state, path, async_save)
         if not async_save:
-            return _files_under(path)
+            return megatron_optimizer.files_under(path)
         self._checkpoints.schedule_async_request(request)
         self._pending_checkpoint = path
         return None
@@ -378,46 +344,11 @@ class MegatronTrainer:
             return []
         self._checkpoints.maybe_finalize_async_calls(blocking=True)
         path, self._pending_checkpoint = self._pending_checkpoint, None
-        return _files_under(path)
+        return megatron_optimizer.files_under(path)
 
     def load_checkpoint(self, local_dir: str) -> None:
         """Restore model, optimizer and version from a whole checkpoint folder (collective)."""
         self._require_awake("load_checkpoint")
         self.finalize_checkpoint()
-        if self._distributed_torch_adam:
-            self._materialise_adam_state()
-        state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(local_dir))
-        self.model.module.load_state_dict(state["model"])
-        with torch.no_grad():  # the distributed optimizer copies into views of the parameters
-            self.optimizer.load_state_dict(state["optimizer"])
-        if self._distributed_torch_adam:
-            self._repair_adam_steps(state["optimizer"]["optimizer"]["param_groups"][0]["step"])
+        state = megatron_optimizer.load(self.model, self.optimizer, local_dir, self._adam_repairs)
         self.version = int(state["version"])
-
-    def _materialise_adam_state(self) -> None:
-        """Zero Adam state (step 0) where none exists yet. Megatron 0.16's DistributedOptimizer over
-        torch's AdamW (no Transformer Engine or Apex) asserts that its parameters share one step
-        count when it describes its state for loading, so an optimizer that never stepped cannot
-        load a checkpoint; the checkpoint overwrites these zeros."""
-        for chained in self.optimizer.chained_optimizers:
-            inner = chained.optimizer
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    if not inner.state[p]:
-                        inner.state[p] = {
-                            "step": torch.tensor(0.0),
-                            "exp_avg": torch.zeros_like(p),
-                            "exp_avg_sq": torch.zeros_like(p),
-                        }
-
-    def _repair_adam_steps(self, step: float) -> None:
-        """Megatron 0.16's DistributedOptimizer over torch's AdamW restores every parameter's step
-        count from the pre-load state (not the checkpoint) and into one tensor shared by all
-        parameters, which torch's AdamW then increments once per parameter."""
-        for chained in self.optimizer.chained_optimizers:
-            for param_state in chained.optimizer.state.values():
-                param_state["step"] = torch.tensor(float(step))
-
-
-def _files_under(path: Path) -> list[str]:
-    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())

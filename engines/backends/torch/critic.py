@@ -19,6 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from engines.backends import value_head
 from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
 from engines.backends.batching import micro_batches, pad_batch
 from engines.backends.torch.model import forward_precision, resolve_device
@@ -59,8 +60,15 @@ class TorchCritic:
         self.device = resolve_device(device)
         self.autocast = autocast
         backbone = AutoModel.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
-        self.model = ValueModel(backbone, backbone.config.hidden_size).to(self.device).train()
-        self.pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id or 0  # masked out: any id will do
+        self.model = ValueModel(backbone, backbone.config.hidden_size)
+        head = value_head.read_head(model_dir)  # an exported critic's head (value_head.py); else the zeros
+        if head is not None:
+            with torch.no_grad():
+                self.model.value_head.weight.copy_(head[0])
+                self.model.value_head.bias.copy_(head[1])
+        self.model.to(self.device).train()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.pad_id = self.tokenizer.pad_token_id or 0  # masked out: any id will do
         fused = True if self.device.type == "cuda" else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, fused=fused)
         self.grad_clip = grad_clip
@@ -136,6 +144,17 @@ class TorchCritic:
                     state[key] = value.to(device)
         if torch.device(device).type == "cpu":
             torch.cuda.empty_cache()
+
+    # -- export ----------------------------------------------------------------------------------
+
+    def save_hf(self, local_dir: str) -> None:
+        """The critic as a Hugging Face ``*ForTokenClassification`` folder (``value_head.py``): what a
+        run can load back as ``model.critic``."""
+        backbone = self.model.backbone
+        tensors = {f"{backbone.base_model_prefix}.{k}": v.detach().to("cpu", copy=True) for k, v in backbone.state_dict().items()}
+        tensors |= {value_head.WEIGHT: self.model.value_head.weight.detach().cpu(),
+                    value_head.BIAS: self.model.value_head.bias.detach().cpu()}
+        value_head.save_folder(local_dir, backbone.config, tensors, self.tokenizer)
 
     # -- checkpoints ---------------------------------------------------------------------------
 

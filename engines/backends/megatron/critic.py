@@ -1,0 +1,224 @@
+"""``MegatronCritic``: PPO's value model on Megatron-Core, a drop-in for ``TorchCritic``
+(``engines/backends/torch/critic.py``: same methods, same values and loss to float tolerance).
+
+The ``model.critic`` folder's transformer is built as the policy's is (``model.build_gpt``, the
+``mapping.py`` tables), and its vocabulary output layer is replaced by a scalar value head, as
+veRL's Megatron critic does (``LinearForLastLayer(hidden, 1)`` put in ``GPTModel.output_layer``):
+``GPTModel.forward`` then returns values instead of logits. The head is zero-initialised as the
+torch critic's (every replica starts the same; the first values are 0), or read from an exported
+critic's ``score.*`` (``engines/backends/value_head.py``; veRL loads ``score.weight`` the same way).
+The transformer is mapped as a tied model's, whose name table has no output layer, so a folder's
+``lm_head.weight`` is left out and nothing of vocabulary size is allocated for the head.
+
+Its own Megatron Adam (``critic_lr``), wrapped in Megatron's DDP and all-reduced with
+``finalize_model_grads`` as the policy's; ``sleep``/``wake`` through ``offload.py`` (full
+colocation); checkpoints with ``dist_checkpointing`` like ``MegatronTrainer``'s (every rank writes
+its shards, exact resume). Methods are collective as ``MegatronTrainer``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from transformers import AutoConfig, AutoTokenizer
+
+from engines.backends import value_head
+from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
+from engines.backends.batching import micro_batches, pad_batch
+from engines.backends.distributed import default_device
+from engines.backends.megatron import optimizer as megatron_optimizer
+from engines.backends.megatron.mapping import _param_to_hf, load_hf_state
+from engines.backends.megatron.model import RecomputeGranularity, _init_distributed, build_gpt, transformer_config
+from engines.backends.megatron.offload import Offload, trainer_tensors
+from engines.backends.torch.critic import explained_variance, variance_sums
+from engines.rl.base import on_response_tokens
+
+HEAD = "output_layer"  # the GPTModel attribute the value head takes
+
+
+class ValueHead(torch.nn.Module):
+    """``GPTModel.output_layer`` of a critic: hidden states [seq, batch, hidden] → values
+    [seq, batch, 1], computed in fp32 (as the torch critic's head, even on bf16 weights).
+    Replicated over TP ranks (veRL's ``LinearForLastLayer``); ``weight``, ``runtime_gather_output``
+    (and whatever later Megatron versions pass) are the vocabulary layer's arguments, unused."""
+
+    def __init__(self, hidden_size: int, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, device=device, dtype=dtype))
+
+    def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None, **_):
+        return F.linear(hidden.float(), self.weight.float(), self.bias.float()), None
+
+
+def backbone_config(hf_config):
+    """The folder's config as a tied model's: ``architectures.model_rules`` then has no output
+    layer, ``GPTModel`` allocates none, and ``hf_to_megatron`` maps the transformer alone."""
+    config = copy.deepcopy(hf_config)
+    config.tie_word_embeddings = True
+    return config
+
+
+class MegatronCritic:
+    """``values`` before a step, ``train_step`` on its returns, checkpoints: ``TorchCritic``'s interface."""
+
+    def __init__(self, model_dir: str, lr: float, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
+                 grad_clip: float = 1.0, dtype: str = "float32", tensor_parallel: int = 1, distributed_optimizer: bool = False,
+                 recompute_granularity: RecomputeGranularity = "none", recompute_method: str = "uniform",
+                 recompute_num_layers: int = 1, recompute_modules: list[str] | tuple[str, ...] = ("core_attn",),
+                 device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else default_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        _init_distributed(tensor_parallel, self.device)
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype {dtype!r}: float32 or bfloat16 (float16 would need loss scaling)")
+        self.hf_config = AutoConfig.from_pretrained(model_dir)
+        self.text_config = backbone_config(self.hf_config)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.pad_id = self.tokenizer.pad_token_id or 0  # masked out: any id will do
+        self.config = transformer_config(self.text_config, tensor_parallel, getattr(torch, dtype), recompute_granularity,
+                                         recompute_method, recompute_num_layers, recompute_modules)
+        hf_state = load_hf_state(model_dir)
+        head = value_head.read_head(model_dir)
+        for name in (*value_head.HEAD, "lm_head.weight"):  # heads: the policy's vocabulary one is not the critic's
+            hf_state.pop(name, None)
+        gpt = build_gpt(self.text_config, self.config, hf_state, self.device)
+        del hf_state
+        gpt.output_layer = ValueHead(self.config.hidden_size, self.device, self.config.params_dtype)
+        # the tied model's forward would hand the head the embedding matrix, and its sharded state
+        # dict would file the head under the embedding's name: the head is a weight of its own
+        gpt.share_embeddings_and_output_weights = False
+        if head is not None:
+            with torch.no_grad():
+                gpt.output_layer.weight.copy_(head[0])
+                gpt.output_layer.bias.copy_(head[1])
+        self.model = DistributedDataParallel(
+            config=self.config,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                     use_distributed_optimizer=distributed_optimizer),
+            module=gpt,
+        )
+        self.optimizer = megatron_optimizer.megatron_adam(self.model, self.config, lr, betas, weight_decay, grad_clip,
+                                                          distributed_optimizer)
+        self.config.finalize_model_grads_func = finalize_model_grads  # as MegatronTrainer's: else no DP all-reduce
+        self._adam_repairs = megatron_optimizer.needs_adam_repairs(distributed_optimizer)
+        self._offload = Offload(self.device)
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def _values(self, ids: torch.Tensor) -> torch.Tensor:
+        """Values [batch, len - 1], position p's being of the state after tokens <= p (as
+        ``TorchCritic``'s). Right-padded rows, causal attention, no mask tensor (as ``MegatronTrainer``)."""
+        batch, length = ids.shape
+        positions = torch.arange(length, device=ids.device).expand(batch, length)
+        return self.model(input_ids=ids, position_ids=positions, attention_mask=None)[:, :-1, 0]
+
+    @torch.no_grad()
+    def values(self, batch: TrainBatch) -> list[list[float]]:
+        """Each response token's value under the current weights (collective over TP)."""
+        self._require_awake("values")
+        if not len(batch):
+            return []
+        ids, _, resp, _ = pad_batch(batch, self.pad_id)
+        values = self._values(ids.to(self.device)).cpu()
+        return [values[i][resp[i].bool()].tolist() for i in range(len(batch))]
+
+    # -- training ------------------------------------------------------------------------------
+
+    def _dp_sums(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group())
+        return t.tolist()
+
+    def train_step(self, batch: TrainBatch, algorithm, minibatches: int = 1, micro_batch_tokens: int | None = None
+                   ) -> dict[str, float]:
+        """As ``TorchCritic.train_step`` (same loss, normalisation, statistics); the passes of a
+        minibatch accumulate in DDP's grad buffers, one all-reduce and Adam step per minibatch."""
+        self._require_awake("train_step")
+        self.model.train()
+        sums: dict[str, torch.Tensor] = {}
+        grad_norm = 0.0
+        for part in batch.split(minibatches):
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            (total,) = self._dp_sums([float(sum(len(r) for r in part.response_ids))])
+            passes = micro_batches(part, micro_batch_tokens)
+            for k, micro in enumerate(passes):
+                report_progress()
+                with self.model.no_sync() if k < len(passes) - 1 else contextlib.nullcontext():
+                    ids, _, resp, _ = (t.to(self.device) for t in pad_batch(micro, self.pad_id))
+                    values = self._values(ids)
+                    old, returns = (on_response_tokens(x, resp).to(values.dtype) for x in (micro.values, micro.returns))
+                    loss_per_token, stats = algorithm.critic_loss(values, old, returns)
+                    (loss_per_token * resp).sum().div(max(total, 1.0)).backward()
+                with torch.no_grad():
+                    for name, value in {"value_loss": loss_per_token, **stats}.items():
+                        sums[name] = sums.get(name, 0.0) + (value.double() * resp).sum()
+            finalize_model_grads([self.model])  # the DP all-reduce (a sum: calculate_per_token_loss)
+            _, norm, _ = self.optimizer.step()
+            grad_norm = float(norm)
+        tokens = float(sum(len(r) for r in batch.response_ids))
+        out = {name: float(value) / max(tokens, 1.0) for name, value in sums.items()}
+        moments = self._dp_sums(variance_sums(batch.returns or [], batch.values or []))
+        return out | {"explained_variance": explained_variance(moments), "critic_grad_norm": grad_norm}
+
+    # -- placement -----------------------------------------------------------------------------
+
+    def sleep(self) -> int:
+        """Weights, gradient buffers and Adam state to host memory (``offload.py``; on the CPU too)."""
+        return self._offload.offload(trainer_tensors(self.model, self.optimizer))
+
+    def wake(self) -> int:
+        return self._offload.restore()
+
+    @property
+    def asleep(self) -> bool:
+        return self._offload.asleep
+
+    def _require_awake(self, what: str) -> None:
+        if self._offload.asleep:
+            raise RuntimeError(f"MegatronCritic.{what}: the critic is asleep (its device memory is released); wake() it first")
+
+    # -- export --------------------------------------------------------------------------------
+
+    def save_hf(self, local_dir: str) -> None:
+        """The critic as a Hugging Face ``*ForTokenClassification`` folder (``value_head.py``), from
+        the host copy while asleep; TP rank 0 writes (TP > 1 is refused by the hosts for now)."""
+        tensors: dict[str, torch.Tensor] = {}
+        for name, param in self.model.module.named_parameters():
+            local = self._offload.host_view(param.detach()).to("cpu", copy=True)
+            if name.startswith(HEAD + "."):
+                tensors[f"score.{name[len(HEAD) + 1:]}"] = local
+                continue
+            tensors |= {k: v.contiguous() for k, v in _param_to_hf(name, [local], self.text_config).items()}
+        if parallel_state.get_tensor_model_parallel_rank() == 0:
+            value_head.save_folder(local_dir, self.hf_config, tensors, self.tokenizer)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def freeze_checkpoint(self, local_dir: str, copy: bool) -> FrozenCheckpoint:
+        """Shards written now with ``dist_checkpointing`` (a collective, so never on the writer's
+        thread: as ``MegatronTrainer.freeze_checkpoint``); ``write`` lists them."""
+        written = self.save_checkpoint(local_dir)
+        return FrozenCheckpoint(lambda: written)
+
+    def save_checkpoint(self, local_dir: str) -> list[str]:
+        """Model (value head included) and Adam state (collective); the files this rank wrote."""
+        self._require_awake("save_checkpoint")
+        path = Path(local_dir)
+        megatron_optimizer.save(megatron_optimizer.sharded_state(self.model, self.optimizer), path)
+        return megatron_optimizer.files_under(path)
+
+    def load_checkpoint(self, local_dir: str) -> None:
+        self._require_awake("load_checkpoint")
+        if not os.path.isdir(local_dir):
+            raise FileNotFoundError(f"{local_dir}: no critic checkpoint")
+        megatron_optimizer.load(self.model, self.optimizer, local_dir, self._adam_repairs)
