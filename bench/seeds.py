@@ -19,6 +19,7 @@ figure; a run that fails is a row saying why, and the command exits 1. Not part 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import subprocess
@@ -86,6 +87,9 @@ def main(argv=None) -> dict:
                         help="also run each seed with these space-separated overrides, on the same prepared data and models "
                         "(repeatable), e.g. --variant 'offpolicy=rollout.max_staleness=1 train.old_policy=decoupled "
                         "train.off_policy_correction=tis'")
+    parser.add_argument("--keep", default=None, metavar="DIR",
+                        help="keep each seed's storage root under DIR (its runs' TensorBoard statistics: IS ratios, "
+                        "staleness) instead of a temporary folder that is removed")
     parser.add_argument("--config", default="deployments/demo.yaml",
                         help="the demo's config, relative to the checkout (deployments/vision-demo.yaml: the vision demo)")
     args = parser.parse_args(argv)
@@ -101,7 +105,7 @@ def main(argv=None) -> dict:
     print("| seed | path | algorithm | policy SFT steps | SFT % | RL % | lift (points) | GenRM SFT | seconds |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() if args.keep is None else contextlib.nullcontext(args.keep) as tmp:
         for seed in seeds:
             for path in paths:
                 for algorithm, variant in ((a, v) for a in algorithms for v in variants):  # the first one's seconds include prepare

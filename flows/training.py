@@ -128,7 +128,9 @@ async def iteration(config: RunConfig, step: int, cursors: list[int] | None, end
             groups = await asyncio.gather(*runs)
         except BaseException:
             for r in runs:  # a failed group fails the step: the others must not go on into hosts the run restarts
-                r.cancel()
+                if not r.cancelling():  # once: a second cancel cuts short its Crashed report (left Running in the UI)
+                    r.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)  # each records its end before this step does
             raise
     shas = {g.train.params_sha for g in groups}
     if len(shas) != 1:

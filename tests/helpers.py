@@ -178,6 +178,19 @@ def assert_steps_completed(tree: dict, steps, groups, also: tuple[str, ...] = ()
             assert set(task_runs.values()) == {"COMPLETED"}, task_runs
 
 
+def no_engine_hosts_left() -> None:
+    """No engine host this process started is still running (a failed attempt's are killed), within 30 s."""
+    import time
+
+    import psutil
+
+    deadline = time.time() + 30
+    while hosts := [p for p in psutil.process_iter(["cmdline"]) if "engines.host" in " ".join(p.info["cmdline"] or [])
+                    and p.status() != psutil.STATUS_ZOMBIE and p.ppid() == os.getpid()]:
+        assert time.time() < deadline, f"engine hosts left running: {hosts}"
+        time.sleep(0.5)
+
+
 def wrote_nothing(run_dir: Path) -> bool:
     """A run that failed before training wrote nothing but its released lease (storage/lease.py):
     no state, no checkpoint, no step output."""

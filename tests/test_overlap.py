@@ -8,7 +8,7 @@ import asyncio
 
 from conftest import TINY
 from flows.training import train
-from helpers import assert_steps_completed, read_run_tree
+from helpers import assert_steps_completed, no_engine_hosts_left, read_run_tree
 
 STUBS = ["rollout.backend=stub", "judge.backend=stub", "train.backend=stub"]
 
@@ -99,3 +99,54 @@ def test_kill_during_overlap_resumes_with_no_prompt_trained_twice_or_skipped(pre
                 assert prompt not in trained_in, f"prompt {prompt} trained in steps {trained_in[prompt]} and {s.name}"
                 trained_in[prompt] = int(s.name)
     assert len(trained_in) >= 6 * 2  # at least one group per step and DP group
+
+
+async def under_run(run_name: str) -> tuple[dict[str, list[str]], list[tuple[str, str, str]]]:
+    """Every attempt's iteration and DP-group flow runs under the newest ``train-<run_name>`` run,
+    {name: [state of each run of that name]}, and their task runs as (name, state, message)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from helpers import children
+
+    async with get_client() as client:
+        runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"train-{run_name}"])))
+        top = max(runs, key=lambda r: r.created)
+        iterations = await children(client, top.id)
+        groups = [g for it in iterations for g in await children(client, it.id)]
+        task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [g.id for g in groups]}))
+    flows: dict[str, list[str]] = {}
+    for r in iterations + groups:
+        flows.setdefault(r.name, []).append(r.state.type.value)
+    return flows, [(t.name, t.state.type.value, t.state.message) for t in task_runs]
+
+
+def test_a_weight_sync_that_does_not_finish_is_a_lost_host_and_the_run_heals(prepared, tmp_path, monkeypatch):
+    """dp-1's host hangs for good as a weight sync reaches it (engines/host/faults.py). Its
+    heartbeats go on, and while its rollout lane generates they even show progress (the counter is
+    the host's), so the progress watchdog cannot be relied on; here timeouts.stage_s=600, far beyond
+    this test, so only rollout.sync_timeout_s=4 can end the wait, and it must: step 0's sync task (step 1's rollout beside it) fails with HostLost, the run kills its hosts
+    (the hung one included), restarts them from the last committed checkpoint (here: the start) and
+    finishes every step, all well within the watchdog's 600 s."""
+    import time
+
+    fired = tmp_path / "fired"
+    fired.mkdir()
+    monkeypatch.setenv("YATTFLOW_FAULTS_FIRED", str(fired))
+    monkeypatch.setenv("YATTFLOW_FAULTS", "sync_weights@0:dp-1:hang")
+    start = time.monotonic()
+    summary = asyncio.run(train(overrides=TINY + STUBS + [
+        f"storage.root={prepared}", "name=overlap-sync-hang", "steps=2", "dp=2",
+        "rollout.max_staleness=1", "rollout.sync_timeout_s=4", "timeouts.stage_s=600", "host_timeout_s=600",
+        "retries.run=1", "data.heldout=null", "rollout.stub_seconds_per_token=0.002", "train.stub_seconds_per_token=0.002"]))
+    seconds = time.monotonic() - start
+    assert [p.name for p in fired.iterdir()] == ["sync_weights@0:dp-1:hang"]  # the hang happened
+    assert [m["step"] for m in summary["history"]] == [0, 1]  # healed: every step trained, a redone one once
+    assert seconds < 300, f"the run took {seconds:.0f}s: a hung sync was waited on"
+    flows, task_runs = asyncio.run(under_run("overlap-sync-hang"))
+    failed = [(name, message) for name, state, message in task_runs if state == "FAILED"]
+    assert len(failed) == 1 and failed[0][0] == "sync_weights dp=1", failed  # the sync, and nothing else, failed
+    assert "'sync_weights' did not finish within its time-out of 4s" in failed[0][1], failed
+    # the failed attempt's flow runs all ended (none left Running in the UI)
+    assert not [name for name, states in flows.items() if set(states) & {"RUNNING", "PENDING", "SCHEDULED"}], flows
+    no_engine_hosts_left()  # the hung host was killed with the failed attempt, not left holding its devices

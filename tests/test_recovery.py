@@ -30,6 +30,7 @@ from storage import objectstore
 from storage.lease import RunInUse
 from storage.runstate import RunState
 from tests.conftest import TINY
+from tests.helpers import no_engine_hosts_left
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -62,16 +63,6 @@ def assert_same_training(run_dir: Path, reference: Path) -> None:
         assert got[step] == want[step], f"step {step} trained other samples or rewards than the uninterrupted run"
     a, b = final_parameters(run_dir), final_parameters(reference)
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), "final parameters differ"
-
-
-def no_engine_hosts_left() -> None:
-    import psutil
-
-    deadline = time.time() + 30
-    while hosts := [p for p in psutil.process_iter(["cmdline"]) if "engines.host" in " ".join(p.info["cmdline"] or [])
-                    and p.status() != psutil.STATUS_ZOMBIE and p.ppid() == os.getpid()]:
-        assert time.time() < deadline, f"engine hosts left running: {hosts}"
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")

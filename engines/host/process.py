@@ -130,15 +130,18 @@ def _answer_more(conn, worker, handle, rank: int) -> None:
 
 def _handle(worker, seen: dict, lock: threading.Lock, request):
     """``worker.handle``, after the fault ``YATTFLOW_FAULTS`` plans for this point, if any (engines/host/faults.py).
-    A request without a step (``train_step``, ``sync_weights``) belongs to the step of the last one with.
+    A request without a step (``sync_weights``, ``checkpoint``) belongs to the step of the last one with
+    on the same connection: with overlapping steps the rollout lane is already a step ahead, and a
+    fault planned for step n's sync must fire there, not wherever the lanes' race leaves it.
     One command at a time, whichever connection sent it, unless the run overlaps steps
     (``rollout.max_staleness``): then the rollout lane's commands run beside the train step, the
     worker's own locks keeping each chunk on one policy version (docs/off-policy.md)."""
     overlapping = worker.config is not None and worker.config.rollout.max_staleness > 0
     with contextlib.nullcontext() if overlapping else lock:
+        lane = threading.get_ident()  # each connection is answered on a thread of its own
         if getattr(request, "step", None) is not None:
-            seen["step"] = request.step
-        faults.inject(request.stage, seen.get("step"), worker.rank)
+            seen[lane] = request.step
+        faults.inject(request.stage, seen.get(lane), worker.rank)
         return worker.handle(request)
 
 
