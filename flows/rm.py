@@ -70,7 +70,7 @@ def write_demo_pairs(config: RunConfig) -> tuple[str, str]:
     train, heldout = _problems(config)
     for path, problems, seed in ((DEMO_DATA[0], train, config.seed), (DEMO_DATA[1], heldout, config.seed + 1)):
         if needs_building(config.uri(path), "storage.root"):
-            rows = arithmetic.preference_pairs(problems, seed, slip_share=0.5)
+            rows = arithmetic.hard_preference_pairs(problems, seed)
             _write_dataset(config.uri(path), pa.table({"prompt": [p for p, *_ in rows], "messages": pa.nulls(len(rows), datasets.MESSAGES),
                                                        "chosen": [c for *_, c, _ in rows], "rejected": [r for *_, r in rows]}), PAIRS)
     return DEMO_DATA

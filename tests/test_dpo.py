@@ -52,6 +52,29 @@ def test_dpo_loss_and_gradient_match_the_papers_formula(beta):
     assert dpo_loss(c, r, c.detach(), r.detach(), beta)[0].tolist() == pytest.approx([math.log(2)] * 6)
 
 
+def test_rpo_term_is_the_chosen_nll_per_token_written_out():
+    """RPO (dpo's default rpo_alpha 1): each pair's loss gains alpha * -log pi(y_c) / |y_c|, and its
+    gradient on the chosen sequence -alpha / |y_c| beside DPO's."""
+    g = torch.Generator().manual_seed(5)
+    c, r, rc, rr = (-torch.rand(4, generator=g, dtype=torch.float64) * 20 for _ in range(4))
+    n = torch.tensor([3, 4, 1, 7])
+    c.requires_grad_(True)
+    alpha, beta = 0.7, 0.1
+    loss, stats = dpo_loss(c, r, rc, rr, beta, n, alpha)
+    loss.sum().backward()
+    for i in range(4):
+        ci, ri, rci, rri, ni = float(c.detach()[i]), float(r[i]), float(rc[i]), float(rr[i]), int(n[i])
+        assert float(loss[i]) == pytest.approx(plain_dpo(ci, ri, rci, rri, beta) + alpha * (-ci / ni), rel=1e-12)
+        assert float(stats["chosen_nll"][i]) == pytest.approx(-ci / ni, rel=1e-12)
+        z = beta * ((ci - rci) - (ri - rri))
+        assert float(c.grad[i]) == pytest.approx(-beta / (1.0 + math.exp(z)) - alpha / ni, rel=1e-10)
+    # alpha 0 is the paper's loss, and the defaults: dpo anchors its dataset's chosen side, online_dpo does not
+    assert dpo_loss(c, r, rc, rr, beta, n, 0.0)[0].tolist() == pytest.approx(
+        [plain_dpo(*(float(t[i]) for t in (c.detach(), r, rc, rr)), beta) for i in range(4)], rel=1e-12)
+    assert load_config(None, ["train.algorithm.name=dpo", "data.preferences=p"]).train.algorithm.rpo_alpha == 1.0
+    assert load_config(None, ["train.algorithm.name=online_dpo"]).train.algorithm.rpo_alpha == 0.0
+
+
 def test_pairs_are_each_groups_best_and_worst():
     rewards = [0.0, 1.0, 1.0, 0.5, 0.3, 0.3, 0.3, 0.9, -1.0]
     groups = ["a", "a", "a", "a", "b", "b", "b", "c", "c"]
@@ -106,11 +129,14 @@ def hand_logprob(model, prompt, response) -> torch.Tensor:
     return logp[torch.arange(len(ids[0]) - 1), ids[0, 1:]][len(prompt) - 1 :].sum()
 
 
-def test_trainer_step_is_the_hand_written_dpo_loss_and_moves_the_margin(model_dir):
+@pytest.mark.parametrize("rpo_alpha", [0.0, 0.5])
+def test_trainer_step_is_the_hand_written_dpo_loss_and_moves_the_margin(model_dir, rpo_alpha):
     """Pairs over two minibatches and length-sorted micro-batches of ~2 rows: the trainer's loss and
-    gradient are the hand-written mean over pairs of the formula (reference = the starting policy),
-    and after a few steps the policy prefers its chosen responses."""
-    algorithm = load_config(None, ["train.algorithm.name=online_dpo", "train.algorithm.beta=0.5"]).train.algorithm
+    gradient are the hand-written mean over pairs of the formula (reference = the starting policy;
+    with rpo_alpha, plus alpha times the chosen response's NLL per token), and after a few steps the
+    policy prefers its chosen responses."""
+    algorithm = load_config(None, ["train.algorithm.name=online_dpo", "train.algorithm.beta=0.5",
+                                   f"train.algorithm.rpo_alpha={rpo_alpha}"]).train.algorithm
     batch = random_batch(8, seed=11)
     trainer = TorchTrainer(model_dir, lr=5e-3, grad_clip=1e9, reference=True)
     hand = TorchTrainer(model_dir).model
@@ -120,9 +146,11 @@ def test_trainer_step_is_the_hand_written_dpo_loss_and_moves_the_margin(model_di
     loss = sum(-torch.nn.functional.logsigmoid(0.5 * (
         (hand_logprob(hand, batch.prompt_ids[c], batch.response_ids[c]) - hand_logprob(ref, batch.prompt_ids[c], batch.response_ids[c]).detach())
         - (hand_logprob(hand, batch.prompt_ids[r], batch.response_ids[r]) - hand_logprob(ref, batch.prompt_ids[r], batch.response_ids[r]).detach())))
+        - rpo_alpha * hand_logprob(hand, batch.prompt_ids[c], batch.response_ids[c]) / len(batch.response_ids[c])
         for c, r in first) / len(first)
     loss.backward()
-    assert loss.item() == pytest.approx(math.log(2), abs=1e-6)  # policy == reference
+    if not rpo_alpha:
+        assert loss.item() == pytest.approx(math.log(2), abs=1e-6)  # policy == reference
     grads = {n: p.grad.clone() for n, p in hand.named_parameters()}
     seen = {}
     original = torch.optim.AdamW.step

@@ -22,9 +22,10 @@ class RMConfig(Section):
         "pairs scored chosen > rejected) is printed every check_every steps, and `target` is measured on them. None: "
         "the training loss only.")
     demo: bool = Field(
-        False, description="Build the arithmetic demo's preference pairs first (chosen: the right sum; rejected: the "
-        "teacher's carry slip or a near miss) from the prompts `yattflow prepare` makes, into data/rm/train and "
-        "data/rm/heldout, and train on them (rm.data and rm.heldout default to those).")
+        False, description="Build the arithmetic demo's preference pairs first (two per problem, chosen the right sum; "
+        "rejected the teacher's carry slip or a near miss, and a close miss: one digit off by one) from the prompts "
+        "`yattflow prepare` makes, into data/rm/train and data/rm/heldout, and train on them (rm.data and rm.heldout "
+        "default to those).")
     base: str | None = Field(
         None, description="Hugging Face folder to start from (local, file:// or s3://): a causal LM (its body is kept "
         "and a new one-output score head added) or an existing sequence classifier with num_labels=1. None: a tiny "

@@ -62,6 +62,15 @@ def near_miss(rng: random.Random, answer: str) -> str:
     return "".join(digits)
 
 
+def close_miss(rng: random.Random, answer: str) -> str:
+    """The hardest wrong answer of the same width: one digit off by one (what a misplaced or extra
+    carry gives, and what RL against a reward model that cannot tell them apart learns to write)."""
+    digits = list(answer)
+    i = rng.randrange(len(digits))
+    digits[i] = str((int(digits[i]) + rng.choice((1, 9))) % 10)
+    return "".join(digits)
+
+
 def judge_examples(problems: list[tuple[str, str]], template: str, seed: int) -> list[tuple[str, str]]:
     """(judge prompt, verdict) pairs: half correct candidates, half slips or near misses."""
     rng = random.Random(seed)
@@ -81,14 +90,28 @@ def preference_pairs(problems: list[tuple[str, str]], seed: int, slip_share: flo
     """(prompt, answer, chosen, rejected) per problem: chosen is the right answer; rejected is the
     carry mistake the SFT'd policy learned from the teacher (its greedy answer wherever a carry is
     needed), a ``slip_share`` of the time where there is one, else a near miss (one digit changed).
-    Offline DPO's pairs take every slip (1.0); the scalar reward model's demo half (0.5), so that it
-    also learns to rank near misses."""
+    Offline DPO's pairs take every slip (1.0); the scalar reward model's demo has its own, harder
+    ones (``hard_preference_pairs``)."""
     rng = random.Random(seed)
     out = []
     for p, a in problems:
         slip = forgot_to_carry(p)
         use_slip = slip != a and (slip_share >= 1.0 or rng.random() < slip_share)
         out.append((p, a, a, slip if use_slip else near_miss(rng, a)))
+    return out
+
+
+def hard_preference_pairs(problems: list[tuple[str, str]], seed: int) -> list[tuple[str, str, str, str]]:
+    """The scalar reward model's demo pairs, hard negatives included: per problem, chosen the right
+    answer against (1) the carry slip where there is one, else a near miss, and (2) a close miss
+    (one digit off by one), so that the model learns that an answer is right digit for digit, not
+    that it looks like a sum."""
+    rng = random.Random(seed)
+    out = []
+    for p, a in problems:
+        slip = forgot_to_carry(p)
+        out.append((p, a, a, slip if slip != a else near_miss(rng, a)))
+        out.append((p, a, a, close_miss(rng, a)))
     return out
 
 

@@ -83,10 +83,10 @@ class AlgorithmConfig(BaseModel):
         raise NotImplementedError
 
     def pair_loss(self, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
-                  ref_rejected: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                  ref_rejected: torch.Tensor, chosen_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-pair loss [pairs] from sequence log-probabilities (sums over the response tokens) of
-        the policy and the reference, and per-pair statistics of the same shape (averaged over the
-        step's pairs)."""
+        the policy and the reference (``chosen_tokens``: the chosen responses' token counts), and
+        per-pair statistics of the same shape (averaged over the step's pairs)."""
         raise NotImplementedError
 
 
@@ -119,7 +119,7 @@ class LossStep:
         # names from a pass over no tokens, so that a rank given no rows reports them too (as 0)
         empty = torch.zeros(0, 0, dtype=torch.float64)
         if algorithm.needs.pairs:  # per-pair statistics: averaged over pairs rather than tokens
-            names = list(algorithm.pair_loss(*[torch.zeros(0, dtype=torch.float64)] * 4)[1])
+            names = list(algorithm.pair_loss(*[torch.zeros(0, dtype=torch.float64)] * 5)[1])
         else:
             names = list(algorithm.loss(empty, empty, torch.zeros(0, dtype=torch.float64), empty)[1])
         self.pair_statistics = set(names) if algorithm.needs.pairs else set()
@@ -175,7 +175,7 @@ class LossStep:
         if ref_logprobs is None:
             raise ValueError("a pair loss compares with the reference policy: the trainer computed no reference log-probs")
         seq, ref = (logprobs * mask).sum(-1), (ref_logprobs * mask).sum(-1)
-        per_pair, stats = self.algorithm.pair_loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2])
+        per_pair, stats = self.algorithm.pair_loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2], mask[0::2].sum(-1))
         with torch.no_grad():
             shared = algorithms.step_statistics(logprobs, old_logprobs, mask, ref_logprobs)
             stats = {name: value.detach().double().sum() for name, value in stats.items()}
