@@ -64,7 +64,7 @@ def test_rpo_term_is_the_chosen_nll_per_token_written_out():
     loss.sum().backward()
     for i in range(4):
         ci, ri, rci, rri, ni = float(c.detach()[i]), float(r[i]), float(rc[i]), float(rr[i]), int(n[i])
-        assert float(loss[i]) == pytest.approx(plain_dpo(ci, ri, rci, rri, beta) + alpha * (-ci / ni), rel=1e-12)
+        assert float(loss.detach()[i]) == pytest.approx(plain_dpo(ci, ri, rci, rri, beta) + alpha * (-ci / ni), rel=1e-12)
         assert float(stats["chosen_nll"][i]) == pytest.approx(-ci / ni, rel=1e-12)
         z = beta * ((ci - rci) - (ri - rri))
         assert float(c.grad[i]) == pytest.approx(-beta / (1.0 + math.exp(z)) - alpha / ni, rel=1e-10)

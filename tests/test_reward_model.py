@@ -82,11 +82,14 @@ def test_rm_trains_a_tiny_reward_model_from_preference_pairs_and_continues_where
     # the pairs it learned from: held-out pairs are of held-out prompts, each pair a right and a wrong sum
     train_pairs = pq.read_table(root / "data" / "rm" / "train").to_pylist()
     heldout = pq.read_table(root / "data" / "rm" / "heldout").to_pylist()
-    assert len(train_pairs) == 600 and len(heldout) == 200
+    assert len(train_pairs) == 2 * 600 and len(heldout) == 2 * 200  # two pairs per problem
     assert not {r["prompt"] for r in train_pairs} & {r["prompt"] for r in heldout}
     for row in heldout:
         a, b = row["prompt"].rstrip("=").split("+")
         assert row["chosen"] == str(int(a) + int(b)).zfill(3)[::-1] != row["rejected"]
+    for row in heldout[1::2]:  # each problem's second pair: a close miss, one digit off by one
+        diffs = [(int(x) - int(y)) % 10 for x, y in zip(row["chosen"], row["rejected"]) if x != y]
+        assert diffs in ([1], [9]), row
 
 
 def test_pairs_without_a_column_are_refused_naming_the_file_and_field(prefect_server, tmp_path):
