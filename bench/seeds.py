@@ -3,6 +3,7 @@ and does RL lift it, whatever the machine?
 
     .venv/bin/python -m bench.seeds                          # seeds 0-4 on both paths (~55 min on 2 cores)
     .venv/bin/python -m bench.seeds --seeds 0,1 --paths best --steps 20
+    .venv/bin/python -m bench.seeds --seeds 3 --paths best --keep /tmp/seeds --variant 'tis=rollout.max_staleness=1 ...'
 
 Each row is one ``yattflow demo`` (prepare, then RL on ``deployments/demo.yaml``) in a
 subprocess with a storage root of its own. A *path* is a setting of torch's CPU float kernels:
