@@ -145,7 +145,11 @@ def _child(request: dict) -> None:
             setproctitle.setproctitle(" ".join([sys.executable, "-m", request["module"], *request["argv"]]))
         except ImportError:
             pass
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        module = sys.modules.get(request["module"])
+        if module is not None and hasattr(module, "main"):  # preloaded (a node controller): run it, not a second copy
+            module.main()
+        else:  # a package's __main__ (the engine host's)
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # noqa: BLE001 - the child's traceback goes to its stderr, as an unforked one's would
