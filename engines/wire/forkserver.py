@@ -35,7 +35,7 @@ from pathlib import Path
 
 # what an engine host and a node controller import before they serve (engines/host/process.py, flows/node_controller.py)
 PRELOAD = ("engines.host.process", "engines.host.worker", "engines.backends.stub.engines", "flows.node_controller",
-           "flows.training")
+           "flows.training", "prefect.flow_engine", "fastapi.encoders")
 
 
 class Forked:
@@ -137,7 +137,8 @@ def _child(request: dict) -> None:
         os.dup2(out, 1)
         os.close(null), os.close(out)
         sys.stdin, sys.stdout = open(0, closefd=False), open(1, "w", closefd=False)
-        gc.unfreeze()  # the child's own objects are collected as usual
+        # no gc.unfreeze(): the collector's full passes would then write to every imported object's header and
+        # copy every page of the shared heap into the child (seen: 256 hosts at ~330 MB each, the OOM killer)
         sys.argv = [request["module"], *request["argv"]]
         try:  # the title an unforked one has (ps, psutil's cmdline: bench/nodes.py finds hosts by it)
             import setproctitle
