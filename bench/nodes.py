@@ -38,6 +38,11 @@ from bench.overhead import TINY, PostgresCluster, PrefectServer, run_flow_subpro
 from bench.scale import STEP_LINE, STUBS, available_mb
 
 CPU = "AMD EPYC, 2 cores (shared)"
+# Prefect's server talks to PostgreSQL through a pool of 5 + 10 connections, waiting 30 s for a free one: at 256 groups
+# starting their sub-flows at once on busy cores, requests waited longer and the API answered 500 (QueuePool limit ...
+# reached). A server for hundreds of groups needs a bigger pool (PostgreSQL's default max_connections is 100).
+SERVER_ENV = {"PREFECT_SERVER_DATABASE_SQLALCHEMY_POOL_SIZE": "20", "PREFECT_SERVER_DATABASE_SQLALCHEMY_MAX_OVERFLOW": "40",
+              "PREFECT_SERVER_DATABASE_SQLALCHEMY_POOL_TIMEOUT": "300"}
 
 
 def cpu_of(p: psutil.Process, tree: bool = False) -> float:
@@ -53,6 +58,14 @@ def cpu_of(p: psutil.Process, tree: bool = False) -> float:
                 except psutil.Error:
                     pass
         return total
+    except psutil.Error:
+        return 0.0
+
+
+def uss_mb(p: psutil.Process) -> float:
+    """Private memory (what each further process adds; RSS also counts pages shared with a fork server), MB."""
+    try:
+        return p.memory_full_info().uss / 2**20
     except psutil.Error:
         return 0.0
 
@@ -87,6 +100,8 @@ class CpuMeter(Sampler):
         procs = self._procs()
         nodes = sorted(procs["nodes"], key=lambda p: p.pid)
         return {"t": time.perf_counter(), "parent": sum(cpu_of(p) for p in procs["parent"]),
+                "hosts_uss_mb": sum(uss_mb(p) for p in procs["hosts"]), "n_hosts": len(procs["hosts"]),
+                "nodes_uss_mb": sum(uss_mb(p) for p in nodes), "parent_uss_mb": sum(uss_mb(p) for p in procs["parent"]),
                 "nodes": [cpu_of(p) for p in nodes], "hosts": sum(cpu_of(p) for p in procs["hosts"]),
                 "server": sum(cpu_of(p, tree=True) for p in self.server), "postgres": cpu_of(self.postmaster, tree=True)}
 
@@ -121,6 +136,7 @@ def per_iteration(snaps: list[dict], history: list[dict], warmup: int) -> dict:
            "server_cpu_s": d("server"), "postgres_cpu_s": d("postgres"),
            "wall_s": statistics.fmean(m["step_s"] for m in steps), "engine_s": statistics.fmean(m["engine_s"] for m in steps)}
     out["orchestration_cpu_s"] = out["parent_cpu_s"] + sum(nodes) + out["server_cpu_s"] + out["postgres_cpu_s"]
+    out |= {k: max(s[k] for s in snaps) for k in ("hosts_uss_mb", "nodes_uss_mb", "parent_uss_mb", "n_hosts")}
     return out
 
 
@@ -132,6 +148,8 @@ def one_run(server: PrefectServer, cluster: PostgresCluster, root: str, work: Pa
                                 "data.heldout=null", "checkpoint.every=1000"]
     if per_node:
         overrides.append(f"controllers.groups_per_node={per_node}")
+    if not args.no_fork:  # hosts (and node controllers) forked from one process: 256 stub hosts fit in 24 GB
+        overrides.append("hosts.fork=true")
     start = time.perf_counter()
     procs = [psutil.Process(p.pid) for p, _ in server.procs] if hasattr(server, "procs") else [psutil.Process(server.proc.pid)]
     with CpuMeter(log, procs, postmaster(cluster)) as meter:
@@ -144,7 +162,9 @@ def one_run(server: PrefectServer, cluster: PostgresCluster, root: str, work: Pa
           f"CPU s/it: parent {fig['parent_cpu_s']:.2f}, nodes {sum(nodes):.2f} "
           f"({', '.join(f'{x:.2f}' for x in nodes) or '–'}), server {fig['server_cpu_s']:.2f}, postgres {fig['postgres_cpu_s']:.2f}, "
           f"hosts {fig['hosts_cpu_s']:.2f}; orchestration {fig['orchestration_cpu_s']:.2f} "
-          f"({fig['orchestration_cpu_s'] / dp * 1000:.0f} ms per group)", flush=True)
+          f"({fig['orchestration_cpu_s'] / dp * 1000:.0f} ms per group); private memory (USS, peak): "
+          f"{fig['n_hosts']} host processes {fig['hosts_uss_mb']:.0f} MB, node controllers {fig['nodes_uss_mb']:.0f} MB, "
+          f"parent {fig['parent_uss_mb']:.0f} MB; run {fig['run_s']:.0f}s", flush=True)
     return fig
 
 
@@ -156,10 +176,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (default 120 + 25 per group)")
     p.add_argument("--store", metavar="DIR", help="a storage root prepared earlier (default: prepare one, ~100 s)")
-    p.add_argument("--host-mb", type=float, default=250, help="private memory per engine host assumed for the memory check (MB)")
+    p.add_argument("--host-mb", type=float, default=None,
+                   help="private memory per engine host assumed for the memory check (MB; default 250, forked 40)")
+    p.add_argument("--no-fork", action="store_true", help="start every host fresh (hosts.fork=false: ~260 MB private each)")
     p.add_argument("--project", default="256,1024,4096", help="DP sizes of the projection table")
     p.add_argument("--keep", metavar="DIR", help="keep the work folder in DIR")
     p.add_argument("--only-nodes", action="store_true", help="run the node-controller shape only")
+    p.add_argument("--shapes", default="one,nodes",
+                   help="which shapes, in this order (default one,nodes: one controller process, then node controllers)")
     p.add_argument("--stack", type=int, default=0, metavar="REPLICAS",
                    help="run on `yattflow stack` (flows/stack.py: REPLICAS API replicas, Redis, a services process, yattflow's "
                    "server settings) instead of one default `prefect server start`; its CPU is all of them together")
@@ -181,18 +205,19 @@ def main(argv=None) -> dict:
 
             server = Stack(cluster.url, replicas=args.stack, home=work / "stack").start()
         else:
-            server = PrefectServer(cluster.url, home=work / "prefect").start()
+            server = PrefectServer(cluster.url, home=work / "prefect", env=SERVER_ENV).start()
         root = args.store or str(work / "store")
         if not args.store:
             run_flow_subprocess(server.url, "flows.prepare:prepare", log_path=work / "prepare.log",
                                 overrides=TINY + [f"storage.root={root}"])
         for dp in dps:
-            need = dp * args.host_mb * 1.2 + 1024
+            need = dp * (args.host_mb or (250 if args.no_fork else 40)) * 1.2 + 1024
             if available_mb() < need:
                 out["skipped"][dp] = f"needs ~{need / 1024:.1f} GB for {dp} hosts, {available_mb() / 1024:.1f} GB available"
                 print(f"  dp={dp}: skipped, {out['skipped'][dp]}", flush=True)
                 continue
-            for per_node in ((args.groups_per_node,) if args.only_nodes else (None, args.groups_per_node)):  # the same server, store and size: today's shape, then nodes
+            shapes = ["nodes"] if args.only_nodes else [x.strip() for x in args.shapes.split(",")]
+            for per_node in [args.groups_per_node if x == "nodes" else None for x in shapes]:  # the same server, store and size: today's shape, then nodes
                 try:
                     out["runs"].append(one_run(server, cluster, root, work, dp, per_node, args, tag))
                 except (RuntimeError, subprocess.TimeoutExpired) as e:  # a failed run is a finding: report it, go on

@@ -37,10 +37,28 @@ def _tracking_task():
     return task
 
 
+_client: list = []  # the node's one Prefect client context, entered once on the node's loop
+
+
+async def warm_client():
+    """This node controller's one Prefect client, kept open across iterations and made current here so that
+    every sub-flow engine started from this task uses it (``AsyncClientContext.get_or_create``). Each run of
+    a sub-flow outside a client context makes its own client, and each new client builds an SSL context (it
+    loads the CA bundle): that was half a node controller's CPU per group (py-spy at 256 groups). In one
+    process the sub-flows share the training run's client the same way."""
+    from prefect.context import AsyncClientContext
+
+    if not _client:
+        context = AsyncClientContext()
+        await context.__aenter__()  # never left: it lives as long as this process and its loop
+        _client.append(context)
+    AsyncClientContext.__var__.set(_client[0])
+    return _client[0].client
+
+
 async def run_groups(request: NodeIteration) -> NodeIterationResult:
     """The groups' ``dp-group`` sub-flows, concurrently; a lost host is reported, not raised (the
     run heals from it), any other failure fails the node task with its traceback."""
-    from prefect.client.orchestration import get_client
     from prefect.flow_engine import run_flow_async
     from prefect.states import Pending
 
@@ -49,16 +67,17 @@ async def run_groups(request: NodeIteration) -> NodeIterationResult:
     r = request
     params = [dict(config=r.config, step=r.step, group=g, cursor=r.cursors[i], end=r.end, written=r.written,
                    sampling=r.sampling[i]) for i, g in enumerate(r.groups)]
-    async with get_client() as client:
-        async def create(p: dict):
-            # as an in-process sub-flow is linked: a tracking task run in the iteration flow run (made through the
-            # API, so it exists before its child), so the UI shows the same tree as with one controller process
-            name = f"iteration-{r.step:04d}-dp-{p['group']}"
-            parent = await client.create_task_run(_tracking_task(), flow_run_id=r.parent, dynamic_key=name, name=name,
-                                                  state=Pending()) if r.parent else None
-            return await client.create_flow_run(dp_group, name=name, parameters=dp_group.serialize_parameters(p),
-                                                state=Pending(), parent_task_run_id=parent.id if parent else None)
-        flow_runs = await asyncio.gather(*(create(p) for p in params))
+    client = await warm_client()
+
+    async def create(p: dict):
+        # as an in-process sub-flow is linked: a tracking task run in the iteration flow run (made through the
+        # API, so it exists before its child), so the UI shows the same tree as with one controller process
+        name = f"iteration-{r.step:04d}-dp-{p['group']}"
+        parent = await client.create_task_run(_tracking_task(), flow_run_id=r.parent, dynamic_key=name, name=name,
+                                              state=Pending()) if r.parent else None
+        return await client.create_flow_run(dp_group, name=name, parameters=dp_group.serialize_parameters(p),
+                                            state=Pending(), parent_task_run_id=parent.id if parent else None)
+    flow_runs = await asyncio.gather(*(create(p) for p in params))
     runs = [asyncio.ensure_future(run_flow_async(dp_group, flow_run=fr, parameters=p)) for fr, p in zip(flow_runs, params)]
     try:
         groups = await asyncio.gather(*runs)

@@ -91,8 +91,8 @@ async def node_controllers(config: RunConfig, hosts):
     # deployed hosts: each node's first host flow run started its node controller on that node (flows/hosts.py);
     # local hosts: the node controllers are this process's children, on controllers.bind
     deployed = getattr(hosts, "node_addresses", None)
-    procs = [] if deployed else [HostProcess(k, len(nodes), 1, hosts.secret, c.bind, module="flows.node_controller")
-                                 for k in range(len(nodes))]
+    procs = [] if deployed else [HostProcess(k, len(nodes), 1, hosts.secret, c.bind, module="flows.node_controller",
+                                             forkserver=getattr(hosts, "forkserver", None)) for k in range(len(nodes))]
     try:
         for k in range(len(nodes)):
             if not deployed:

@@ -48,7 +48,8 @@ def test_node_controllers_run_the_groups(prepared):
 def test_a_node_that_dies_is_a_lost_host_and_the_run_heals(prepared, tmp_path, monkeypatch):
     """Node controller 1 SIGKILLed as step 1's groups reach it (its hosts exit with it), then a host
     under node 0 killed in step 2's rollout: each time the run restarts its hosts and node controllers
-    and resumes from the last committed checkpoint, and trains every step once."""
+    and resumes from the last committed checkpoint, and trains every step once. Hosts and node controllers
+    forked (``hosts.fork``: engines/wire/forkserver.py), so a killed forked process is lost as a started one is."""
     planned = ["node_iteration@1:dp-1:kill", "rollout@2:dp-0:kill"]
     fired = tmp_path / "fired"
     fired.mkdir()
@@ -56,7 +57,7 @@ def test_a_node_that_dies_is_a_lost_host_and_the_run_heals(prepared, tmp_path, m
     monkeypatch.setenv("YATTFLOW_FAULTS", ",".join(planned))
     summary = asyncio.run(train(overrides=TINY + STUBS + [
         f"storage.root={prepared}", "name=nodesheal", "steps=3", "dp=4", "checkpoint.every=1", "retries.run=2",
-        "controllers.groups_per_node=2", "rollout.stub_seconds_per_token=0", "train.stub_seconds_per_token=0"]))
+        "controllers.groups_per_node=2", "hosts.fork=true", "rollout.stub_seconds_per_token=0", "train.stub_seconds_per_token=0"]))
     assert sorted(p.name for p in fired.iterdir()) == sorted(planned)  # both faults happened
     assert [m["step"] for m in summary["history"]] == [0, 1, 2]  # a step redone replaced its first try
     assert (Path(prepared) / "runs" / "nodesheal" / "final" / "STUB_WEIGHTS.json").exists()

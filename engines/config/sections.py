@@ -424,6 +424,12 @@ class HostsConfig(Section):
     start_timeout_s: float = Field(
         900.0, gt=0, description="A deployed host not registered by then (no worker on its queue, no free GPU) fails the run."
     )
+    fork: bool = Field(
+        False,
+        description="Local hosts and node controllers forked from one process that imported the engines once "
+        "(engines/wire/forkserver.py: the imports' memory shared, ~0.1 s to start) instead of each started fresh. For "
+        "many timing-stub hosts on one machine (bench.nodes); a forked host must not have touched a GPU before.",
+    )
 
 
 class RunControlConfig(Section):

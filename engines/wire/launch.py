@@ -24,7 +24,7 @@ class HostProcess:
     """One engine-host process, started and read up to its ``READY`` line."""
 
     def __init__(self, rank: int, world: int, threads: int, secret: bytes, bind: str = "127.0.0.1",
-                 devices: str | None = None, module: str = "engines.host"):
+                 devices: str | None = None, module: str = "engines.host", forkserver=None):
         env = dict(os.environ, YATTFLOW_HOST_SECRET=secret.hex(), OMP_NUM_THREADS=str(threads))
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = devices
@@ -37,7 +37,10 @@ class HostProcess:
         # Its own process group: engines start processes of their own (vLLM's engine core,
         # checkpoint workers) that ``stop`` sweeps with it.
         self.rank = rank
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        if forkserver is not None:  # forked from one process that imported the engines once (engines/wire/forkserver.py)
+            self.proc = forkserver.spawn(module, cmd[3:], env)
+        else:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
         self.address: tuple[str, int] | None = None
         self.dist_port: int | None = None
 
@@ -84,7 +87,7 @@ class LocalHosts:
     """Start, supervise and stop the engine hosts of one run as local subprocesses."""
 
     def __init__(self, run: str, world: int, threads: int, timeout_s: float, devices: list[str] | None = None,
-                 stage_s: float | None = None):
+                 stage_s: float | None = None, fork: bool = False):
         import torch
 
         self.run, self.world, self.threads = run, world, threads
@@ -92,11 +95,17 @@ class LocalHosts:
         self.devices = local_devices(world, devices, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         self.hosts: list[HostProcess] = []
         self.master: str | None = None  # rank 0's torch.distributed rendezvous, "host:port"
+        self.fork, self.forkserver = fork, None  # hosts.fork: the node controllers (flows/nodes.py) are forked too
 
     def __enter__(self) -> "LocalHosts":
         self.secret = secret = secrets.token_bytes(32)  # node controllers (flows/nodes.py) connect with it too
         try:
-            self.hosts = [HostProcess(rank, self.world, self.threads, secret, devices=self.devices[rank])
+            if self.fork:
+                from engines.wire.forkserver import ForkServer
+
+                self.forkserver = ForkServer(dict(os.environ))
+            self.hosts = [HostProcess(rank, self.world, self.threads, secret, devices=self.devices[rank],
+                                      forkserver=self.forkserver)
                           for rank in range(self.world)]
             for h in self.hosts:
                 connect(self.run, h.rank, h.wait_ready().address, secret, self.timeout_s, self.stage_s)
@@ -114,6 +123,8 @@ class LocalHosts:
         disconnect(self.run, self.world)
         for h in self.hosts:
             h.stop()
+        if self.forkserver is not None:  # after its children: a forked host exits when its parent, the server, goes
+            self.forkserver.stop()
 
     async def __aenter__(self) -> "LocalHosts":
         return self.__enter__()

@@ -33,9 +33,9 @@ Memory, the choice made: the stub trainer keeps the real gloo all-reduce, so a s
 imports torch (its ``Worker`` needs it anyway: gloo rendezvous in ``setup``, the parameter
 fingerprint, checkpoint RNG state). Measured by bench/scale.py: ~400 MB RSS, 270–320 MB private
 (USS) per host, so 16 hosts take ~5 GB and 64 would take ~20 GB — more than the 24 GB shared
-machine can spare, and bench/scale.py skips 64 with that reason. What would make 64 fit: start
-the hosts from one process that has imported torch (a fork server: the pages are then shared
-copy-on-write), or a torch-free host path for all-stub configs (a socket barrier instead of gloo).
+machine can spare, and bench/scale.py skips 64 with that reason. ``hosts.fork: true`` starts the
+hosts from one process that has imported torch (engines/wire/forkserver.py: the pages shared
+copy-on-write, ~28 MB private per stub host; bench/nodes.py uses it, docs/controllers.md).
 """
 
 from __future__ import annotations
