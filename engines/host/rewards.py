@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from engines.rl.algorithms import overlong_penalty
+from engines.wire.commands import GenRMScoreResult
 
 
 class RewardRuleError(ValueError):
@@ -138,3 +139,16 @@ def scored(cfg, row: dict, verdict: str | None, rm: float | None, rule: Rule | N
     reward += overlong_penalty(len(r["response_ids"]), cfg.rollout.max_new_tokens, w.overlong_buffer, w.overlong_penalty)
     return r | {"judge_text": verdict, "genrm_reward": genrm, "rule_reward": ruled, "format_reward": form, "rm_reward": rm,
                 "reward": reward}
+
+
+def score_result(judge, uri: str, rows: list[dict], seconds: float, switch: float) -> GenRMScoreResult:
+    """What a scoring stage answers about its ``rows`` (``judge``: the config's judge section, whose
+    verdict words tell a parsed verdict from one that is not)."""
+    unparsed = sum(r["judge_text"] is not None and not r["judge_text"].startswith((judge.good, judge.bad)) for r in rows)
+    known = [r for r in rows if r["genrm_reward"] is not None and r["rule_reward"] is not None and r["answer"] is not None]
+    rules = [r["rule_reward"] for r in rows if r["rule_reward"] is not None]
+    return GenRMScoreResult(
+        uri=uri, reward_mean=sum(r["reward"] for r in rows) / max(len(rows), 1),
+        accuracy=sum(rules) / len(rules) if rules else None,
+        judge_agreement=sum(r["genrm_reward"] == r["rule_reward"] for r in known) / len(known) if known else None,
+        unparsed_verdicts=unparsed, seconds=seconds, switch_s=switch)

@@ -166,7 +166,7 @@ class Worker:
         samples = self._chunks(rows, self.config.placement.stream_chunk * self.config.rollout.samples_per_prompt)
         scored = [r for chunk in samples for r in self._score_chunk(chunk)]
         datasets.write_rows(request.out, scored, datasets.SCORED)
-        return self._score_result(request.out, scored, time.perf_counter() - start, switch)
+        return rewards.score_result(self.config.judge, request.out, scored, time.perf_counter() - start, switch)
 
     @handle.register
     def rollout_and_score(self, request: RolloutAndScore) -> RolloutAndScoreResult:
@@ -231,7 +231,7 @@ class Worker:
         return RolloutAndScoreResult(
             rollout=self._rollout_result(Rollout(step=r.step, wave=r.wave, cursor=r.cursor, count=r.count, out=r.rollouts_out),
                                          rows, generate_s, switch),
-            score=self._score_result(r.scored_out, flat, judge["busy_s"], 0.0),
+            score=rewards.score_result(self.config.judge, r.scored_out, flat, judge["busy_s"], 0.0),
             seconds=seconds, generate_s=generate_s, judge_busy_s=judge["busy_s"], judge_tail_s=seconds - generate_s,
             queue_wait_s=blocked, switch_s=switch)
 
@@ -483,17 +483,6 @@ class Worker:
                  self.config.rollout.samples_per_prompt, tokens, seconds)
         return RolloutResult(uri=r.out, cursor=r.cursor + r.count, prompts=r.count, samples=len(rows), tokens=tokens, seconds=seconds,
                              truncated=sum(row["truncated"] for row in rows), switch_s=switch)
-
-    def _score_result(self, uri: str, rows: list[dict], seconds: float, switch: float) -> GenRMScoreResult:
-        good, bad = self.config.judge.good, self.config.judge.bad
-        unparsed = sum(r["judge_text"] is not None and not r["judge_text"].startswith((good, bad)) for r in rows)
-        known = [r for r in rows if r["genrm_reward"] is not None and r["rule_reward"] is not None and r["answer"] is not None]
-        rules = [r["rule_reward"] for r in rows if r["rule_reward"] is not None]
-        return GenRMScoreResult(
-            uri=uri, reward_mean=sum(r["reward"] for r in rows) / max(len(rows), 1),
-            accuracy=sum(rules) / len(rules) if rules else None,
-            judge_agreement=sum(r["genrm_reward"] == r["rule_reward"] for r in known) / len(known) if known else None,
-            unparsed_verdicts=unparsed, seconds=seconds, switch_s=switch)
 
     def params_sha(self) -> str:
         """Fingerprint of the trainer's parameters: equal on every replica after a step."""
