@@ -36,7 +36,7 @@ from engines.backends.distributed import default_device
 from engines.backends.megatron import optimizer as megatron_optimizer
 from engines.backends.megatron.mapping import _param_to_hf, load_hf_state
 from engines.backends.megatron.model import RecomputeGranularity, _init_distributed, build_gpt, transformer_config
-from engines.backends.megatron.offload import Offload, trainer_tensors
+from engines.backends.megatron.offload import Offload, Sleeps, trainer_tensors
 from engines.backends.torch.critic import explained_variance, variance_sums
 from engines.rl.base import on_response_tokens
 
@@ -66,7 +66,7 @@ def backbone_config(hf_config):
     return config
 
 
-class MegatronCritic:
+class MegatronCritic(Sleeps):
     """``values`` before a step, ``train_step`` on its returns, checkpoints: ``TorchCritic``'s interface."""
 
     def __init__(self, model_dir: str, lr: float, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
@@ -175,17 +175,6 @@ class MegatronCritic:
     def sleep(self) -> int:
         """Weights, gradient buffers and Adam state to host memory (``offload.py``; on the CPU too)."""
         return self._offload.offload(trainer_tensors(self.model, self.optimizer))
-
-    def wake(self) -> int:
-        return self._offload.restore()
-
-    @property
-    def asleep(self) -> bool:
-        return self._offload.asleep
-
-    def _require_awake(self, what: str) -> None:
-        if self._offload.asleep:
-            raise RuntimeError(f"MegatronCritic.{what}: the critic is asleep (its device memory is released); wake() it first")
 
     # -- export --------------------------------------------------------------------------------
 

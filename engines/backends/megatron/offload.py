@@ -124,3 +124,23 @@ class Offload:
             return tensor
         view = torch.empty(0, dtype=tensor.dtype)
         return view.set_(entry[1].untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+class Sleeps:
+    """``wake``, ``asleep`` and the guard of an engine whose ``_offload`` (an :class:`Offload`) holds
+    its tensors while it sleeps; its own ``sleep`` names those tensors."""
+
+    _offload: Offload
+
+    def wake(self) -> int:
+        """Everything ``sleep`` moved, back on the device, bit for bit."""
+        return self._offload.restore()
+
+    @property
+    def asleep(self) -> bool:
+        return self._offload.asleep
+
+    def _require_awake(self, what: str) -> None:
+        # a released storage reads as garbage or crashes inside CUDA ("invalid argument"): say so instead
+        if self._offload.asleep:
+            raise RuntimeError(f"{type(self).__name__}.{what}: it is asleep (its device memory is released); wake() it first")

@@ -43,12 +43,12 @@ from engines.backends.distributed import default_device
 from engines.backends.megatron import optimizer as megatron_optimizer, vision
 from engines.backends.megatron.mapping import _param_to_hf, load_hf_state, padded_vocab_size
 from engines.backends.megatron.model import RecomputeGranularity, _init_distributed, build_gpt, transformer_config
-from engines.backends.megatron.offload import Offload, trainer_tensors
+from engines.backends.megatron.offload import Offload, Sleeps, trainer_tensors
 from engines.rl import registry
 from engines.rl.base import AlgorithmConfig, LossStep
 
 
-class MegatronTrainer:
+class MegatronTrainer(Sleeps):
     """Policy training (every algorithm of ``engines/rl``) on Megatron-Core; a drop-in for ``TorchTrainer``.
 
     Construction is collective when ``torch.distributed`` is initialised (process groups,
@@ -245,19 +245,6 @@ class MegatronTrainer:
         what needs the live state — ``logprobs``, ``train_step``, checkpoints — refuses."""
         self.finalize_checkpoint()  # an async checkpoint write still reads the live tensors
         return self._offload.offload(trainer_tensors(self.model, self.reference, self.optimizer))
-
-    def wake(self) -> int:
-        """Everything ``sleep`` moved, back on the device, bit for bit."""
-        return self._offload.restore()
-
-    @property
-    def asleep(self) -> bool:
-        return self._offload.asleep
-
-    def _require_awake(self, what: str) -> None:
-        # a released storage reads as garbage or crashes inside CUDA ("invalid argument"): say so instead
-        if self._offload.asleep:
-            raise RuntimeError(f"MegatronTrainer.{what}: the trainer is asleep (its device memory is released); wake() it first")
 
     # --- weights out ---------------------------------------------------------------------
 
