@@ -74,6 +74,15 @@ def random_batch(n: int, seed: int, vocab: int = 49, max_prompt: int = 5, max_re
     return TrainBatch(prompts, responses, [[0.0] * len(r) for r in responses], advantages)
 
 
+def scored_rows(seed: int) -> list[dict]:
+    """Three prompts x two samples whose rewards differ (the filter keeps them), as a rollout writes them."""
+    batch = random_batch(6, seed=seed)
+    return [{"prompt_id": i // 2, "sample_index": i % 2, "policy_version": 0, "wave": 0, "prompt": "p", "answer": "a",
+             "prompt_row": i // 2, "prompt_ids": p, "response": "r", "response_ids": r, "logprobs": [-1.0] * len(r),
+             "truncated": False, "judge_text": None, "genrm_reward": None, "rule_reward": float(i % 2),
+             "format_reward": None, "reward": float(i % 2)} for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids))]
+
+
 def with_old_logprobs(batch: TrainBatch, logprobs: list[list[float]], noise: float = 0.0, seed: int = 0) -> TrainBatch:
     """The same batch with ``old_logprobs = logprobs + uniform(-noise, noise)``."""
     rng = random.Random(seed)

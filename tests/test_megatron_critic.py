@@ -43,7 +43,7 @@ from engines.host.checkpointing import Checkpoints  # noqa: E402
 from engines.host.validation import InputError, check_critic  # noqa: E402
 from engines.host.worker import Worker  # noqa: E402
 from engines.wire.commands import Checkpoint, DynamicFilter, ExportPolicy, TrainStep  # noqa: E402
-from helpers import free_port, random_batch, save_tiny_model  # noqa: E402
+from helpers import free_port, random_batch, save_tiny_model, scored_rows  # noqa: E402
 from storage import datasets, objectstore  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -234,15 +234,6 @@ def test_qwen2_tied_critic_matches_torch(tmp_path):
     assert value_diff(megatron.values(batch), reference.values(batch)) <= 1e-6
     assert max_diff(exported(megatron, tmp_path / "m"), exported(reference, tmp_path / "t")) == 0.0
     assert json.loads((tmp_path / "m" / "config.json").read_text())["architectures"] == ["Qwen2ForTokenClassification"]
-
-
-def scored_rows(seed: int) -> list[dict]:
-    """Three prompts x two samples whose rewards differ (the filter keeps them), as a rollout writes them."""
-    batch = random_batch(6, seed=seed)
-    return [{"prompt_id": i // 2, "sample_index": i % 2, "policy_version": 0, "wave": 0, "prompt": "p", "answer": "a",
-             "prompt_row": i // 2, "prompt_ids": p, "response": "r", "response_ids": r, "logprobs": [-1.0] * len(r),
-             "truncated": False, "judge_text": None, "genrm_reward": None, "rule_reward": float(i % 2),
-             "format_reward": None, "reward": float(i % 2)} for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids))]
 
 
 def megatron_ppo_host(model_dir: str, seed: int = 0) -> Worker:

@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from helpers import random_batch, save_tiny_model
+from helpers import random_batch, save_tiny_model, scored_rows
 
 from engines.backends.base import TrainBatch
 from engines.backends.torch.critic import TorchCritic
@@ -82,15 +82,6 @@ def test_critic_step_matches_hand_written_value_loss(model_dir):
     assert grads["backbone.layers.0.mlp.up_proj.weight"].grad.abs().sum() > 0
     for name, p in critic.model.named_parameters():
         assert torch.allclose(p.grad, grads[name].grad, rtol=1e-4, atol=1e-7), name
-
-
-def scored_rows(seed: int) -> list[dict]:
-    """Three prompts x two samples whose rewards differ (the filter keeps them), as a rollout writes them."""
-    batch = random_batch(6, seed=seed)
-    return [{"prompt_id": i // 2, "sample_index": i % 2, "policy_version": 0, "wave": 0, "prompt": "p", "answer": "a",
-             "prompt_row": i // 2, "prompt_ids": p, "response": "r", "response_ids": r, "logprobs": [-1.0] * len(r),
-             "truncated": False, "judge_text": None, "genrm_reward": None, "rule_reward": float(i % 2),
-             "format_reward": None, "reward": float(i % 2)} for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids))]
 
 
 def ppo_host(model_dir: str, seed: int = 0) -> Worker:
