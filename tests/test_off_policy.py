@@ -165,3 +165,67 @@ def test_carried_groups_count_against_the_staleness_bound():
     assert offpolicy.too_stale(config(1), 6, group)  # carried one step further: 2 behind
     assert not offpolicy.too_stale(config(2), 6, group)
     assert not offpolicy.too_stale(config(0), 9, group)
+
+
+class _Engine:
+    """Records what it loads (a rollout engine's ``update_weights``)."""
+
+    def __init__(self):
+        self.loaded: list[dict] = []
+
+    def update_weights(self, named_tensors) -> int:
+        self.loaded.append({name: t.clone() for name, t in named_tensors})
+        return len(self.loaded[-1])
+
+
+def test_a_sync_while_the_rollout_lane_holds_the_engine_is_staged_for_its_next_chunk():
+    import threading
+
+    weights, engine = offpolicy.RolloutWeights(), _Engine()
+    param = torch.zeros(3)
+    assert weights.sync(engine, 1, [("w", param)]) == 1  # the engine is free: loaded at once
+    assert weights.version == 1 and engine.loaded[-1]["w"].tolist() == [0, 0, 0]
+
+    in_chunk, chunk_may_end, versions = threading.Event(), threading.Event(), []
+
+    def rollout_lane():
+        for _ in range(2):  # two chunks
+            with weights as version:
+                versions.append(version)
+                in_chunk.set()
+                chunk_may_end.wait(timeout=30)
+
+    lane = threading.Thread(target=rollout_lane)
+    lane.start()
+    assert in_chunk.wait(timeout=30)
+    param += 1  # the trainer's step 2
+    assert weights.sync(engine, 2, [("w", param)]) == 1  # returns while the chunk still holds the engine
+    param += 1  # the trainer's step 3, in place, before the chunk ends
+    assert len(engine.loaded) == 1 and weights.version == 1  # not loaded inside the chunk
+    chunk_may_end.set()
+    lane.join(timeout=30)
+    assert versions == [1, 2]  # the next chunk loaded the staged weights first
+    assert engine.loaded[-1]["w"].tolist() == [1, 1, 1]  # version 2's values: a copy, not the trainer's tensor
+
+
+def test_the_newest_staged_weights_win():
+    import threading
+
+    weights, engine = offpolicy.RolloutWeights(), _Engine()
+    held, release = threading.Event(), threading.Event()
+
+    def chunk():  # the rollout lane holds the engine through two syncs
+        with weights:
+            held.set()
+            release.wait(timeout=30)
+
+    lane = threading.Thread(target=chunk)
+    lane.start()
+    assert held.wait(timeout=30)
+    weights.sync(engine, 1, [("w", torch.ones(1))])
+    weights.sync(engine, 2, [("w", 2 * torch.ones(1))])
+    release.set()
+    lane.join(timeout=30)
+    assert engine.loaded == []  # neither loaded inside the chunk
+    with weights as version:
+        assert version == 2 and [e["w"].item() for e in engine.loaded] == [2.0]  # version 1 was superseded, never loaded

@@ -1,6 +1,7 @@
 """The host's side of off-policy training (docs/off-policy.md): the correction of a train batch
 before the trainer's passes, the staleness of its samples, and the lock that lets the rollout
-engine generate while the trainer trains (``rollout.max_staleness`` >= 1).
+engine generate while the trainer trains and takes the trainer's weights between two chunks
+(``rollout.max_staleness`` >= 1).
 
 Kept out of ``worker.py``: the worker calls these in one line each."""
 
@@ -45,18 +46,69 @@ def staleness(trainer_version: int, rows: list[dict]) -> tuple[dict[int, int], d
     return counts, {"staleness_mean": sum(k * c for k, c in counts.items()) / n, "staleness_max": float(max(counts))}
 
 
-class PolicyLock:
-    """The rollout engine, between the two lanes of an overlapping host: generation holds it per
-    chunk of prompts, a weight sync (and a held-out evaluation) for its whole call. A sync thus
-    waits for at most one chunk, and every sample is generated wholly by one policy version (the
-    version the engine held when its chunk started: ``Worker.policy_version``)."""
+class RolloutWeights:
+    """The rollout engine's weights, between an overlapping host's two lanes
+    (``rollout.max_staleness`` >= 1; docs/off-policy.md).
+
+    The rollout lane holds the engine for one chunk of prompts at a time (``with weights as
+    version``), a held-out evaluation for its whole call. A weight sync never waits for either: if
+    the engine is held, the trainer's weights are *staged* (copied to host memory, so the trainer
+    can go on training) and loaded by whoever next takes the engine, before its chunk starts. So the
+    train lane goes straight on to its next step, and every sample is still generated wholly by one
+    policy version (the one loaded when its chunk started: ``version``). With k = 0 there is no
+    second lane: a sync finds the engine free and loads the weights at once, as before."""
 
     def __init__(self):
-        self._lock = threading.RLock()
+        self.version = 0  # the trainer version whose weights the rollout engine holds
+        self._lock = threading.RLock()  # the engine
+        self._staged: tuple[object, int, list] | None = None  # (engine, version, [(name, tensor)]) not yet loaded
+        self._slot = threading.Lock()  # ``_staged``: a newer staging is never lost to a load taking the older one
 
-    def __enter__(self):
+    def sync(self, engine, version: int, named_tensors) -> int:
+        """The trainer's weights of ``version`` into ``engine``: loaded now if the engine is free,
+        else staged for its next holder. Answers the number of tensors."""
+        if self._lock.acquire(blocking=False):
+            try:
+                with self._slot:
+                    self._staged = None  # superseded
+                count = engine.update_weights(named_tensors)
+                self.version = version
+                return count
+            finally:
+                self._lock.release()
+        # the rollout lane holds the engine: a copy, because the trainer's next step changes its tensors in place
+        staged = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named_tensors]
+        with self._slot:
+            self._staged = (engine, version, staged)
+        if self._lock.acquire(blocking=False):  # the chunk ended meanwhile: nobody else will load it soon
+            try:
+                self._load_staged()
+            finally:
+                self._lock.release()
+        return len(staged)
+
+    def _load_staged(self) -> None:
+        with self._slot:
+            staged, self._staged = self._staged, None
+        if staged is not None:
+            engine, version, tensors = staged
+            engine.update_weights(iter(tensors))
+            self.version = version
+
+    def reset(self, version: int) -> None:
+        """Engines (re)loaded from a folder of ``version``: nothing staged is theirs."""
+        with self._lock, self._slot:
+            self._staged, self.version = None, version
+
+    def __enter__(self) -> int:
+        """Hold the engine (the newest staged weights loaded first); the version it holds."""
         self._lock.acquire()
-        return self
+        try:
+            self._load_staged()
+        except BaseException:
+            self._lock.release()
+            raise
+        return self.version
 
     def __exit__(self, *exc):
         self._lock.release()

@@ -73,8 +73,7 @@ class Worker:
         self.checkpoints: Checkpoints | None = None
         self.engine_loads = 0  # times this host loaded its models: once per run is the point of a host
         self.awake: set[str] = set()  # the engines holding the group's devices (see ``take``)
-        self.policy_version = 0  # the trainer version whose weights the rollout engine holds (set by sync_weights)
-        self.policy_lock = offpolicy.PolicyLock()  # the rollout engine, between an overlapping host's two lanes
+        self.rollout_weights = offpolicy.RolloutWeights()  # the rollout engine, between an overlapping host's two lanes
 
     @functools.singledispatchmethod
     def handle(self, request: Request) -> Result:
@@ -126,7 +125,7 @@ class Worker:
         self.prompts = PromptStream(prompts_uri, self.rank, self.world, cfg.data.max_image_bytes,
                                     datasets.PREFERENCES if cfg.data.preferences else datasets.PROMPTS)
         self.preferences = PreferenceRows(policy_dir, cfg, self.vision) if cfg.data.preferences else None
-        self.policy_version = self.trainer.version  # both engines loaded the same folder
+        self.rollout_weights.reset(self.trainer.version)  # both engines loaded the same folder
         if request.resume:
             self.checkpoints.load(self.trainer, request.resume, self.critic)
             self.sync_weights(SyncWeights())
@@ -318,9 +317,8 @@ class Worker:
         """Trainer → rollout engine, by Hugging Face parameter name."""
         start = time.perf_counter()
         switch = self.take("policy", "trainer")  # a sleeping vLLM engine cannot load weights
-        with self.policy_lock:  # overlapping: between two chunks of the rollout lane's generation
-            count = self.policy.update_weights(self.trainer.export_weights())
-            self.policy_version = self.trainer.version
+        # overlapping: never waits for the rollout lane's chunk (staged for its next one instead)
+        count = self.rollout_weights.sync(self.policy, self.trainer.version, self.trainer.export_weights())
         return SyncWeightsResult(tensors=count, seconds=time.perf_counter() - start, switch_s=switch)
 
     @handle.register
@@ -346,7 +344,7 @@ class Worker:
         if not rows:
             return EvaluateResult(score_sum=0.0, total=0)
         self.take("policy")
-        with self.policy_lock:  # overlapping: the rollout lane's engines wait (the judge too: one generate at a time)
+        with self.rollout_weights:  # overlapping: the rollout lane's engines wait (the judge too: one generate at a time)
             outs = self.policy.generate([chat.source(r) for r in rows], greedy=True, max_new_tokens=self.config.rollout.max_new_tokens,
                                         images=self._images_of(rows))
             answered = [rows[o.prompt_index] | {"response": o.response} for o in outs]
@@ -426,8 +424,7 @@ class Worker:
         if self.preferences is not None:  # nothing to generate: the dataset's two responses are the samples
             return self.preferences.rollout_rows(chunk, wave, self.trainer.version)
         ro = self.config.rollout
-        with self.policy_lock:  # one policy version per chunk: a sync waits for the chunk to end
-            version = self.policy_version
+        with self.rollout_weights as version:  # one policy version per chunk: a sync lands before or after it
             gens = self.policy.generate([chat.source(row) for row in chunk], n=ro.samples_per_prompt, temperature=ro.temperature,
                                         top_p=ro.top_p, max_new_tokens=ro.max_new_tokens,
                                         seed=stable_seed(self.config.seed, step, self.rank, wave, k), images=self._images_of(chunk))
@@ -456,7 +453,7 @@ class Worker:
         prompts = [cfg.template.format(prompt=self._judge_text(r["prompt"]), response=r["response"], answer=r["answer"] or "")
                    for r in rows]
         # overlapping lanes: the held-out evaluation's judge and the rollout lane's never generate at once
-        with self.policy_lock if self.config.rollout.max_staleness else contextlib.nullcontext():
+        with self.rollout_weights if self.config.rollout.max_staleness else contextlib.nullcontext():
             return [o.response.strip() for o in self.judge.generate(prompts, greedy=True, max_new_tokens=cfg.max_new_tokens,
                                                                       images=images)]
 
