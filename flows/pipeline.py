@@ -7,11 +7,13 @@ with k >= 1 they overlap, and the Prefect UI shows them as overlapping runs:
     iteration-0005:                    rollout → score → filter ─ wait ─ train → sync
     iteration-0006:                                     rollout → score → filter ─ ...
 
-Step m's generation (its waves of rollout, scoring and filtering, on each host's rollout lane)
-starts once step m-1's generation has ended (it continues the data cursors and the dynamic-sampling
-carry-over) and step m-k-1 has trained and synced, so the rollout engine then holds weights of
-version >= m-k and the trainer, training step m at version m, is at most k versions ahead of any
-fresh sample. Training stays in step order: step m's train step waits for its *turn*, which this
+A DP group's generation of step m (its waves of rollout, scoring and filtering, on its host's
+rollout lane) starts once its generation of step m-1 has ended (it continues the data cursors and
+the dynamic-sampling carry-over) and its sync of step m-k-1 has returned, so its rollout engine then
+holds weights of version >= m-k and the trainer, training step m at version m, is at most k
+versions ahead of any fresh sample. Step m's iteration flow is started a step earlier than that
+(once step m-k-2 has been recorded), so that Prefect's start-up of its flow runs is done by then and
+the group starts generating as soon as its own sync returns. Training stays in step order: step m's train step waits for its *turn*, which this
 module's driver gives once step m-1's iteration has ended and the run has recorded it (metrics,
 held-out evaluation, the checkpoint to commit). The flows of one run meet here, in this process:
 what step m's generation hands on, and the turns.
@@ -25,7 +27,9 @@ from typing import Awaitable, Callable
 
 class _Run:
     def __init__(self):
+        self.first = 0  # the run's first step (this attempt's)
         self.generated: dict[tuple[int, int], asyncio.Future] = {}  # (step, group) -> (cursor, sampling) after its generation
+        self.synced: dict[tuple[int, int], asyncio.Future] = {}  # (step, group) -> None once its weights are synced
         self.turns: dict[int, asyncio.Future] = {}  # step -> the earlier checkpoint still being written (or None)
 
     def future(self, table: dict, key) -> asyncio.Future:
@@ -46,11 +50,21 @@ async def generated_then_turn(run: str, step: int, group: int, cursor: int, samp
     return await asyncio.shield(r.future(r.turns, step))
 
 
-async def generation_start(run: str, step: int, group: int) -> tuple[int, dict]:
-    """Where a DP group's generation of ``step`` starts: its data cursor and dynamic-sampling state
-    after its generation of ``step - 1`` (the iteration flow is started early, while that one still
-    generates, so that Prefect's own start-up of the flow runs overlaps it too)."""
-    return await asyncio.shield(_runs[run].future(_runs[run].generated, (step - 1, group)))
+def synced(run: str, step: int, group: int) -> None:
+    """A DP group's weight sync of ``step`` has returned: its generation of step + k may start."""
+    r = _runs[run]
+    r.future(r.synced, (step, group)).set_result(None)
+
+
+async def generation_start(run: str, step: int, group: int, k: int) -> tuple[int, dict]:
+    """Where a DP group's generation of ``step`` starts, once it may: its data cursor and
+    dynamic-sampling state after its generation of ``step - 1``, answered when that has ended and
+    the group's sync of ``step - k - 1`` has returned (steps before the run's first are in the
+    weights the hosts loaded)."""
+    r = _runs[run]
+    if step - k - 1 >= r.first:
+        await asyncio.shield(r.future(r.synced, (step - k - 1, group)))
+    return await asyncio.shield(r.future(r.generated, (step - 1, group)))
 
 
 def turn_given(run: str, step: int) -> dict | None:
@@ -70,13 +84,14 @@ async def overlapped(run: str, k: int, first: int, end: int, cursors: list[int],
     if first >= end:
         return None
     r = _runs[run] = _Run()
+    r.first = first
     tasks = {first: asyncio.ensure_future(iteration(first, cursors, sampling))}
     launched, written = first, None
     try:
         for step in range(first, end):
             r.future(r.turns, step).set_result(written)
-            while launched + 1 < min(end, step + k + 1):  # generation of launched+1 needs weights >= launched+1-k: step-1 trained
-                launched += 1  # its groups start where launched-1's end (generation_start)
+            while launched + 1 < min(end, step + k + 2):  # launched+1 generates once its groups synced step launched-k
+                launched += 1  # its groups start where launched-1's end, after their sync (generation_start)
                 tasks[launched] = asyncio.ensure_future(iteration(launched, None, None))
             metrics = await _watch(tasks[step], tasks)
             del tasks[step]

@@ -51,7 +51,7 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int | None,
     after the previous step (``GroupSampling``)."""
     s, partial = config.sampling, config.placement.mode == "partial"
     if cursor is None:  # overlapping steps: where this group's generation of the previous step ends (flows/pipeline.py)
-        cursor, sampling = await pipeline.generation_start(config.name, step, group)
+        cursor, sampling = await pipeline.generation_start(config.name, step, group, config.rollout.max_staleness)
     checkpointing = is_checkpoint_step(config, step, end)
     clock = StageClock(StepProgress(config.name, step, group, wave_stages=2 if partial else 3,
                                     after_stages=2 + (written is not None) + checkpointing))  # live in the UI
@@ -84,6 +84,8 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int | None,
         written = turn["step"] if turn else None
     trained = await clock("train_step", stages.train_step(config, step, group))
     synced = await clock("sync_weights", stages.sync_weights(config, group))
+    if config.rollout.max_staleness:  # this group's generation of step + k may start (flows/pipeline.py)
+        pipeline.synced(config.name, step, group)
     waited = saved = None
     if written is not None:
         # The asynchronous write of step `written`'s checkpoint has run beside this whole step
