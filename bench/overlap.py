@@ -13,8 +13,10 @@ training (t) take about the same seconds, the case where overlap gains most: the
 fall below max(r, t), so the bound on the ratio overlapped / synchronous is max(r, t) / (r + t)
 (0.5 when they are equal; the issue's goal is <= 0.6). The stub generator's samples depend on the
 weight version it holds, and with overlap a step generates from an older one, so the two modes draw
-different samples and dynamic sampling may need a second wave in different steps: the table prints
-the waves per step of each mode, and more steps (``--steps``) even them out. r and t are measured in the synchronous runs:
+different samples and dynamic sampling may need a second wave in different steps; and with
+max_staleness=1 a carried-over group is too stale to train (``--carry-age``), so that mode generates
+more prompts per step. The table prints each mode's waves and prompts per step; ``--carry-age 0``
+compares like with like. r and t are measured in the synchronous runs:
 r is the slowest group's seconds in rollout + genrm_score + dynamic_filter, and t is the rest of the
 synchronous step (step - r: training, the weight sync and the step's orchestration). The slowest
 group's train_step seconds would overstate t: a group that finished its rollout early waits in the
@@ -52,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="alternated runs per mode (default 2)")
     p.add_argument("--rollout-spt", type=float, default=0.012, help="rollout.stub_seconds_per_token (default 0.012)")
     p.add_argument("--train-spt", type=float, default=0.009, help="train.stub_seconds_per_token (default 0.009)")
+    p.add_argument("--carry-age", type=int, metavar="N", help="sampling.max_carry_age in both modes (default: the config's, 1). "
+                   "0 makes both modes generate the same prompts per step: with max_staleness=1 a group carried over "
+                   "is two versions old by the step that would train it, so it is dropped and generated again")
     p.add_argument("--real", action="store_true", help="also the real torch engines (tiny demo models), dp=--dp")
     p.add_argument("--no-stub", action="store_true", help="leave out the timing stubs (with --real: the real engines only)")
     p.add_argument("--keep", metavar="DIR", help="keep the work folder in DIR")
@@ -64,7 +69,7 @@ def figures(history: list[dict], warmup: int) -> dict:
     mean = lambda key: statistics.fmean(m[key] for m in rows)  # noqa: E731
     return {"step_s": mean("step_s"), "r_s": mean("rollout_s") + mean("genrm_score_s") + mean("rollout_and_score_s")
             + mean("dynamic_filter_s"), "train_s": mean("train_step_s") + mean("sync_weights_s"),
-            "waves": mean("waves"),  # dynamic sampling's waves per step: the modes draw different samples (module docstring)
+            "waves": mean("waves"), "prompts": mean("prompts"),  # dynamic sampling's waves per step: the modes draw different samples (module docstring)
             "staleness": {k: sum(m["staleness"].get(k, 0) for m in rows) for k in sorted({k for m in rows for k in m["staleness"]})},
             "is_ratio_mean": statistics.fmean(m["train"].get("is_ratio_mean", 1.0) for m in rows),
             "is_ratio_max": max(m["train"].get("is_ratio_max", 1.0) for m in rows),
@@ -79,11 +84,11 @@ def compare(server, root: str, work: Path, args, engines: str, extra: list[str])
                                           extra=[*extra, *MODES[mode]], prefix="overlap", timeout=1800)
             fig = figures(history, args.warmup) | {"wall_s": wall}
             runs[mode].append(fig)
-            print(f"  {engines:5s} {mode:16s} run {rep}: step {fig['step_s']:.2f}s, {fig['waves']:.2f} waves (r {fig['r_s']:.2f}s, "
+            print(f"  {engines:5s} {mode:16s} run {rep}: step {fig['step_s']:.2f}s, {fig['waves']:.2f} waves, {fig['prompts']:.1f} prompts (r {fig['r_s']:.2f}s, "
                   f"slowest train + sync {fig['train_s']:.2f}s), "
                   f"staleness {fig['staleness']}, IS ratio mean {fig['is_ratio_mean']:.3f} max {fig['is_ratio_max']:.3f}, "
                   f"run {wall:.0f}s", flush=True)
-    pooled = {mode: {k: statistics.fmean(f[k] for f in figs) for k in ("step_s", "r_s", "waves", "is_ratio_mean")}
+    pooled = {mode: {k: statistics.fmean(f[k] for f in figs) for k in ("step_s", "r_s", "waves", "prompts", "is_ratio_mean")}
               | {"is_ratio_max": max(f["is_ratio_max"] for f in figs), "staleness": figs[-1]["staleness"]}
               for mode, figs in runs.items()}
     r = pooled["sync"]["r_s"]
@@ -108,11 +113,12 @@ def main(argv=None) -> dict:
             start = time.perf_counter()
             run_flow_subprocess(server.url, "flows.prepare:prepare", log_path=work / "prepare.log", overrides=TINY + [f"storage.root={root}"])
             print(f"prepared {root} ({time.perf_counter() - start:.0f}s)", flush=True)
+        carry = [] if args.carry_age is None else [f"sampling.max_carry_age={args.carry_age}"]
         if not args.no_stub:
-            out["stub"] = compare(server, root, work, args, "stub", [*STUBS, f"rollout.stub_seconds_per_token={args.rollout_spt}",
+            out["stub"] = compare(server, root, work, args, "stub", [*carry, *STUBS, f"rollout.stub_seconds_per_token={args.rollout_spt}",
                                                                      f"train.stub_seconds_per_token={args.train_spt}"])
         if args.real:
-            out["real"] = compare(server, root, work, args, "torch", [])
+            out["real"] = compare(server, root, work, args, "torch", carry)
     finally:
         if server is not None:
             server.stop()
@@ -125,13 +131,15 @@ def main(argv=None) -> dict:
 
 
 def report(out: dict, args) -> str:
-    lines = [f"dp={args.dp}, {args.steps} steps per run (first {args.warmup} and the last left out), {args.repeats} alternated runs "
-             "per mode", "", "| engines | r (s) | t = sync step - r (s) | sync step (s) | max_staleness=1 step (s) | waves per step (sync, k=1) "
+    carry = "" if args.carry_age is None else f", sampling.max_carry_age={args.carry_age}"
+    lines = [f"dp={args.dp}{carry}, {args.steps} steps per run (first {args.warmup} and the last left out), {args.repeats} alternated runs "
+             "per mode", "", "| engines | r (s) | t = sync step - r (s) | sync step (s) | max_staleness=1 step (s) | waves, prompts per step (sync / k=1) "
              "| ratio | bound max(r,t)/(r+t) |", "|---|---|---|---|---|---|---|---|"]
     for engines, fig in out.items():
         p = fig["pooled"]
         lines.append(f"| {engines} | {p['sync']['r_s']:.2f} | {p['sync']['t_s']:.2f} | {p['sync']['step_s']:.2f} | "
-                     f"{p['max_staleness=1']['step_s']:.2f} | {p['sync']['waves']:.2f}, {p['max_staleness=1']['waves']:.2f} | "
+                     f"{p['max_staleness=1']['step_s']:.2f} | {p['sync']['waves']:.2f}, {p['sync']['prompts']:.1f} / "
+                     f"{p['max_staleness=1']['waves']:.2f}, {p['max_staleness=1']['prompts']:.1f} | "
                      f"{fig['ratio']:.2f} | {fig['bound']:.2f} |")
     return "\n".join(lines)
 
