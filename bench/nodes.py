@@ -24,6 +24,7 @@ docs/controllers.md for how linear it was).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -36,6 +37,7 @@ import psutil
 from bench import Sampler
 from bench.overhead import TINY, PostgresCluster, PrefectServer, run_flow_subprocess
 from bench.scale import STEP_LINE, STUBS, available_mb
+from flows.prefect_server import SERVER_SETTINGS
 
 CPU = "AMD EPYC, 2 cores (shared)"
 # Prefect's server talks to PostgreSQL through a pool of 5 + 10 connections, waiting 30 s for a free one: at 256 groups
@@ -43,6 +45,13 @@ CPU = "AMD EPYC, 2 cores (shared)"
 # reached). A server for hundreds of groups needs a bigger pool (PostgreSQL's default max_connections is 100).
 SERVER_ENV = {"PREFECT_SERVER_DATABASE_SQLALCHEMY_POOL_SIZE": "20", "PREFECT_SERVER_DATABASE_SQLALCHEMY_MAX_OVERFLOW": "40",
               "PREFECT_SERVER_DATABASE_SQLALCHEMY_POOL_TIMEOUT": "300"}
+
+
+def server_settings() -> dict[str, str]:
+    """What the bench's server runs with: what `yattflow server` users get (``SERVER_SETTINGS``), the pool above,
+    and any ``PREFECT_SERVER_*`` of this environment on top (as for `yattflow server`: the environment wins), so
+    that a setting can be measured against the default without an option."""
+    return SERVER_SETTINGS | SERVER_ENV | {k: v for k, v in os.environ.items() if k.startswith("PREFECT_SERVER_")}
 
 
 def cpu_of(p: psutil.Process, tree: bool = False) -> float:
@@ -205,7 +214,8 @@ def main(argv=None) -> dict:
 
             server = Stack(cluster.url, replicas=args.stack, home=work / "stack").start()
         else:
-            server = PrefectServer(cluster.url, home=work / "prefect", env=SERVER_ENV).start()
+            server = PrefectServer(cluster.url, home=work / "prefect", env=server_settings()).start()
+            print("prefect server start with " + ", ".join(f"{k}={v}" for k, v in server_settings().items()), flush=True)
         root = args.store or str(work / "store")
         if not args.store:
             run_flow_subprocess(server.url, "flows.prepare:prepare", log_path=work / "prepare.log",
