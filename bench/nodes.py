@@ -88,7 +88,7 @@ class CpuMeter(Sampler):
         self.log, self.server, self.postmaster = log, server, postmaster  # server: its processes (a stack's: several)
         self.me = psutil.Process()
         self.snaps: list[dict] = []  # one per finished step, in order
-        self.seen = 0  # steps the log showed finished
+        self.offset = 0  # bytes of the log read so far (whole lines): at 256 groups the log grows by MBs per step
 
     def _procs(self) -> dict[str, list[psutil.Process]]:
         found: dict[str, list] = {"parent": [], "nodes": [], "hosts": []}
@@ -108,19 +108,36 @@ class CpuMeter(Sampler):
     def snapshot(self) -> dict:
         procs = self._procs()
         nodes = sorted(procs["nodes"], key=lambda p: p.pid)
-        return {"t": time.perf_counter(), "parent": sum(cpu_of(p) for p in procs["parent"]),
-                "hosts_uss_mb": sum(uss_mb(p) for p in procs["hosts"]), "n_hosts": len(procs["hosts"]),
-                "nodes_uss_mb": sum(uss_mb(p) for p in nodes), "parent_uss_mb": sum(uss_mb(p) for p in procs["parent"]),
+        # every CPU figure first, close together in time; then memory (reading 256 hosts' USS takes seconds)
+        snap = {"t": time.perf_counter(), "parent": sum(cpu_of(p) for p in procs["parent"]),
                 "nodes": [cpu_of(p) for p in nodes], "hosts": sum(cpu_of(p) for p in procs["hosts"]),
                 "server": sum(cpu_of(p, tree=True) for p in self.server), "postgres": cpu_of(self.postmaster, tree=True)}
+        return snap | {"hosts_uss_mb": sum(uss_mb(p) for p in procs["hosts"]), "n_hosts": len(procs["hosts"]),
+                       "nodes_uss_mb": sum(uss_mb(p) for p in nodes), "parent_uss_mb": sum(uss_mb(p) for p in procs["parent"])}
 
     def sample(self):
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        steps = len(STEP_LINE.findall(text))
-        if steps > self.seen:
+        if not self.log.exists():
+            return
+        with open(self.log, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        chunk = chunk[:chunk.rfind(b"\n") + 1]  # whole lines only: a step line half written is read next time
+        self.offset += len(chunk)
+        steps = len(STEP_LINE.findall(chunk.decode(errors="replace")))
+        if steps:
             snap = self.snapshot()
-            self.snaps += [snap] * (steps - self.seen)  # two steps in one poll: the later snapshot for both
-            self.seen = steps
+            print("    " + step_line(self.snaps[-1] if self.snaps else None, snap, len(self.snaps) + steps - 1), flush=True)
+            self.snaps += [snap] * steps  # two steps in one poll: the later snapshot for both
+
+
+def step_line(a: dict | None, b: dict, step: int) -> str:
+    """One step's CPU seconds per component as the run goes (the first step: since the run's processes started)."""
+    d = lambda key: b[key] - (a[key] if a else 0.0)  # noqa: E731
+    nodes = [y - x for x, y in zip(a["nodes"], b["nodes"])] if a and len(a["nodes"]) == len(b["nodes"]) else b["nodes"]
+    each = f" ({min(nodes):.2f}–{max(nodes):.2f} each)" if nodes else ""
+    wall = f" in {d('t'):.1f}s" if a else ""
+    return (f"step {step} done{wall}: CPU s parent {d('parent'):.2f}, node controllers {sum(nodes):.2f}{each}, "
+            f"server {d('server'):.2f}, postgres {d('postgres'):.2f}, hosts {d('hosts'):.2f}")
 
 
 def postmaster(cluster: PostgresCluster) -> psutil.Process:
@@ -153,8 +170,12 @@ def one_run(server: PrefectServer, cluster: PostgresCluster, root: str, work: Pa
             args, tag: str) -> dict:
     name = f"nodes-dp{dp}-{'n' + str(per_node) if per_node else 'inline'}-{tag}"
     log = work / f"{name}.log"
+    timeout = args.timeout or 120 + 25 * dp
+    # hang detection no shorter than the run: at hundreds of groups on 2 cores a group can wait minutes at the
+    # train step's all-reduce for the last group to start (no host progress meanwhile); this bench measures cost
     overrides = TINY + STUBS + [f"storage.root={root}", f"name={name}", f"dp={dp}", f"steps={args.steps}", "threads_per_host=1",
-                                "data.heldout=null", "checkpoint.every=1000"]
+                                "data.heldout=null", "checkpoint.every=1000", f"host_timeout_s={max(600, timeout)}",
+                                f"timeouts.stage_s={max(300, timeout)}"]
     if per_node:
         overrides.append(f"controllers.groups_per_node={per_node}")
     if not args.no_fork:  # hosts (and node controllers) forked from one process: 256 stub hosts fit in 24 GB
@@ -163,7 +184,7 @@ def one_run(server: PrefectServer, cluster: PostgresCluster, root: str, work: Pa
     procs = [psutil.Process(p.pid) for p, _ in server.procs] if hasattr(server, "procs") else [psutil.Process(server.proc.pid)]
     with CpuMeter(log, procs, postmaster(cluster)) as meter:
         summary = run_flow_subprocess(server.url, "flows.training:train", log_path=log, overrides=overrides,
-                                      timeout=args.timeout or 120 + 25 * dp)
+                                      timeout=timeout)
     fig = per_iteration(meter.snaps, summary["history"], args.warmup)
     fig |= {"dp": dp, "groups_per_node": per_node, "run_s": time.perf_counter() - start}
     nodes = fig["node_cpu_s"]
