@@ -40,11 +40,12 @@ from bench.scale import STEP_LINE, STUBS, available_mb
 from flows.prefect_server import SERVER_SETTINGS
 
 CPU = "AMD EPYC, 2 cores (shared)"
-# Prefect's server talks to PostgreSQL through a pool of 5 + 10 connections, waiting 30 s for a free one: at 256 groups
-# starting their sub-flows at once on busy cores, requests waited longer and the API answered 500 (QueuePool limit ...
-# reached). A server for hundreds of groups needs a bigger pool (PostgreSQL's default max_connections is 100).
-SERVER_ENV = {"PREFECT_SERVER_DATABASE_SQLALCHEMY_POOL_SIZE": "20", "PREFECT_SERVER_DATABASE_SQLALCHEMY_MAX_OVERFLOW": "40",
-              "PREFECT_SERVER_DATABASE_SQLALCHEMY_POOL_TIMEOUT": "300"}
+# Prefect's server talks to PostgreSQL through a pool of 5 + 10 connections: at 256 groups starting their sub-flows at
+# once on busy cores, requests waited for a connection past SQLAlchemy's 30 s and the API answered 500 (QueuePool limit
+# ... reached). A bigger pool, here only: `yattflow stack` runs SERVER_SETTINGS in every API worker and the services
+# process, and 5 of them x 60 would pass PostgreSQL's default max_connections (100). (The pool's 30 s cannot be raised
+# in Prefect 3.8.8: its pool_timeout setting exists but is never passed to the engine.)
+SERVER_ENV = {"PREFECT_SERVER_DATABASE_SQLALCHEMY_POOL_SIZE": "20", "PREFECT_SERVER_DATABASE_SQLALCHEMY_MAX_OVERFLOW": "40"}
 
 
 def server_settings() -> dict[str, str]:
@@ -89,6 +90,7 @@ class CpuMeter(Sampler):
         self.me = psutil.Process()
         self.snaps: list[dict] = []  # one per finished step, in order
         self.offset = 0  # bytes of the log read so far (whole lines): at 256 groups the log grows by MBs per step
+        self.start = self.snapshot()  # before the run: step 0's line counts from here
 
     def _procs(self) -> dict[str, list[psutil.Process]]:
         found: dict[str, list] = {"parent": [], "nodes": [], "hosts": []}
@@ -126,17 +128,16 @@ class CpuMeter(Sampler):
         steps = len(STEP_LINE.findall(chunk.decode(errors="replace")))
         if steps:
             snap = self.snapshot()
-            print("    " + step_line(self.snaps[-1] if self.snaps else None, snap, len(self.snaps) + steps - 1), flush=True)
+            print("    " + step_line(self.snaps[-1] if self.snaps else self.start, snap, len(self.snaps) + steps - 1), flush=True)
             self.snaps += [snap] * steps  # two steps in one poll: the later snapshot for both
 
 
-def step_line(a: dict | None, b: dict, step: int) -> str:
-    """One step's CPU seconds per component as the run goes (the first step: since the run's processes started)."""
-    d = lambda key: b[key] - (a[key] if a else 0.0)  # noqa: E731
-    nodes = [y - x for x, y in zip(a["nodes"], b["nodes"])] if a and len(a["nodes"]) == len(b["nodes"]) else b["nodes"]
+def step_line(a: dict, b: dict, step: int) -> str:
+    """One step's CPU seconds per component and wall time as the run goes (step 0: since the run started)."""
+    d = lambda key: b[key] - a[key]  # noqa: E731
+    nodes = [y - x for x, y in zip(a["nodes"], b["nodes"])] if len(a["nodes"]) == len(b["nodes"]) else b["nodes"]
     each = f" ({min(nodes):.2f}–{max(nodes):.2f} each)" if nodes else ""
-    wall = f" in {d('t'):.1f}s" if a else ""
-    return (f"step {step} done{wall}: CPU s parent {d('parent'):.2f}, node controllers {sum(nodes):.2f}{each}, "
+    return (f"step {step} done in {d('t'):.1f}s: CPU s parent {d('parent'):.2f}, node controllers {sum(nodes):.2f}{each}, "
             f"server {d('server'):.2f}, postgres {d('postgres'):.2f}, hosts {d('hosts'):.2f}")
 
 
