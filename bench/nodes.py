@@ -24,6 +24,7 @@ docs/controllers.md for how linear it was).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -36,13 +37,22 @@ import psutil
 from bench import Sampler
 from bench.overhead import TINY, PostgresCluster, PrefectServer, run_flow_subprocess
 from bench.scale import STEP_LINE, STUBS, available_mb
+from flows.prefect_server import SERVER_SETTINGS
 
 CPU = "AMD EPYC, 2 cores (shared)"
-# Prefect's server talks to PostgreSQL through a pool of 5 + 10 connections, waiting 30 s for a free one: at 256 groups
-# starting their sub-flows at once on busy cores, requests waited longer and the API answered 500 (QueuePool limit ...
-# reached). A server for hundreds of groups needs a bigger pool (PostgreSQL's default max_connections is 100).
-SERVER_ENV = {"PREFECT_SERVER_DATABASE_SQLALCHEMY_POOL_SIZE": "20", "PREFECT_SERVER_DATABASE_SQLALCHEMY_MAX_OVERFLOW": "40",
-              "PREFECT_SERVER_DATABASE_SQLALCHEMY_POOL_TIMEOUT": "300"}
+# Prefect's server talks to PostgreSQL through a pool of 5 + 10 connections: at 256 groups starting their sub-flows at
+# once on busy cores, requests waited for a connection past SQLAlchemy's 30 s and the API answered 500 (QueuePool limit
+# ... reached). A bigger pool, here only: `yattflow stack` runs SERVER_SETTINGS in every API worker and the services
+# process, and 5 of them x 60 would pass PostgreSQL's default max_connections (100). (The pool's 30 s cannot be raised
+# in Prefect 3.8.8: its pool_timeout setting exists but is never passed to the engine.)
+SERVER_ENV = {"PREFECT_SERVER_DATABASE_SQLALCHEMY_POOL_SIZE": "20", "PREFECT_SERVER_DATABASE_SQLALCHEMY_MAX_OVERFLOW": "40"}
+
+
+def server_settings() -> dict[str, str]:
+    """What the bench's server runs with: what `yattflow server` users get (``SERVER_SETTINGS``), the pool above,
+    and any ``PREFECT_SERVER_*`` of this environment on top (as for `yattflow server`: the environment wins), so
+    that a setting can be measured against the default without an option."""
+    return SERVER_SETTINGS | SERVER_ENV | {k: v for k, v in os.environ.items() if k.startswith("PREFECT_SERVER_")}
 
 
 def cpu_of(p: psutil.Process, tree: bool = False) -> float:
@@ -79,7 +89,8 @@ class CpuMeter(Sampler):
         self.log, self.server, self.postmaster = log, server, postmaster  # server: its processes (a stack's: several)
         self.me = psutil.Process()
         self.snaps: list[dict] = []  # one per finished step, in order
-        self.seen = 0  # steps the log showed finished
+        self.offset = 0  # bytes of the log read so far (whole lines): at 256 groups the log grows by MBs per step
+        self.start = self.snapshot()  # before the run: step 0's line counts from here
 
     def _procs(self) -> dict[str, list[psutil.Process]]:
         found: dict[str, list] = {"parent": [], "nodes": [], "hosts": []}
@@ -99,19 +110,35 @@ class CpuMeter(Sampler):
     def snapshot(self) -> dict:
         procs = self._procs()
         nodes = sorted(procs["nodes"], key=lambda p: p.pid)
-        return {"t": time.perf_counter(), "parent": sum(cpu_of(p) for p in procs["parent"]),
-                "hosts_uss_mb": sum(uss_mb(p) for p in procs["hosts"]), "n_hosts": len(procs["hosts"]),
-                "nodes_uss_mb": sum(uss_mb(p) for p in nodes), "parent_uss_mb": sum(uss_mb(p) for p in procs["parent"]),
+        # every CPU figure first, close together in time; then memory (reading 256 hosts' USS takes seconds)
+        snap = {"t": time.perf_counter(), "parent": sum(cpu_of(p) for p in procs["parent"]),
                 "nodes": [cpu_of(p) for p in nodes], "hosts": sum(cpu_of(p) for p in procs["hosts"]),
                 "server": sum(cpu_of(p, tree=True) for p in self.server), "postgres": cpu_of(self.postmaster, tree=True)}
+        return snap | {"hosts_uss_mb": sum(uss_mb(p) for p in procs["hosts"]), "n_hosts": len(procs["hosts"]),
+                       "nodes_uss_mb": sum(uss_mb(p) for p in nodes), "parent_uss_mb": sum(uss_mb(p) for p in procs["parent"])}
 
     def sample(self):
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        steps = len(STEP_LINE.findall(text))
-        if steps > self.seen:
+        if not self.log.exists():
+            return
+        with open(self.log, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        chunk = chunk[:chunk.rfind(b"\n") + 1]  # whole lines only: a step line half written is read next time
+        self.offset += len(chunk)
+        steps = len(STEP_LINE.findall(chunk.decode(errors="replace")))
+        if steps:
             snap = self.snapshot()
-            self.snaps += [snap] * (steps - self.seen)  # two steps in one poll: the later snapshot for both
-            self.seen = steps
+            print("    " + step_line(self.snaps[-1] if self.snaps else self.start, snap, len(self.snaps) + steps - 1), flush=True)
+            self.snaps += [snap] * steps  # two steps in one poll: the later snapshot for both
+
+
+def step_line(a: dict, b: dict, step: int) -> str:
+    """One step's CPU seconds per component and wall time as the run goes (step 0: since the run started)."""
+    d = lambda key: b[key] - a[key]  # noqa: E731
+    nodes = [y - x for x, y in zip(a["nodes"], b["nodes"])] if len(a["nodes"]) == len(b["nodes"]) else b["nodes"]
+    each = f" ({min(nodes):.2f}–{max(nodes):.2f} each)" if nodes else ""
+    return (f"step {step} done in {d('t'):.1f}s: CPU s parent {d('parent'):.2f}, node controllers {sum(nodes):.2f}{each}, "
+            f"server {d('server'):.2f}, postgres {d('postgres'):.2f}, hosts {d('hosts'):.2f}")
 
 
 def postmaster(cluster: PostgresCluster) -> psutil.Process:
@@ -144,8 +171,12 @@ def one_run(server: PrefectServer, cluster: PostgresCluster, root: str, work: Pa
             args, tag: str) -> dict:
     name = f"nodes-dp{dp}-{'n' + str(per_node) if per_node else 'inline'}-{tag}"
     log = work / f"{name}.log"
+    timeout = args.timeout or 120 + 25 * dp
+    # hang detection no shorter than the run: at hundreds of groups on 2 cores a group can wait minutes at the
+    # train step's all-reduce for the last group to start (no host progress meanwhile); this bench measures cost
     overrides = TINY + STUBS + [f"storage.root={root}", f"name={name}", f"dp={dp}", f"steps={args.steps}", "threads_per_host=1",
-                                "data.heldout=null", "checkpoint.every=1000"]
+                                "data.heldout=null", "checkpoint.every=1000", f"host_timeout_s={max(600, timeout)}",
+                                f"timeouts.stage_s={max(300, timeout)}"]
     if per_node:
         overrides.append(f"controllers.groups_per_node={per_node}")
     if not args.no_fork:  # hosts (and node controllers) forked from one process: 256 stub hosts fit in 24 GB
@@ -154,7 +185,7 @@ def one_run(server: PrefectServer, cluster: PostgresCluster, root: str, work: Pa
     procs = [psutil.Process(p.pid) for p, _ in server.procs] if hasattr(server, "procs") else [psutil.Process(server.proc.pid)]
     with CpuMeter(log, procs, postmaster(cluster)) as meter:
         summary = run_flow_subprocess(server.url, "flows.training:train", log_path=log, overrides=overrides,
-                                      timeout=args.timeout or 120 + 25 * dp)
+                                      timeout=timeout)
     fig = per_iteration(meter.snaps, summary["history"], args.warmup)
     fig |= {"dp": dp, "groups_per_node": per_node, "run_s": time.perf_counter() - start}
     nodes = fig["node_cpu_s"]
@@ -205,7 +236,8 @@ def main(argv=None) -> dict:
 
             server = Stack(cluster.url, replicas=args.stack, home=work / "stack").start()
         else:
-            server = PrefectServer(cluster.url, home=work / "prefect", env=SERVER_ENV).start()
+            server = PrefectServer(cluster.url, home=work / "prefect", env=server_settings()).start()
+            print("prefect server start with " + ", ".join(f"{k}={v}" for k, v in server_settings().items()), flush=True)
         root = args.store or str(work / "store")
         if not args.store:
             run_flow_subprocess(server.url, "flows.prepare:prepare", log_path=work / "prepare.log",
