@@ -26,8 +26,8 @@ from typing import Awaitable, Callable
 
 
 class _Run:
-    def __init__(self):
-        self.first = 0  # the run's first step (this attempt's)
+    def __init__(self, first: int, k: int):
+        self.first, self.k = first, k  # this attempt's first step; rollout.max_staleness
         self.generated: dict[tuple[int, int], asyncio.Future] = {}  # (step, group) -> (cursor, sampling) after its generation
         self.synced: dict[tuple[int, int], asyncio.Future] = {}  # (step, group) -> None once its weights are synced
         self.turns: dict[int, asyncio.Future] = {}  # step -> the earlier checkpoint still being written (or None)
@@ -56,14 +56,14 @@ def synced(run: str, step: int, group: int) -> None:
     r.future(r.synced, (step, group)).set_result(None)
 
 
-async def generation_start(run: str, step: int, group: int, k: int) -> tuple[int, dict]:
+async def generation_start(run: str, step: int, group: int) -> tuple[int, dict]:
     """Where a DP group's generation of ``step`` starts, once it may: its data cursor and
     dynamic-sampling state after its generation of ``step - 1``, answered when that has ended and
     the group's sync of ``step - k - 1`` has returned (steps before the run's first are in the
     weights the hosts loaded)."""
     r = _runs[run]
-    if step - k - 1 >= r.first:
-        await asyncio.shield(r.future(r.synced, (step - k - 1, group)))
+    if step - r.k - 1 >= r.first:
+        await asyncio.shield(r.future(r.synced, (step - r.k - 1, group)))
     return await asyncio.shield(r.future(r.generated, (step - 1, group)))
 
 
@@ -83,8 +83,7 @@ async def overlapped(run: str, k: int, first: int, end: int, cursors: list[int],
     resume must not meet them in the hosts), even while an earlier step is still training."""
     if first >= end:
         return None
-    r = _runs[run] = _Run()
-    r.first = first
+    r = _runs[run] = _Run(first, k)
     tasks = {first: asyncio.ensure_future(iteration(first, cursors, sampling))}
     launched, written = first, None
     try:

@@ -51,7 +51,7 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int | None,
     after the previous step (``GroupSampling``)."""
     s, partial = config.sampling, config.placement.mode == "partial"
     if cursor is None:  # overlapping steps: where this group's generation of the previous step ends (flows/pipeline.py)
-        cursor, sampling = await pipeline.generation_start(config.name, step, group, config.rollout.max_staleness)
+        cursor, sampling = await pipeline.generation_start(config.name, step, group)
     checkpointing = is_checkpoint_step(config, step, end)
     clock = StageClock(StepProgress(config.name, step, group, wave_stages=2 if partial else 3,
                                     after_stages=2 + (written is not None) + checkpointing))  # live in the UI
