@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -101,6 +102,23 @@ def test_more_parts_than_items_and_empty_parts():
     assert karmarkar_karp([5], 1) == [[0]]
     with pytest.raises(ValueError):
         karmarkar_karp([1], 0)
+
+
+def test_a_plan_for_hundreds_of_ranks_holds_each_row_once():
+    """256 ranks x 16 rows: the textbook KK held parts x items subsets (127 MB on every rank, the
+    256-group bench's OOM); the plan must stay a few MB, and at 1,024 ranks (LPT) too."""
+    rng = random.Random(3)
+    for world in (256, 1024):
+        tokens = [[rng.randint(20, 200) for _ in range(16)] for _ in range(world)]
+        tracemalloc.start()
+        try:
+            layout = plan(tokens, 1)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 20e6, f"world {world}: plan peaked at {peak / 1e6:.0f} MB"
+        assert sorted(row for rank in layout for row in rank[0]) == [(r, i) for r in range(world) for i in range(16)]
+        assert imbalance(plan_totals(tokens, layout)) < 1.01
 
 
 def test_imbalance():
