@@ -57,6 +57,8 @@ def parse_args(argv):
     p.add_argument("--micro-batch-tokens", type=int, default=None, help="train.micro_batch_tokens (None: one pass)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
                    help="train.recompute_granularity of the Megatron engine")
+    p.add_argument("--sync", action="store_true",
+                   help="after the Megatron engine's steps, time a weight sync into a bf16 TorchGenerator and check its fingerprint")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
     p.add_argument("--allow-cpu", action="store_true",
                    help="without CUDA, run on the CPU anyway: a smoke test of the benchmark itself (its figures mean "
@@ -131,6 +133,32 @@ def _time_steps(trainer, shape: dict, args) -> float:
     return statistics.median(times)
 
 
+def _sync(trainer, folder: str) -> dict:
+    """The weight sync a run does after each step (``Worker.sync_weights``): the trainer's export,
+    by Hugging Face name, into a rollout engine (``TorchGenerator``, bf16, same device), timed; then
+    the check that the rollout engine now holds the trainer's weights bit for bit (a fingerprint
+    of each side, ``engines.backends.base.fingerprint``)."""
+    import torch
+
+    from engines.backends.base import fingerprint
+    from engines.backends.torch.generator import TorchGenerator
+
+    generator = TorchGenerator(folder, dtype="bfloat16", device=trainer.device)
+    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    names = []
+    named = ((names.append(n) or n, t) for n, t in trainer.export_weights())
+    sync()
+    start = time.perf_counter()
+    tensors = generator.update_weights(named)
+    sync()
+    seconds = time.perf_counter() - start
+    params = dict(generator.model.named_parameters())
+    ours, theirs = fingerprint(trainer.export_weights()), fingerprint((n, params[n]) for n in names)
+    del generator
+    return {"sync_s": seconds, "sync_tensors": tensors, "sync_gib": sum(params[n].nbytes for n in names) / 2**30,
+            "fingerprint_trainer": ours, "fingerprint_rollout": theirs, "sync_matches": ours == theirs}
+
+
 def run_one(engine: str, folder: str, shape: dict, params: int, args) -> dict:
     import torch
 
@@ -143,10 +171,13 @@ def run_one(engine: str, folder: str, shape: dict, params: int, args) -> dict:
     try:
         trainer = _trainer(engine, folder, args)
         seconds = _time_steps(trainer, shape, args)
+        if args.sync and engine == "megatron":
+            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None  # the trainer's alone
+            row.update(_sync(trainer, folder))
     except torch.cuda.OutOfMemoryError as e:
         row["error"], row["error_detail"] = "out of memory", str(e).splitlines()[0]
     finally:
-        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+        row.setdefault("peak_gib", torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
         del trainer
         gc.collect()
         if cuda:

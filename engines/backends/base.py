@@ -35,6 +35,24 @@ def report_progress() -> None:
     _progress()
 
 
+def fingerprint(named_tensors: Iterable[tuple[str, Any]]) -> str:
+    """A fingerprint of weights by name: equal exactly when the same names hold the same dtypes,
+    shapes and bits, in whatever order they come and on whatever device. Hashes one tensor at a
+    time (a 1.2B policy is never held twice). The weight-sync check compares the trainer's export
+    with the rollout engine's parameters (``bench/gpu_check.py``); replicas compare theirs."""
+    import hashlib
+
+    import torch
+
+    digests = []
+    for name, tensor in named_tensors:
+        t = tensor.detach().contiguous()
+        h = hashlib.sha256(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.cpu().view(-1).view(torch.uint8).numpy().tobytes())  # raw bytes: numpy has no bfloat16
+        digests.append(h.digest())
+    return hashlib.sha256(b"".join(sorted(digests))).hexdigest()[:16]
+
+
 @dataclass
 class Generation:
     """One sampled completion of ``prompts[prompt_index]``."""

@@ -40,7 +40,7 @@ from engines.wire.commands import (Checkpoint, CheckpointResult, CheckpointWait,
                               RolloutAndScoreResult, RolloutResult, SetupEngines, SetupEnginesResult, SyncWeights,
                               SyncWeightsResult, TrainStep, TrainStepResult, ValidateInputs, ValidateInputsResult)
 from engines.config import RunConfig
-from engines.backends.base import Generator, Trainer
+from engines.backends.base import Generator, Trainer, fingerprint
 from storage import datasets, objectstore
 
 log = logging.getLogger("yattflow.host")
@@ -483,8 +483,4 @@ class Worker:
 
     def params_sha(self) -> str:
         """Fingerprint of the trainer's parameters: equal on every replica after a step."""
-        h = hashlib.sha256()
-        for _, p in self.trainer.export_weights():
-            # the raw bytes, whatever the device and dtype (numpy has no bfloat16)
-            h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()[:16]
+        return fingerprint(self.trainer.export_weights())
