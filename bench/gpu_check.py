@@ -82,6 +82,9 @@ def part_env(args) -> dict:
         out["nvidia_smi"] = smi.stdout.strip()
     else:
         out["device"] = _cpu_name()
+    # every module of the project imports with what travelled: a wheel missing from ../shared/gpu/wheels.sh's set is
+    # one line here, not a failure deep in another part (the vLLM backend imports vLLM only when it is built)
+    out["modules"], missing = _import_everything()
     n, dtype = (8192, torch.bfloat16) if cuda else (512, torch.float32)
     a, b = (torch.randn(n, n, device=args.device, dtype=dtype) for _ in range(2))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -94,14 +97,33 @@ def part_env(args) -> dict:
     sync()
     out["peak_tflops"] = 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
     out["peak_what"] = f"{n}x{n}x{n} {str(dtype).removeprefix('torch.')} matmul, mean of {reps} after 3"
+    if missing:
+        raise PartFailed("modules that do not import: " + "; ".join(f"{m} ({e})" for m, e in missing.items()), out)
     return out
+
+
+def _import_everything() -> tuple[int, dict[str, str]]:
+    import importlib
+    import pkgutil
+
+    count, missing = 0, {}
+    for package in ("flows", "tasks", "engines", "storage"):
+        for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
+            if info.name.endswith("__main__"):  # a command line, not a library module
+                continue
+            count += 1
+            try:
+                importlib.import_module(info.name)
+            except Exception as e:  # noqa: BLE001 - each failure is named in the report
+                missing[info.name] = f"{type(e).__name__}: {e}"
+    return count, missing
 
 
 def part_tests(args) -> dict:
     # only the files that hold GPU tests: a module that cannot import on the GPU machine (one needing vLLM or
     # s3fs, which do not travel) must not stop the collection of the others
     files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in f.read_text())
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu and not slow", "-q", "-rs", "-p", "no:cacheprovider", *files]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu and not slow", "-q", "-rfEs", "-p", "no:cacheprovider", *files]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     print(proc.stdout[-20000:], proc.stderr[-5000:], sep="\n")
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
@@ -360,7 +382,8 @@ def render(report: dict) -> str:
 def _summary(name: str, r: dict) -> str:
     f = r.get("figures") or {}
     if name == "env" and f:
-        return f"{f.get('device')}; measured peak {f.get('peak_tflops', 0):.3g} TFLOP/s"
+        return (f"{f.get('device')}; measured peak {f.get('peak_tflops', 0):.3g} TFLOP/s; {f.get('modules')} project modules "
+                "import")
     if name == "tests" and f:
         return f.get("summary", "") + (f"; failed: {', '.join(f['failed'])}" if f.get("failed") else "")
     if name == "demo" and f:

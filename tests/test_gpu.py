@@ -242,9 +242,12 @@ def test_qwen2_5_vl_rolls_out_and_trains_with_images_on_cuda(tmp_path):
     tokenizer = build_char_tokenizer("0123456789+=sum:")
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>",
                                                                 "<|video_pad|>"]})
-    try:
-        processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56),
-                                        tokenizer=tokenizer, video_processor=None)
+    try:  # transformers 5.19 refuses video_processor=None (seen on the H200, 2026-11-27); Qwen2-VL's needs torchvision
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+        pixels = {"min_pixels": 56 * 56, "max_pixels": 56 * 56}
+        processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
+                                        video_processor=Qwen2VLVideoProcessor(**pixels))
     except Exception as e:  # noqa: BLE001 - the CPU machines cannot build it (no torchvision): say so
         pytest.skip(f"cannot build a Qwen2.5-VL processor here ({type(e).__name__}: {e})")
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")}

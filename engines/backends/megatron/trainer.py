@@ -77,6 +77,8 @@ class MegatronTrainer(Sleeps):
         # Megatron allocates on the *current* CUDA device: a device given here becomes it
         self.device = torch.device(device) if device is not None else default_device()
         if self.device.type == "cuda":
+            if self.device.index is None:  # "cuda": the current device
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         _init_distributed(tensor_parallel, self.device)
         self.model_dir = model_dir

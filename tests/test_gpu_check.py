@@ -1,0 +1,54 @@
+"""The GPU check's CPU rehearsal (``python -m bench.gpu_check --device cpu``): the one command a
+GPU lease runs (docs/engines.md#the-gpu-check) goes through every part here, at tiny sizes, so
+that its script, its imports and its report cannot rot between leases; and a part that overruns
+its limit is killed with everything it started, the report still written."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import psutil
+import pytest
+
+import helpers  # noqa: F401  (puts the checkout on sys.path)
+from bench import gpu_check
+
+
+def test_the_cpu_rehearsal_runs_every_part_and_reports(tmp_path):
+    pytest.importorskip("megatron.core", reason="Megatron-Core is optional (make engines installs it)")
+    assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path), "--budget", "600"]) == 0
+    report = json.loads((tmp_path / "gpu-report.json").read_text())
+    parts = report["parts"]
+    assert list(parts) == list(gpu_check.PARTS) and all(p["status"] == "passed" for p in parts.values()), parts
+    assert parts["env"]["figures"]["modules"] > 50  # every project module imported
+    gpu_tests = parts["tests"]["figures"]["counts"]
+    assert gpu_tests.get("skipped", 0) >= 6 and not gpu_tests.get("passed")  # collected, and skipped without CUDA
+    demo = parts["demo"]["figures"]
+    assert "lift" in demo and len(demo["step_rewards"]) == 2  # the run ended with its held-out figures
+    sync = parts["sync"]["figures"]
+    assert sync["fingerprint_rollout"] == sync["fingerprint_trainer"] and sync["logprob_gap"] < 1e-4  # fp32 here
+    runs = parts["speed"]["figures"]["runs"]
+    assert [(r["size"], r["engine"]) for r in runs] == [(s, e) for s in ("0.44b", "1.2b") for e in ("megatron", "transformers")]
+    assert all(r["sync_matches"] for r in runs if r["engine"] == "megatron")
+    text = (tmp_path / "gpu-report.md").read_text()
+    assert "| demo | passed |" in text and "## Train step" in text
+
+
+def test_a_part_past_its_limit_is_killed_with_what_it_started(tmp_path, monkeypatch):
+    """The demo starts a Prefect server and an engine host: at the part's limit all of them go,
+    the part reads "timed out", and the report is written."""
+    monkeypatch.setitem(gpu_check.LIMITS, "demo", 8)
+    before, start = set(psutil.pids()), time.time()
+    assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path), "--parts", "demo"]) == 1
+    assert time.time() - start < 30
+    parts = json.loads((tmp_path / "gpu-report.json").read_text())["parts"]
+    assert parts["demo"]["status"] == "timed out"
+    assert "flows.cli demo" in (tmp_path / "gpu-check.log").read_text()  # it had started
+    time.sleep(1)
+    leaked = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        if proc.info["pid"] not in before and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            leaked.append(proc.info["cmdline"])
+    assert not [c for c in leaked if c and any("flows.cli" in a or "prefect" in a or "engines.host" in a for a in c)], leaked
+    assert "| demo | timed out |" in (tmp_path / "gpu-report.md").read_text()
