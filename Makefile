@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_ANALYTICS_ENABLED = false
 export HF_HUB_OFFLINE = 1
 
-.PHONY: install engines system demo vision-demo test lock bench clean
+.PHONY: install engines system demo vision-demo test gpu-check lock bench clean
 
 # Installs are locked: requirements/*.lock hold the exact versions CI tested (`make lock`
 # refreshes them), installed with --no-deps so nothing is resolved again on the day.
@@ -55,6 +55,11 @@ vision-demo: install
 
 test: engines system
 	$(PY) -m pytest -q -rs --durations=20
+
+# The one command of a GPU lease (docs/engines.md#the-gpu-check), on the GPU machine: its own torch, the
+# project's other packages carried as wheels into .site. `make test` runs its CPU rehearsal.
+gpu-check:
+	PYTHONPATH=$(CURDIR):$(CURDIR)/.site $(PYTHON) -m bench.gpu_check $(ARGS)
 
 # Refresh the locks to the newest versions that resolve (then run `make test` before
 # committing them). The engines set is resolved first; the base set is constrained to it,
