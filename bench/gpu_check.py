@@ -22,7 +22,7 @@ the whole process group of a part is killed at its limit):
 
 Each finished part rewrites ``gpu-report.md`` and ``gpu-report.json`` in ``--out``, so a report
 is there whatever stops the run; ``gpu-check.log`` holds every part's output. Exit status 0 when
-every part passed. On the GPU machine, with the wheels of ``../shared/gpu/wheels.sh`` carried as
+every part passed. On the GPU machine, with the wheels ``bench/gpu_wheels.sh`` builds carried as
 ``.whl`` (docs/engines.md says how):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl \\
@@ -82,7 +82,7 @@ def part_env(args) -> dict:
         out["nvidia_smi"] = smi.stdout.strip()
     else:
         out["device"] = _cpu_name()
-    # every module of the project imports with what travelled: a wheel missing from ../shared/gpu/wheels.sh's set is
+    # every module of the project imports with what travelled: a wheel missing from bench/gpu_wheels.sh's set is
     # one line here, not a failure deep in another part (the vLLM backend imports vLLM only when it is built)
     out["modules"], missing = _import_everything()
     n, dtype = (8192, torch.bfloat16) if cuda else (512, torch.float32)

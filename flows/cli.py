@@ -98,6 +98,19 @@ def _sigterm_as_ctrl_c():
         prefect_engine._prefect_sigterm_handler = prefects
 
 
+SUMMARY = {  # `yattflow --help`: what each command does, a line each
+    "demo": "prepare, then train: the demo end to end, held-out accuracy before and after RL",
+    "prepare": "build the demo's datasets and tiny SFT'd models (skips what exists)",
+    "train": "run RL training, or resume it (the same name continues from its last checkpoint)",
+    "sft": "supervised fine-tuning on your Parquet into a new model folder (or resume it)",
+    "rm": "train a scalar reward model on preference pairs (Bradley-Terry)",
+    "status": "where each run stands, read from storage (no server needed)",
+    "server": "a local Prefect server and a process worker (the UI at http://127.0.0.1:4200)",
+    "stack": "Prefect API replicas on PostgreSQL, Redis and a services process",
+    "deploy": "create the work pool(s), then the deployments of deployments/prefect.yaml",
+    "run": "start a flow run of the train deployment on a server; prints its URL",
+}
+
 IN_PROCESS = {
     "sft": "Supervised fine-tuning of a Hugging Face causal LM (sft.base), or of a tiny model built from scratch, on a "
            "Parquet of prompts and completions (sft.data), into a new model folder (sft.output); the same run name "
@@ -117,8 +130,12 @@ def _in_process(argv: list[str]) -> int:
     from engines.config import ConfigError, describe_fields, load_config
 
     if not argv or argv[0] not in IN_PROCESS:
-        top = argparse.ArgumentParser(prog="yattflow", description="RLHF training where every RL iteration is a Prefect flow.",
-                                      epilog="Each command's own fields: yattflow COMMAND --help")
+        top = argparse.ArgumentParser(
+            prog="yattflow", description="RLHF training where every RL iteration is a Prefect flow.",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog="commands (demo, prepare, train, sft, rm, status and run take -c run.yaml and key=value overrides):\n"
+                   + "\n".join(f"  {name:<8} {line}" for name, line in SUMMARY.items())
+                   + "\n\nEach command's own options and config fields: yattflow COMMAND --help")
         top.add_argument("command", choices=[*IN_PROCESS, *PREFECT_COMMANDS])
         top.parse_args(argv[:1])  # prints the help, or the error, and exits
     parser = argparse.ArgumentParser(
@@ -167,9 +184,10 @@ def _in_process(argv: list[str]) -> int:
 
         # another run holds this one: where *it* stands is not this command's to report; an
         # unreadable state.json: the error already names the checkpoints that stand
-        stopped = (f"; {where_it_stopped(config)}" if args.command in ("train", "demo")
+        stopped = (f"; {where_it_stopped(config, fix_first=input_error(e))}" if args.command in ("train", "demo")
                    and not isinstance(e, (RunInUse, RunStateError)) else "")
-        print(f"\nyattflow {args.command}: failed: {failure_cause(e)}{stopped}", file=sys.stderr, flush=True)
+        failed = "" if expected_error(e) else "failed: "  # an expected error's message says what to do
+        print(f"\nyattflow {args.command}: {failed}{failure_cause(e)}{stopped} (log: {console.log_path})", file=sys.stderr, flush=True)
         return 1
     print(f"yattflow {args.command}: done in {time.perf_counter() - start:.0f}s")
     return 0
@@ -195,17 +213,50 @@ def _sft_line(result: dict) -> str:
     return f"{heldout}loss {result['loss']:.4f} after {result['steps']} steps; model: {result['uri']}"
 
 
+# Errors whose message names what is wrong and what to change (the file and field, the URI, the setting): the
+# console shows the message alone. The first group is about the run's input: the same command meets it again.
+INPUT_ERRORS = {"ConfigError", "InputError", "SchemaError", "ImageError", "ChatTemplateError", "RewardRuleError",
+                "NotARewardModel", "MappingError", "Unsupported"}
+EXPECTED_ERRORS = INPUT_ERRORS | {"StorageError", "StorageIOError", "RunStateError", "RunInUse", "SFTNotConverged",
+                                  "RMNotConverged", "WouldOverwrite", "NothingToLearn", "HostsFailed"}
+
+
+def _remote(error: BaseException | None) -> tuple[str | None, str | None]:
+    """The type name and message of the engine-host exception behind ``error`` (engines.wire.channel.HostError), if any."""
+    seen = 0
+    while error is not None and seen < 10:
+        if getattr(error, "remote", (None, None))[0]:
+            return error.remote
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None, None
+
+
+def expected_error(error: BaseException) -> bool:
+    return (_remote(error)[0] or type(error).__name__) in EXPECTED_ERRORS
+
+
+def input_error(error: BaseException) -> bool:
+    return (_remote(error)[0] or type(error).__name__) in INPUT_ERRORS
+
+
 def failure_cause(error: BaseException) -> str:
-    """The line that says what went wrong: an engine host's error ends with its exception's own
-    ``Type: message`` line, after the request and the host's traceback."""
+    """What went wrong, in a line: an expected error's own message (an engine host's included), else
+    ``Type: message`` (the last line of a message that has several)."""
+    kind, message = _remote(error)
+    if kind is not None:
+        return message if kind in EXPECTED_ERRORS else f"{kind}: {message}"
     lines = [line for line in str(error).splitlines() if line.strip()]
-    return lines[-1].strip() if lines else type(error).__name__
+    if type(error).__name__ in EXPECTED_ERRORS:
+        return " ".join(line.strip() for line in lines)
+    return f"{type(error).__name__}: {lines[-1].strip()}" if lines else type(error).__name__
 
 
-def where_it_stopped(config) -> str:
+def where_it_stopped(config, fix_first: bool = False) -> str:
     """``stopped at step N of S; last checkpoint: step M; …`` from the run's committed state (steps 1-based).
+    ``fix_first``: the run stopped on its input, which the same command would meet again.
 
     It reads what may have just failed (a damaged state.json, storage gone): never raises."""
+    again = "fix that, then run the same command" if fix_first else "run the same command"
     from storage import objectstore
     from storage.runstate import RunState
 
@@ -214,7 +265,7 @@ def where_it_stopped(config) -> str:
     except Exception as e:  # noqa: BLE001 - the command's own error is what the person needs; this only adds to it
         return f"where the run stands is unknown: {failure_cause(e)}"
     if state is None:
-        return f"stopped before run '{config.name}' took its first step; run the same command to start it"
+        return f"stopped before run '{config.name}' took its first step; {again} to start it"
     curves = objectstore.join(config.run_uri, "curves.json")
     try:  # the live curves: the steps trained after the last checkpoint
         points = objectstore.read_json(curves).get("points", []) if objectstore.exists(curves) else []
@@ -223,7 +274,7 @@ def where_it_stopped(config) -> str:
         finished = state.step + 1
     checkpoint = f"step {state.step + 1}" if state.step >= 0 else "none yet (it starts from step 1)"
     return (f"stopped at step {min(finished + 1, config.steps)} of {config.steps}; last checkpoint: {checkpoint}; "
-            "run the same command to continue")
+            f"{again} to continue")
 
 
 # --------------------------------------------------------------------------- Prefect server side

@@ -42,6 +42,35 @@ def ui_link(ui_base: str, flow_run_id: str) -> str:
     return f"{ui_base.rstrip('/')}/runs/flow-run/{flow_run_id}"
 
 
+class Brief(logging.Formatter):
+    """A warning or an error on the console without ``--verbose``: its first line, no traceback; the
+    log file has it in full (its handler formats the record itself: the record is not changed)."""
+
+    WIDTH = 300  # characters of a line: a failed state's message repeats the whole error
+
+    def __init__(self, inner: logging.Formatter | None, log_path: Path):
+        super().__init__()
+        self.inner, self.log_path = inner or logging.Formatter(), log_path
+
+    def format(self, record: logging.LogRecord) -> str:
+        brief = logging.makeLogRecord(record.__dict__)
+        lines = record.getMessage().splitlines() or [""]
+        more = len(lines) > 1 or record.exc_info is not None or len(lines[0]) > self.WIDTH
+        first = lines[0] if len(lines[0]) <= self.WIDTH else lines[0][: self.WIDTH] + "…"
+        brief.msg, brief.args = first + (f" (in full: {self.log_path})" if more else ""), None
+        brief.exc_info = brief.exc_text = brief.stack_info = None
+        return self.inner.format(brief)
+
+
+# Prefect's lines that only repeat a failure's exception, which the command's last line states
+REPEATS = ("Task run failed with exception", "Finished in state Failed", "Encountered exception during execution")
+
+
+def no_repeats(record: logging.LogRecord) -> bool:
+    """The console without ``--verbose``: Prefect's repeats of an exception left to the log file."""
+    return not (record.name.startswith("prefect") and record.getMessage().startswith(REPEATS))
+
+
 class RunConsole(logging.Handler):
     """The console of one in-process command, from ``with`` to its end: the progress display (or
     plain lines), Prefect's console output down to warnings (unless ``verbose``), every Prefect
@@ -74,9 +103,11 @@ class RunConsole(logging.Handler):
         if consoles and consoles[0].formatter is not None:
             self.file.setFormatter(consoles[0].formatter)  # Prefect's: flow and task run names on each line
         for handler in consoles:
-            self._restore.append((handler, handler.level, handler.console.file, handler.console.stderr))
+            self._restore.append((handler, handler.level, handler.console.file, handler.console.stderr, handler.formatter))
             if not self.verbose:
                 handler.setLevel(logging.WARNING)
+                handler.setFormatter(Brief(handler.formatter, self.log_path))
+                handler.addFilter(no_repeats)
             if self.live:  # through sys.stderr as it is at each write: the display prints it above itself
                 handler.console.file, handler.console.stderr = None, True
         root.addHandler(self.file)
@@ -95,9 +126,11 @@ class RunConsole(logging.Handler):
         root.removeHandler(self)
         if self.progress is not None:
             self.progress.stop()
-        for handler, level, file, stderr in self._restore:
+        for handler, level, file, stderr, formatter in self._restore:
             handler.setLevel(level)
             handler.console.file, handler.console.stderr = file, stderr
+            handler.setFormatter(formatter)
+            handler.removeFilter(no_repeats)
         root.removeHandler(self.file)
         self.file.close()
         for run_id, name in self.runs.items():

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import os
 import threading
-from multiprocessing.connection import Listener
 
 from engines.host import faults
 from engines.host.process import _exit_with_parent, advertised_address
-from engines.wire.channel import answer, connect, disconnect, progress
+from engines.wire.channel import Door, answer, connect, disconnect, progress
 from flows.nodes import NodeConnect, NodeConnectResult, NodeIteration, NodeIterationResult
 
 
@@ -131,10 +131,11 @@ def main() -> None:
     loop = asyncio.new_event_loop()  # one loop for the run: Prefect's clients and the host calls live on it
     threading.Thread(target=loop.run_forever, name="node-loop", daemon=True).start()
     connected: dict = {"node": args.rank}
-    with Listener((args.bind, 0), authkey=secret) as listener:
-        print(f"READY {advertised_address(args.bind)}:{listener.address[1]} 0", flush=True)
+    door = Door(args.bind, secret)
+    with contextlib.closing(door):
+        print(f"READY {advertised_address(args.bind)}:{door.port} 0", flush=True)
         os.dup2(2, 1)
-        answer(listener.accept(), functools.partial(_handle, loop, connected), args.rank)
+        answer(door.next(), functools.partial(_handle, loop, connected), args.rank)
     # the run said shutdown: end this node's host channels (their shutdown ends only this connection). A
     # connection that dropped instead (SystemExit above) leaves them to drop too: the hosts exit, a lost node.
     if "run" in connected:

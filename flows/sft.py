@@ -15,6 +15,7 @@ with the same task.
 from __future__ import annotations
 
 import io
+import pickle
 import tempfile
 
 import pyarrow as pa
@@ -30,6 +31,7 @@ from flows.artifacts import percent
 from flows.console import shown
 from flows.training import run_label
 from storage import datasets, objectstore
+from storage.runstate import RunStateError
 
 # A dataset's commit marker: with a leading underscore, which Parquet readers (pyarrow, pandas,
 # Spark) skip, so the folder still reads as a dataset outside yattflow too.
@@ -186,7 +188,12 @@ def local_base(config: RunConfig, base: str | None, field: str) -> str | None:
 def _load_state(uri: str, setup: dict) -> dict | None:
     if not objectstore.exists(uri):
         return None
-    state = torch.load(io.BytesIO(objectstore.read_bytes(uri)), weights_only=False)
+    try:  # tensors and plain data only: a state file from storage never runs code (no pickled objects)
+        state = torch.load(io.BytesIO(objectstore.read_bytes(uri)), weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RunStateError(f"{uri}: not a resume state yattflow wrote ({reason[:200]}); delete it to start this SFT over, "
+                            "or give the run another name (name=...)") from None
     if state["setup"] != setup:
         changed = ", ".join(f"{k} {state['setup'].get(k)!r} → {v!r}" for k, v in setup.items() if state["setup"].get(k) != v)
         raise ConfigError(f"{uri} holds the state of an SFT run set up differently ({changed}): run it with its own "

@@ -25,16 +25,22 @@ def status(argv: list[str]) -> int:
         "figures, whether a live run holds the run's lease. With a Prefect server reachable, each run's flow-run "
         "state too, and the latest runs of the train flow (from `yattflow run` or `yattflow train`)."))
     parser.add_argument("name", nargs="?", help="only this run (config `name`)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, as every command takes (storage.root=/x, name=demo)")
     parser.add_argument("-c", "--config", help="run config YAML whose storage.root to read (default: the built-in one)")
     parser.add_argument("--root", help="storage root to read (default: the config's storage.root)")
     parser.add_argument("--deployment", help=f"only flow runs of this flow/deployment (e.g. {TRAIN_DEPLOYMENT})")
     parser.add_argument("--limit", type=int, default=10, help="flow-run rows (default %(default)s)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    if args.name and "=" in args.name:  # `yattflow status storage.root=/x`: an override, not a run name
+        args.overrides, args.name = [args.name, *args.overrides], None
     from engines.config import ConfigError, load_config
     from storage.runstatus import run_statuses
 
     try:
-        root = args.root or load_config(args.config, []).storage.root
+        config = load_config(args.config, args.overrides)
+        root = args.root or config.storage.root
+        if any(o.startswith("name=") for o in args.overrides):
+            args.name = config.name
     except ConfigError as e:
         print(f"yattflow status: {e}", file=sys.stderr)
         return 2

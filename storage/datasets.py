@@ -99,11 +99,21 @@ def check_schema(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
         if not field.nullable and column.null_count:
             raise SchemaError(f"{where}: field '{field.name}' has {column.null_count} null value(s)")
         if column.type != field.type:
+            if _is_text(field.type) and not _is_text(column.type) and column.null_count < len(column):
+                # refused, not cast: an integer answer 031 is 31 by then, and a float "0.1" may come back "0.1000000001"
+                raise SchemaError(f"{where}: field '{field.name}' has type {column.type}, expected {field.type}: "
+                                  "write it as text (a number converted to text loses its formatting, e.g. leading zeros)")
             try:
                 table = table.set_column(table.schema.get_field_index(field.name), field.name, column.cast(field.type))
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
                 raise SchemaError(f"{where}: field '{field.name}' has type {column.type}, expected {field.type}") from e
     return table.select(schema.names).cast(schema)
+
+
+def _is_text(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
 
 
 # Target size of a Parquet row group, in decoded Arrow bytes. A row group is the unit a
@@ -258,15 +268,18 @@ class PromptReader:
         pa.default_memory_pool().release_unused()
         p, g = self._groups[group]
         part = self.parts[p]
-        with self._open(part) as f:
-            file = self._parquet(f, part)
-            present = set(file.schema_arrow.names)  # read only the schema's columns the file has
-            columns = [n for n in self.schema.names if n in present]
-            try:
-                table = file.read_row_group(g, columns=columns, use_threads=False)
-            except pa.ArrowInvalid as e:
-                raise SchemaError(f"{part} (row group {g}): not readable ({e})") from e
-        table = check_schema(table, self.schema, f"{part} (row group {g})")
+
+        def read() -> pa.Table:
+            with self._open(part) as f:
+                file = self._parquet(f, part)
+                present = set(file.schema_arrow.names)  # read only the schema's columns the file has
+                columns = [n for n in self.schema.names if n in present]
+                try:
+                    return file.read_row_group(g, columns=columns, use_threads=False)
+                except pa.ArrowInvalid as e:
+                    raise SchemaError(f"{part} (row group {g}): not readable ({e})") from e
+
+        table = check_schema(objectstore.retrying(part, "read", read), self.schema, f"{part} (row group {g})")
         self._cached = (group, table)
         return table
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Callable
@@ -27,6 +29,54 @@ class StorageIOError(StorageError, OSError):
     """A read or write that the OS or the object store refused (a full disk, a permission): the
     message names the URI and the OS's error (``[Errno 28] No space left on device``). Still an
     OSError for code that catches those."""
+
+
+log = logging.getLogger("yattflow.storage")
+
+
+def retry_s() -> float:
+    """How long a remote object-store call retries an unreachable store before failing:
+    ``YATTFLOW_STORAGE_RETRY_S`` (seconds, default 180; 0: fail at once)."""
+    return float(os.environ.get("YATTFLOW_STORAGE_RETRY_S", "180"))
+
+
+def _transient(e: BaseException) -> bool:
+    """The store did not answer (refused, reset, timed out, a 5xx), as opposed to answering no."""
+    import botocore.exceptions
+
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError, ConnectionError, TimeoutError)):
+            return True
+        if type(e).__module__.startswith("aiohttp") and ("Connect" in type(e).__name__ or "Disconnected" in type(e).__name__):
+            return True
+        if any(code in str(e) for code in ("ServiceUnavailable", "SlowDown", "InternalError", "503 Service", "502 Bad")):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
+def retrying(uri: str, what: str, call: Callable):
+    """``call()``; on a remote URI an unreachable store is retried with backoff (0.5 s doubling to
+    10 s) for ``retry_s()``, then a StorageError naming ``uri``. A local folder is never retried."""
+    if is_local(uri):
+        return call()
+    deadline, delay, warned = time.monotonic() + retry_s(), 0.5, False
+    while True:
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 - only a store that did not answer is retried
+            if not _transient(e):
+                raise
+            reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            if time.monotonic() + delay > deadline:
+                raise StorageError(f"{uri}: {what} failed: the object store did not answer for {retry_s():.0f}s "
+                                   f"(YATTFLOW_STORAGE_RETRY_S) ({type(e).__name__}: {reason})") from e
+            if not warned:
+                log.warning("%s: %s: the object store does not answer (%s); retrying for up to %.0fs", uri, what, reason, retry_s())
+                warned = True
+            time.sleep(delay)
+            delay = min(2 * delay, 10.0)
 
 
 def os_error(e: OSError) -> str:
@@ -63,16 +113,22 @@ def is_local(uri: str) -> bool:
 
 def exists(uri: str) -> bool:
     fs, path = fs_for(uri)
-    return fs.exists(path)
+    return retrying(uri, "exists", lambda: fs.exists(path))
 
 
 def read_bytes(uri: str) -> bytes:
     fs, path = fs_for(uri)
-    try:
+
+    def read():
         with fs.open(path, "rb") as f:
             return f.read()
+
+    try:
+        return retrying(uri, "read", read)
     except FileNotFoundError as e:
         raise StorageError(f"{uri}: not found") from e
+    except StorageError:
+        raise
     except OSError as e:
         raise StorageIOError(f"{uri}: read failed: {os_error(e)}") from e
 
@@ -81,7 +137,9 @@ def write_bytes(uri: str, data: bytes) -> None:
     """Write one object atomically; a failed write (a full disk, say) raises StorageError naming
     the URI and the OS's error, and leaves the old object, or none."""
     try:
-        _write_bytes(uri, data)
+        retrying(uri, "write", lambda: _write_bytes(uri, data))
+    except StorageError:
+        raise
     except OSError as e:
         raise StorageIOError(f"{uri}: write failed: {os_error(e)}") from e
 
@@ -140,8 +198,8 @@ def update_json(uri: str, change: Callable[[dict | None], dict | None]) -> dict 
             return current if new is None else new
     while True:
         try:
-            etag = fs.info(path, refresh=True)["ETag"]
-            current = json.loads(fs.cat_file(path))
+            etag = retrying(uri, "read", lambda: fs.info(path, refresh=True)["ETag"])
+            current = json.loads(retrying(uri, "read", lambda: fs.cat_file(path)))
         except FileNotFoundError:
             etag, current = None, None
         new = change(current)
@@ -149,7 +207,7 @@ def update_json(uri: str, change: Callable[[dict | None], dict | None]) -> dict 
             return current
         condition = {"mode": "create"} if etag is None else {"IfMatch": etag}
         try:
-            fs.pipe_file(path, json.dumps(new, indent=2, sort_keys=True).encode(), **condition)
+            retrying(uri, "write", lambda: fs.pipe_file(path, json.dumps(new, indent=2, sort_keys=True).encode(), **condition))
             return new
         except OSError as e:  # 412 Precondition Failed (s3fs reports it as EINVAL): another writer came first
             if "pre-condition" not in str(e) and "Precondition" not in str(e):
@@ -160,19 +218,21 @@ def list_files(uri: str, suffix: str = "") -> list[str]:
     """Sorted URIs of the objects directly under ``uri`` (a folder) or ``[uri]`` for a file."""
     fs, path = fs_for(uri)
     scheme = uri.split("://", 1)[0] if "://" in uri else "file"
-    if fs.isfile(path):
+    if retrying(uri, "list", lambda: fs.isfile(path)):
         return [uri]
-    if not fs.exists(path):
+    if not retrying(uri, "list", lambda: fs.exists(path)):
         raise StorageError(f"{uri}: not found")
-    names = sorted(p for p in fs.ls(path, detail=False) if p.endswith(suffix) and ".tmp-" not in p)
+    names = sorted(p for p in retrying(uri, "list", lambda: fs.ls(path, detail=False)) if p.endswith(suffix) and ".tmp-" not in p)
     return [f"{scheme}://{p}" for p in names]
 
 
 def remove(uri: str) -> None:
     fs, path = fs_for(uri)
     try:
-        if fs.exists(path):
-            fs.rm(path, recursive=True)
+        if retrying(uri, "remove", lambda: fs.exists(path)):
+            retrying(uri, "remove", lambda: fs.rm(path, recursive=True))
+    except StorageError:
+        raise
     except OSError as e:
         raise StorageIOError(f"{uri}: remove failed: {os_error(e)}") from e
 
@@ -181,7 +241,9 @@ def move(uri: str, to: str) -> None:
     """Move an object or a folder (local: one rename; S3: a copy, then the delete)."""
     fs, path = fs_for(uri)
     try:
-        fs.mv(path, fs_for(to)[1], recursive=True)
+        retrying(uri, "move", lambda: fs.mv(path, fs_for(to)[1], recursive=True))
+    except StorageError:
+        raise
     except OSError as e:
         raise StorageIOError(f"{uri}: move to {to} failed: {os_error(e)}") from e
 
@@ -189,9 +251,10 @@ def move(uri: str, to: str) -> None:
 def check_reachable(root: str) -> None:
     """Fail fast, before any device time is spent, when storage cannot be written."""
     probe = join(root, f".probe-{uuid.uuid4().hex[:8]}")
-    try:
-        write_bytes(probe, b"ok")
-        remove(probe)
+    try:  # once, not retried: at the start an unreachable store is a setting to fix, not an outage to ride out
+        _write_bytes(probe, b"ok")
+        fs, path = fs_for(probe)
+        fs.rm(path)
     except Exception as e:  # noqa: BLE001 - any failure here means "unreachable"
         raise StorageError(f"storage root {root} is not reachable or not writable: {type(e).__name__}: {e}") from e
 
@@ -217,10 +280,10 @@ def local_folder(uri: str, cache_dir: str | None = None) -> str:
     if (target / "MANIFEST.json").exists():
         return str(target)
     fs, path = fs_for(uri)
-    if not fs.exists(path):
+    if not exists(uri):
         raise StorageError(f"{uri}: folder not found")
     tmp = Path(f"{target}.tmp-{uuid.uuid4().hex[:8]}")
-    fs.get(path.rstrip("/") + "/", str(tmp), recursive=True)
+    retrying(uri, "download", lambda: fs.get(path.rstrip("/") + "/", str(tmp), recursive=True))
     if not (tmp / "MANIFEST.json").exists():
         (tmp / "MANIFEST.json").write_text(json.dumps({"source": uri}))
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -33,8 +33,10 @@ async def call_host(run: str, group: int, request: Request, lane: str | None = N
         inputs = describe_call(run, group, request)
         for line in e.logs:
             logger.info(line)
-        logger.error("engine host command failed: %s\n%s", inputs, e)
-        raise type(e)(f"{inputs} failed:\n{e}") from e  # HostLost stays HostLost: the run heals from it
+        logger.error("engine host command failed: %s\n%s\n%s", inputs, e, e.traceback)
+        failed = type(e)(f"{inputs} failed: {e}")  # HostLost stays HostLost: the run heals from it
+        failed.logs, failed.remote, failed.traceback = e.logs, e.remote, e.traceback
+        raise failed from e
     for line in logs:
         logger.info(line)
     return result

@@ -134,7 +134,12 @@ def test_bad_chat_prompts_fail_before_engines_load_naming_file_and_field(qwen3, 
                             {"prompt_id": 2, "prompt": None, "messages": None, "answer": "2"}],
                            r"field 'prompt' is null and there are no 'messages' \(prompt_id 2\)"),
                           ([{"prompt_id": 3, "messages": [{"role": "user", "content": " "}], "answer": "2"}],
-                           r"field 'messages' has an empty last user turn \(prompt_id 3\)")]:
+                           r"field 'messages' has an empty last user turn \(prompt_id 3\)"),
+                          ([{"prompt_id": 4, "messages": [{"role": "human", "content": "1+1?"}], "answer": "2"}],
+                           r"field 'messages'\[0\] has role 'human' \(prompt_id 4\); a turn's role is one of system, user"),
+                          # a number is refused, not converted: the demo's zero-padded '031' would become '31'
+                          ([{"prompt_id": 5, "prompt": "1+1?", "answer": 31}],
+                           r"field 'answer' has type int64, expected string: write it as text")]:
         path = tmp_path / "bad.parquet"
         path.unlink(missing_ok=True)
         import pyarrow.parquet as pq

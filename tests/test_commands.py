@@ -92,7 +92,8 @@ def test_requests_travel_as_json_to_a_real_host_and_errors_come_back_named():
         assert "ValidationError" in wrong and "step" in wrong
         with pytest.raises(HostError, match="'sync_weights' failed in the engine host") as failed:
             host.call(SyncWeights())  # no engines loaded: nothing was set up
-        assert "Traceback" in str(failed.value)
+        assert failed.value.remote[0] and "Traceback" in failed.value.traceback
+        assert "Traceback" not in str(failed.value)  # one line: the host's traceback travels beside it
         assert host.call(Ping())[0].pid == pong.pid
 
 
@@ -141,3 +142,53 @@ def test_watchdog_lets_a_long_moving_command_finish_and_calls_a_still_one_hung(m
             return
         client.close()
         server.join(10)
+
+
+def test_the_host_door_survives_garbage_half_and_silent_connections(monkeypatch, caplog):
+    """One bad connection must not jam an engine host (``engines.wire.channel.Door``): garbage instead of
+    the handshake, a wrong secret, half a handshake and a connection that says nothing are each refused
+    on their own (the silent one after ``HANDSHAKE_S``), while a real controller connects meanwhile, and
+    another after them."""
+    import socket
+    import threading
+    import time
+    from multiprocessing.connection import Client
+
+    from engines.wire import channel
+
+    monkeypatch.setattr(channel, "HANDSHAKE_S", 1.0)
+    secret = b"s" * 32
+    door = channel.Door("127.0.0.1", secret)
+    address = ("127.0.0.1", door.port)
+    silent = socket.create_connection(address)  # holds its handshake open
+    garbage = socket.create_connection(address)
+    garbage.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(range(256)) * 8)
+    half = socket.create_connection(address)
+    half.recv(64)  # the host's challenge, never answered
+    with pytest.raises(Exception):
+        Client(address, authkey=b"w" * 32)
+    served = []
+
+    def serve():
+        while (conn := door.next()) is not None:
+            threading.Thread(target=lambda c=conn: served.append(channel.answer(c, lambda r: PingResult(pid=os.getpid(), rank=0), 0)),
+                             daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    started = time.monotonic()
+    first = channel.HostClient(address, secret, 0, timeout_s=10, stage_s=10)
+    assert first.call(Ping())[0].rank == 0 and time.monotonic() - started < 0.9  # not queued behind the silent one
+    time.sleep(1.5)  # past HANDSHAKE_S: the silent and the half connections are cut
+    for sock in (silent, half):  # the host's challenge, then the end of the connection
+        sock.settimeout(5)
+        while sock.recv(4096):
+            pass
+    second = channel.HostClient(address, secret, 0, timeout_s=10, stage_s=10)
+    assert second.call(Ping())[0].rank == 0
+    refused = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert len(refused) == 4, refused  # garbage, the wrong secret, half, silent
+    for c in (first, second):
+        c.end()
+    door.close()
+    for s in (silent, garbage, half):
+        s.close()

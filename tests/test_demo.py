@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "deployments" / "demo.yaml")
-# Where a converged warm start lands on every CPU and seed measured (README, "The demo task"):
+# Where a converged warm start lands on every CPU and seed measured (docs/status.md, "The demo task"):
 # below it the SFT has not learned the task, above it greedy decoding is no longer the teacher's.
 SFT_BAND = (25.0, 40.0)
 

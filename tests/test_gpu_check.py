@@ -52,3 +52,23 @@ def test_a_part_past_its_limit_is_killed_with_what_it_started(tmp_path, monkeypa
             leaked.append(proc.info["cmdline"])
     assert not [c for c in leaked if c and any("flows.cli" in a or "prefect" in a or "engines.host" in a for a in c)], leaked
     assert "| demo | timed out |" in (tmp_path / "gpu-report.md").read_text()
+
+
+def test_the_gpu_wheel_list_covers_the_projects_runtime_requirements():
+    """Each package the project needs at run time is on the GPU machine's image or in the list
+    bench/gpu_wheels.sh resolves (with its dependencies) into wheels, or left out on purpose."""
+    import re
+    import tomllib
+
+    from bench.gpu_check import ROOT
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needed = {re.split(r"[\[<>=!~ ]", r)[0].lower().replace("_", "-") for r in
+              project["dependencies"] + project["optional-dependencies"]["megatron"]}
+    image = {line.strip().lower() for line in (ROOT / "bench" / "gpu_image_packages.txt").read_text().splitlines()
+             if line.strip() and not line.startswith("#")}
+    carried = set(re.search(r"^for n in (.+); do", (ROOT / "bench" / "gpu_wheels.sh").read_text(), re.M).group(1).split())
+    left_out = {"s3fs": "the check's storage is a local folder", "prefect-redis": "yattflow stack only",
+                "torch": "the image's own CUDA build"}
+    missing = needed - image - carried - set(left_out)
+    assert not missing, f"add to bench/gpu_wheels.sh's list (or say why not): {sorted(missing)}"

@@ -43,7 +43,7 @@ from engines.host.checkpointing import Checkpoints  # noqa: E402
 from engines.host.validation import InputError, check_critic  # noqa: E402
 from engines.host.worker import Worker  # noqa: E402
 from engines.wire.commands import Checkpoint, DynamicFilter, ExportPolicy, TrainStep  # noqa: E402
-from helpers import free_port, random_batch, save_tiny_model, scored_rows  # noqa: E402
+from helpers import STEP_RTOL, free_port, parity, random_batch, save_tiny_model, scored_rows, step_gap  # noqa: E402
 from storage import datasets, objectstore  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -116,12 +116,12 @@ def test_values_loss_and_step_match_torch_critic(model_dir, tmp_path):
     stats, ref_stats = megatron.train_step(batch, ALGORITHM, **kwargs), reference.train_step(batch, ALGORITHM, **kwargs)
     assert stats.keys() == ref_stats.keys() == {"value_loss", "value_clip_fraction", "explained_variance", "critic_grad_norm"}
     for key, value in stats.items():
-        assert value == pytest.approx(ref_stats[key], abs=1e-5), key
+        assert value == pytest.approx(ref_stats[key], rel=1e-6, abs=1e-5), key  # a grad norm of ~50 is 1e-5 apart on plain kernels
     assert 0 < stats["value_clip_fraction"] < 1 and stats["critic_grad_norm"] > HYPER["grad_clip"]  # both branches; clipping on
     after, ref_after = exported(megatron, tmp_path / "after"), exported(reference, tmp_path / "ref-after")
     assert max_diff(ref_after, before) > 50 * ATOL  # the step moved the weights, the head and the transformer
     assert (ref_after["model.layers.0.mlp.up_proj.weight"] - before["model.layers.0.mlp.up_proj.weight"]).abs().max() > 50 * ATOL
-    assert max_diff(after, ref_after) <= ATOL
+    assert parity("megatron vs torch critic: step", step_gap(after, ref_after, before)) <= STEP_RTOL
     assert value_diff(megatron.values(batch), reference.values(batch)) <= 1e-4
 
 
@@ -156,9 +156,10 @@ def test_dp2_equals_one_process(model_dir, tmp_path):
         for key in ("explained_variance", "critic_grad_norm"):  # DP-global (value_loss is each rank's own)
             assert rank0["stats"][k][key] == pytest.approx(stats[key], rel=1e-5), key
         solo.train_step(step[1], ALGORITHM, minibatches=2)  # what a missing all-reduce amounts to
-    weights = exported(one, tmp_path / "one")
-    assert max_diff(rank0["weights"], weights) <= ATOL
-    assert max_diff(exported(solo, tmp_path / "solo"), weights) > 20 * ATOL
+    weights, initial = exported(one, tmp_path / "one"), exported(with_head(MegatronCritic(model_dir, **HYPER)), tmp_path / "initial")
+    assert parity("megatron critic: dp=2 vs one process, 2 steps", step_gap(rank0["weights"], weights, initial)) <= STEP_RTOL
+    assert parity("control: megatron critic, a rank without the all-reduce",
+                  step_gap(exported(solo, tmp_path / "solo"), weights, initial)) > 50 * STEP_RTOL
 
 
 @pytest.mark.parametrize("options", [{}, {"dtype": "bfloat16", "distributed_optimizer": True}], ids=["fp32", "bf16-distopt"])

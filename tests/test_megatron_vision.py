@@ -31,16 +31,16 @@ from engines.backends.megatron.trainer import MegatronTrainer  # noqa: E402
 from engines.backends.torch.trainer import TorchTrainer  # noqa: E402
 from engines.demo import vision  # noqa: E402
 from engines.demo.tiny_vision import build_tiny_idefics3, build_vision_processor  # noqa: E402
+from helpers import STEP_RTOL, parity, step_gap  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
 
 ATOL = 1e-5
 # Parameters after a step: AdamW's first step moves each weight by about lr * g / (|g| + eps), so
 # gradients of ~1e-8 (there are thousands here, born of cancellation) turn summation-order
-# differences (Megatron fuses Q/K/V and gate/up) into weight differences of up to ~lr * 1e-2;
-# measured 8e-6 at lr=1e-3, while the gradients themselves agree to 1e-6 of each tensor's largest.
-# A missed DP all-reduce or an unstepped connector would be off by ~lr.
-STEP_ATOL = 3e-5
+# differences (Megatron fuses Q/K/V and gate/up) into elementwise weight differences that depend on
+# the CPU's kernels; the step as a whole is compared instead (tests/helpers.py: step_gap, STEP_RTOL),
+# and the gradients themselves, relative to each tensor's largest.
 HYPER = {"lr": 1e-3, "betas": (0.8, 0.95), "weight_decay": 0.1, "grad_clip": 0.5}
 
 
@@ -141,11 +141,8 @@ def test_vlm_train_step_checkpoint_sleep_and_save_hf(vlm, tmp_path):
     assert not any(".vision_model." in k for k in grads)
     grad_diff = max(float((grads[k] - ref_grads[k]).abs().max() / ref_grads[k].abs().max()) for k in grads)
     after, ref_after = dict(megatron.export_weights()), {k: v.detach() for k, v in reference.export_weights()}
-    diff = max_diff(after, ref_after)
-    print(f"\nclipped gradients: max |Megatron - TorchTrainer| / max |TorchTrainer| per tensor = {grad_diff:.2e}; "
-          f"parameters after the step: max |Megatron - TorchTrainer| = {diff:.2e}")
-    assert grad_diff <= ATOL
-    assert diff <= STEP_ATOL
+    assert parity("idefics3 megatron vs torch trainer: clipped gradients / their largest", grad_diff) <= ATOL
+    assert parity("idefics3 megatron vs torch trainer: step", step_gap(after, ref_after, before)) <= STEP_RTOL
     connector = [k for k in after if ".connector." in k]
     tower = [k for k in after if ".vision_model." in k]
     text = [k for k in after if ".text_model." in k or k == "lm_head.weight"]
@@ -155,7 +152,7 @@ def test_vlm_train_step_checkpoint_sleep_and_save_hf(vlm, tmp_path):
     assert all(torch.equal(after[k], before[k]) for k in tower)  # frozen (train.freeze_vision's default)
     assert stats["grad_norm"] > HYPER["grad_clip"]  # clipping was active, over the joint norm (connector included)
     for key in ("loss", "clip_fraction", "tokens", "grad_norm"):
-        assert stats[key] == pytest.approx(ref_stats[key], abs=1e-5), key
+        assert stats[key] == pytest.approx(ref_stats[key], rel=1e-6, abs=1e-5), key  # a grad norm of ~50 is 1e-5 apart on plain kernels
 
     probe = vision_batch(vlm, 4, seed=4)
     expected = megatron.logprobs(probe)
@@ -244,14 +241,9 @@ def test_vlm_tp2_and_dp2_equal_one_process(vlm, tmp_path):
     for mode in ("tp", "dp"):
         rank0, rank1 = (r[mode] for r in results)
         assert max_diff(rank0["after"], rank1["after"]) == 0.0, mode  # replicas (and TP gathers) agree
-        diff = max_diff(rank0["after"], single_after)
-        hf_modules = [k for k in single_after if ".connector." in k or ".vision_model." in k]
-        vision_diff = max_diff({k: rank0["after"][k] for k in hf_modules}, {k: single_after[k] for k in hf_modules})
-        print(f"\n{mode.upper()}=2 vs one process after the step: connector and tower within {vision_diff:.2e}, "
-              f"all parameters within {diff:.2e}")
-        assert vision_diff <= STEP_ATOL, mode
-        # TP splits the text model's matmuls (other summation orders): Adam amplifies the differences
-        # of its ~1e-8 gradients further (measured 7e-5; test_megatron.py holds text TP parity itself)
-        assert diff <= (STEP_ATOL if mode == "dp" else 2e-4), mode
+        connector_only = {k: v for k, v in initial.items() if ".connector." in k}
+        assert parity(f"idefics3 megatron {mode}=2 vs one process: step", step_gap(rank0["after"], single_after, initial)) <= STEP_RTOL
+        assert step_gap({k: rank0["after"][k] for k in connector_only}, {k: single_after[k] for k in connector_only},
+                        connector_only) <= STEP_RTOL, mode
         assert rank0["stats"]["grad_norm"] == pytest.approx(single_stats["grad_norm"], rel=1e-5), mode
     assert lp_diff(results[0]["tp"]["logprobs"], single_lp) <= ATOL

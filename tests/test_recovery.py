@@ -277,7 +277,7 @@ def test_an_unreadable_state_json_stops_the_run_naming_it_and_the_intact_checkpo
     assert main(["train", *COMMON, f"storage.root={prepared}", "name=recovery-bad-state"]) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
     checkpoints = [f"file://{run_dir}/checkpoints/{step:06d} (after step {step + 1})" for step in (3, 5)]
-    assert last.startswith(f"yattflow train: failed: file://{run_dir}/state.json: not valid JSON "
+    assert last.startswith(f"yattflow train: file://{run_dir}/state.json: not valid JSON "
                            "('utf-8' codec can't decode")
     assert f"committed checkpoints still intact: {', '.join(checkpoints)}. Restore state.json" in last
     assert before == sorted(p.relative_to(run_dir) for p in run_dir.rglob("*") if "lease" not in p.name)
@@ -298,3 +298,70 @@ def test_a_checkpoint_that_lost_its_manifest_is_kept_and_the_run_resumes_exactly
         uninterrupted / "checkpoints" / "000005" / "trainer-torch" / "trainer.pt").read_bytes()
     assert RunState.load(f"file://{run_dir}").step == 5  # step 5's checkpoint committed anew
     assert_same_training(run_dir, uninterrupted)
+
+
+class Intruder:
+    """Every port the run's engine hosts listen on (their channel, rank 0's rendezvous, gloo's), as soon as
+    it opens: a connection that sends garbage, one that reads the host's challenge and never answers, and
+    one that says nothing, each left open until the run ends (what any local user could do)."""
+
+    def __init__(self):
+        import threading
+
+        self.hit: set[tuple[int, int]] = set()
+        self.sockets: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> "Intruder":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for s in self.sockets:
+            s.close()
+
+    def _watch(self) -> None:
+        import socket
+
+        while not self._stop.wait(0.05):
+            for proc in psutil.Process().children(recursive=True):
+                try:
+                    if "engines.host" not in " ".join(proc.cmdline()):
+                        continue
+                    ports = [c.laddr.port for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+                except psutil.Error:
+                    continue
+                for port in ports:
+                    if (proc.pid, port) in self.hit:
+                        continue
+                    self.hit.add((proc.pid, port))
+                    for kind in ("garbage", "half", "silent"):
+                        try:
+                            s = socket.create_connection(("127.0.0.1", port), timeout=2)
+                            if kind == "garbage":
+                                s.sendall(b"\xff\x00\x00\x10garbage" * 64)
+                            elif kind == "half":
+                                s.recv(64)
+                            self.sockets.append(s)
+                        except OSError:
+                            pass
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_bad_connections_to_every_host_port_change_nothing(prepared, uninterrupted, staleness):
+    """One bad connection used to jam an engine host (its accept loop ended on a failed handshake): now
+    garbage, a half handshake and a silent connection on every port the hosts open cost only themselves.
+    Synchronous, the run trains exactly what the undisturbed one did; overlapping (its rollout lane is a
+    second connection to each host), it trains every step."""
+    name = f"recovery-intruded-{staleness}"
+    with Intruder() as intruder:
+        summary = asyncio.run(train(overrides=[*COMMON, f"storage.root={prepared}", f"name={name}",
+                                               f"rollout.max_staleness={staleness}"]))
+    assert len({pid for pid, _ in intruder.hit}) >= 2 and len(intruder.hit) >= 3, intruder.hit  # both hosts, several ports
+    assert [m["step"] for m in summary["history"]] == list(range(STEPS))
+    if staleness == 0:
+        assert_same_training(Path(prepared) / "runs" / name, uninterrupted)
+    no_engine_hosts_left()

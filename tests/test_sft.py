@@ -76,6 +76,21 @@ def test_a_saved_state_of_another_setup_is_not_continued(prefect_server, task_da
     with pytest.raises(ConfigError, match=r"runs/changed/sft/state.pt holds the state of an SFT run set up differently "
                        r"\(lr 0.002 → 0.001\): run it with its own settings to continue it, or give this one another run name"):
         run_sft(tmp_path, task_data, "name=changed", "sft.max_steps=10", "sft.lr=1e-3")
+    # a state planted by whoever can write to the storage: refused, naming the file; its code never runs
+    import pickle
+
+    from storage.runstate import RunStateError
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    (tmp_path / "runs" / "changed" / "sft" / "state.pt").write_bytes(pickle.dumps({"model": Payload()}))
+    with pytest.raises(RunStateError, match=r"runs/changed/sft/state.pt: not a resume state yattflow wrote"):
+        run_sft(tmp_path, task_data, "name=changed", "sft.max_steps=10", "sft.target=1")
+    assert not marker.exists()
 
 
 def test_examples_without_the_named_columns_fail_naming_file_and_fields(prefect_server, task_data, tmp_path):

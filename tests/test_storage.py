@@ -394,6 +394,46 @@ def test_s3_bytes_and_json(s3_root):
 
 @s3
 @needs_weed
+def test_s3_outage_is_ridden_out_then_named(s3_root, s3_server, monkeypatch, caplog):
+    """An object store that stops answering is retried with backoff (YATTFLOW_STORAGE_RETRY_S): reads,
+    writes and a dataset's row group go through once it is back; past the limit the error names the
+    s3:// URI, not the HTTP endpoint."""
+    import threading
+    import time
+
+    import pyarrow as pa
+
+    table_uri = objectstore.join(s3_root, "data")
+    datasets.write_table(table_uri, pa.table({"prompt_id": [1, 2], "prompt": ["a", "b"], "answer": ["1", "2"]}), datasets.PROMPTS)
+    uri = objectstore.join(s3_root, "state.json")
+    objectstore.write_json(uri, {"step": 1})
+    reader = datasets.PromptReader(table_uri, datasets.PROMPTS)
+    monkeypatch.setenv("YATTFLOW_STORAGE_RETRY_S", "60")
+    s3_server.stop()
+    back = threading.Timer(4.0, s3_server.start)
+    back.start()
+    started = time.monotonic()
+    try:
+        assert objectstore.read_json(uri) == {"step": 1}
+        objectstore.write_json(uri, {"step": 2})
+        assert [r["prompt"] for r in reader.rows([0, 1])] == ["a", "b"]
+    finally:
+        back.join()
+    assert 3.5 < time.monotonic() - started < 60
+    assert objectstore.read_json(uri) == {"step": 2}
+    assert any("does not answer" in r.getMessage() and uri in r.getMessage() for r in caplog.records)
+
+    monkeypatch.setenv("YATTFLOW_STORAGE_RETRY_S", "1")
+    s3_server.stop()
+    try:
+        with pytest.raises(StorageError, match=rf"^{uri}: read failed: the object store did not answer for 1s"):
+            objectstore.read_json(uri)
+    finally:
+        s3_server.start()
+
+
+@s3
+@needs_weed
 def test_s3_list_files(s3_root):
     for name in ["b.parquet", "a.parquet", "c.txt"]:
         objectstore.write_bytes(objectstore.join(s3_root, "d", name), b"x")

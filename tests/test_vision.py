@@ -113,7 +113,13 @@ def test_bad_vision_inputs_fail_before_engines_load_naming_file_prompt_and_field
     cases = {
         "two-images": ([good | {"images": [image, image]}], r"prompt_id 7: field 'prompt' has 1 image placeholder\(s\).*'images' 2"),
         "no-column": ([{k: v for k, v in good.items() if k != "images"}], r"prompt_id 7.*has no 'images' column"),
-        "not-an-image": ([good | {"images": [b"\x89PNG not really"]}], r"prompt_id 7\): field 'images'\[0\]: not a decodable image"),
+        "not-an-image": ([good | {"images": [b"\x89PNG not really"]}], r"prompt_id 7\): field 'images'\[0\]: not a readable image"),
+        # a PNG whose pixel data is damaged, in row 5: every image's structure is read before engines load
+        "corrupt-row-5": ([good | {"prompt_id": i} for i in range(5)]
+                          + [good | {"prompt_id": 5, "images": [image[:60] + bytes([image[60] ^ 0xFF]) + image[61:]]}],
+                          r"prompt_id 5\): field 'images'\[0\]: not a readable image .*broken PNG file"),
+        "truncated": ([good, good | {"prompt_id": 8, "images": [image[: len(image) // 2]]}],
+                      r"prompt_id 8\): field 'images'\[0\]: not a readable image"),
     }
     for name, (rows, pattern) in cases.items():
         path = write_prompts(tmp_path / f"{name}.parquet", rows)
@@ -154,7 +160,7 @@ def test_a_bad_image_fails_when_its_row_is_read(vlm, tmp_path):
     path = write_prompts(tmp_path / "p.parquet", rows)
     stream = PromptStream(path, rank=0, world=2)
     assert [r["prompt_row"] for r in stream.wave(0, 2)] == [0, 2]
-    with pytest.raises(multimodal.ImageError, match=r"p.parquet \(prompt_id 4\): field 'images'\[1\]: not a decodable"):
+    with pytest.raises(multimodal.ImageError, match=r"p.parquet \(prompt_id 4\): field 'images'\[1\]: not a readable"):
         stream.wave(1, 2)
 
 

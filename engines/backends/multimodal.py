@@ -54,12 +54,21 @@ def decode(blob: bytes, where: str = "image"):
     return image.convert("RGB")
 
 
-def check_image(blob: bytes, where: str, max_bytes: int) -> None:
-    """An encoded image that is within ``max_bytes`` and decodes, else an ``ImageError`` naming
-    ``where`` (the file, prompt_id and image index)."""
+def check_image(blob: bytes, where: str, max_bytes: int, pixels: bool = False) -> None:
+    """An encoded image within ``max_bytes`` whose header and structure are sound (PIL's ``verify``:
+    the format, the size, every chunk's checksum for a PNG; no pixels decoded, so a pass over every
+    image of a dataset costs about a read of its bytes), and with ``pixels`` one that decodes; else an
+    ``ImageError`` naming ``where`` (the file, prompt_id and image index)."""
+    from PIL import Image
+
     if len(blob) > max_bytes:
         raise ImageError(f"{where}: {len(blob):,} bytes, over data.max_image_bytes={max_bytes:,}")
-    decode(blob, where)
+    try:
+        Image.open(io.BytesIO(blob)).verify()
+    except Exception as e:  # noqa: BLE001 - PIL raises several kinds (SyntaxError for a bad PNG checksum)
+        raise ImageError(f"{where}: not a readable image ({type(e).__name__}: {e})") from None
+    if pixels:
+        decode(blob, where)
 
 
 def image_token_ids(processor) -> list[int]:

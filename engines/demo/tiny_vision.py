@@ -8,7 +8,7 @@ pixel-shuffle connector and a small Llama). ``save_pretrained`` writes what ``Au
 serves it too (its Idefics3 module needs no torchvision).
 
 Why Idefics3: the Qwen-VL family's vLLM modules import torchvision, which has no CPU build
-beside this project's CPU torch (../shared/FACTS.md); Idefics3's do not.
+beside this project's CPU torch (docs/vision.md); Idefics3's do not.
 """
 
 from __future__ import annotations

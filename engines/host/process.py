@@ -19,12 +19,11 @@ import signal
 import socket
 import threading
 import time
-from multiprocessing.connection import Listener
 
 import psutil
 
 from engines.host import faults
-from engines.wire.channel import HostError, answer, progress
+from engines.wire.channel import Door, HostError, answer, progress
 
 
 def _exit_with_parent() -> None:
@@ -87,36 +86,31 @@ def serve(rank: int, world: int, threads: int, bind: str = "127.0.0.1") -> None:
     # the port READY announces stays ours until the setup hands the socket to the store.
     rendezvous = socket.create_server((bind, 0)) if rank == 0 and world > 1 else None
     worker = Worker(rank, world, threads, rendezvous)
-    with Listener((bind, 0), authkey=secret) as listener:
+    door = Door(bind, secret)
+    with contextlib.closing(door):
         address = advertised_address(bind)
         dist_port = rendezvous.getsockname()[1] if rendezvous else 0
-        print(f"READY {address}:{listener.address[1]} {dist_port}", flush=True)
+        print(f"READY {address}:{door.port} {dist_port}", flush=True)
         # Nobody reads our stdout after READY: send whatever comes later (engine libraries and
         # the processes they spawn write there) to stderr, so a full pipe can never block us.
         os.dup2(2, 1)
         handle = functools.partial(_handle, worker, {}, threading.Lock())
-        first = listener.accept()
+        first = door.next()
         # later connections: a node controller's (controllers.groups_per_node), or the rollout lane
         # (rollout.max_staleness >= 1: rollout, scoring and filtering beside the run's train step)
-        threading.Thread(target=_more_connections, args=(listener, worker, handle, rank), name="more-connections",
+        threading.Thread(target=_more_connections, args=(door, worker, handle, rank), name="more-connections",
                          daemon=True).start()
         answer(first, handle, rank)
 
 
-def _more_connections(listener: Listener, worker, handle, rank: int) -> None:
+def _more_connections(door: Door, worker, handle, rank: int) -> None:
     """After the run's own connection: its node controller's (``controllers.groups_per_node``) or
     its rollout lane (``rollout.max_staleness``), authenticated with the same secret, each answered
     on a thread of its own. Its ``shutdown`` ends only that connection. A node controller that goes
     away without one is a lost node, so the host exits as it does when the run's connection drops
     (the run heals from its checkpoint); a rollout lane that closes leaves the host to the run's
     connection."""
-    while True:
-        try:
-            conn = listener.accept()
-        except OSError:  # the listener closed: the host is exiting
-            return
-        except Exception:  # noqa: BLE001 - a failed handshake (a wrong secret): refuse that one, keep listening
-            continue
+    while (conn := door.next()) is not None:
         threading.Thread(target=_answer_more, args=(conn, worker, handle, rank), daemon=True).start()
 
 

@@ -33,7 +33,7 @@ class PromptStream:
         for r in batch:  # a bad image fails as its row is first read: before anything of its wave trains
             for i, blob in enumerate(r["images"] or []):
                 multimodal.check_image(blob, f"{self.reader.uri} (prompt_id {r['prompt_id']}): field 'images'[{i}]",
-                                       self.max_image_bytes or len(blob))
+                                       self.max_image_bytes or len(blob), pixels=True)
         return batch
 
     def sources(self, rows: list[int]) -> list:

@@ -15,6 +15,8 @@ class InputError(ValueError):
     """Bad input; the message names the file (or config field) and the field or row."""
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render
+
 # vLLM's CPU attention kernels (vllm/v1/attention/backends/cpu_attn.py, vLLM 0.32)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
@@ -46,7 +48,8 @@ def validate_inputs(config) -> dict:
     (``messages``, ``data.system_prompt``), fit ``max_prompt_tokens`` as rendered, have unique ids
     and the answers the rewards read; a
     vision-language policy has its processor, each prompt as many images as image placeholders,
-    and images within ``data.max_image_bytes`` (the first prompt's are decoded). Prompts are read a
+    and images within ``data.max_image_bytes`` whose headers and structure read (the first prompt's are
+    decoded). Prompts are read a
     batch of rows at a time (a dataset of images is never held whole)."""
     policy = check_model_folder("model.policy", config.uri(config.model.policy), config.rollout.backend)
     from transformers import AutoTokenizer
@@ -177,6 +180,9 @@ def check_prompt_text(uri: str, row: dict) -> str:
         for i, turn in enumerate(messages):
             if not turn["role"] or turn["content"] is None:
                 raise InputError(f"{uri}: field 'messages'[{i}] has no role or no content (prompt_id {pid})")
+            if turn["role"] not in CHAT_ROLES:
+                raise InputError(f"{uri}: field 'messages'[{i}] has role {turn['role']!r} (prompt_id {pid}); a turn's role "
+                                 f"is one of {', '.join(CHAT_ROLES)}")
         if not chat.question(row).strip():
             raise InputError(f"{uri}: field 'messages' has an empty last user turn (prompt_id {pid})")
         return "messages"
@@ -233,8 +239,8 @@ def check_lora_targets(config, policy: str) -> None:
 
 
 def check_prompt_images(config, uri: str, row: dict, processor, first: bool) -> None:
-    """As many images as the prompt has image placeholders, each within data.max_image_bytes (the
-    first prompt's decoded); a text-only policy gets no images."""
+    """As many images as the prompt has image placeholders, each within data.max_image_bytes with a
+    sound header and structure (the first prompt's decoded); a text-only policy gets no images."""
     images, pid = row["images"] or [], row["prompt_id"]
     if processor is None:
         if images:
@@ -249,14 +255,10 @@ def check_prompt_images(config, uri: str, row: dict, processor, first: bool) -> 
         raise InputError(f"{uri}: prompt_id {pid}: field '{column}' has {text.count(mark)} image placeholder(s) "
                          f"'{mark}' and field 'images' {len(images)} image(s){missing}: one placeholder per image")
     for i, blob in enumerate(images):
-        where = f"{uri} (prompt_id {pid}): field 'images'[{i}]"
-        if first:
-            try:
-                multimodal.check_image(blob, where, config.data.max_image_bytes)
-            except multimodal.ImageError as e:
-                raise InputError(str(e)) from None
-        elif len(blob) > config.data.max_image_bytes:
-            raise InputError(f"{where}: {len(blob):,} bytes, over data.max_image_bytes={config.data.max_image_bytes:,}")
+        try:  # every image's header and structure; the first prompt's decoded too
+            multimodal.check_image(blob, f"{uri} (prompt_id {pid}): field 'images'[{i}]", config.data.max_image_bytes, pixels=first)
+        except multimodal.ImageError as e:
+            raise InputError(str(e)) from None
 
 
 def answers_needed_by(config, *rules: rewards.Rule | None) -> list[str]:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import socket
 import threading
 import time
 import traceback
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from typing import Callable
 
 from engines.wire.commands import REQUESTS, Request, Result, Shutdown
@@ -30,6 +31,8 @@ class HostError(RuntimeError):
     """A command failed inside an engine host, or the host is gone; the message says which."""
 
     logs: list[str] = []  # what the host logged before it failed
+    remote: tuple[str | None, str | None] = (None, None)  # the host exception's type name and message
+    traceback: str = ""  # the host's traceback (the task's log and the log file show it; the message does not)
 
 
 class HostLost(HostError):
@@ -69,8 +72,8 @@ class HostClient:
             except (EOFError, OSError) as e:
                 raise HostLost(f"{self.label}: engine host is gone ({type(e).__name__}) during '{stage}'") from e
         if "error" in reply:
-            error = HostError(f"{self.label}: '{stage}' failed in the engine host:\n{reply['error']}")
-            error.logs = reply["logs"]
+            error = HostError(f"{self.label}: '{stage}' failed in the engine host: {reply['error']}")
+            error.logs, error.remote, error.traceback = reply["logs"], (reply.get("type"), reply.get("message")), reply.get("traceback", "")
             raise error
         return request.result.model_validate(reply["result"] | {"host_s": reply["host_s"]}), reply["logs"]
 
@@ -168,6 +171,62 @@ def disconnect(run: str, world: int) -> None:
 # --------------------------------------------------------------------------- host side
 
 
+HANDSHAKE_S = 10.0  # a connection not authenticated by then is dropped
+
+
+class Door:
+    """The host's listening socket. Every connection authenticates (``multiprocessing.connection``'s
+    HMAC challenge both ways, the per-run secret) on a thread of its own, within ``HANDSHAKE_S``; so a
+    client that sends garbage, half a handshake or nothing at all costs only its own connection, and
+    the host keeps accepting. ``next()`` hands out the authenticated connections in order."""
+
+    def __init__(self, bind: str, secret: bytes):
+        self._secret = secret
+        self._server = socket.create_server((bind, 0))
+        self.port = self._server.getsockname()[1]
+        self._ready: queue.Queue[Connection | None] = queue.Queue()
+        threading.Thread(target=self._accept, name="door", daemon=True).start()
+
+    def next(self) -> Connection | None:
+        """The next authenticated connection (None: the door is closed)."""
+        return self._ready.get()
+
+    def close(self) -> None:
+        self._server.close()
+        self._ready.put(None)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, peer = self._server.accept()
+            except OSError:  # closed: the host is exiting
+                return
+            threading.Thread(target=self._handshake, args=(sock, peer), name="handshake", daemon=True).start()
+
+    def _handshake(self, sock: socket.socket, peer) -> None:
+        conn = Connection(os.dup(sock.fileno()))
+        timer = threading.Timer(HANDSHAKE_S, _cut, args=(sock,))  # a silent or slow client: its reads end
+        timer.start()
+        try:
+            deliver_challenge(conn, self._secret)
+            answer_challenge(conn, self._secret)
+        except Exception as e:  # noqa: BLE001 - garbage, a wrong secret, a half or late handshake: that connection only
+            log.warning("engine host: refused a connection from %s:%s (%s: %s)", peer[0], peer[1], type(e).__name__, e)
+            conn.close()
+            return
+        finally:
+            timer.cancel()
+            sock.close()  # ``conn`` holds its own descriptor
+        self._ready.put(conn)
+
+
+def _cut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 class _Capture(logging.Handler):
     """Collects a command's log lines so they travel back with its answer."""
 
@@ -239,8 +298,10 @@ def answer(conn: Connection, handle: Callable[[Request], Result], rank: int) -> 
                 raise ValueError(f"unknown stage {message.get('stage')!r} (known: {sorted(REQUESTS)})")
             request = kind.model_validate(message.get("fields", {}))
             reply = {"result": {} if isinstance(request, Shutdown) else handle(request).model_dump(mode="json")}
-        except Exception:  # noqa: BLE001 - every failure goes back to the task
-            request, reply = None, {"error": traceback.format_exc()}
+        except Exception as e:  # noqa: BLE001 - every failure goes back to the task
+            request = None
+            reply = {"error": "".join(traceback.format_exception_only(e)).strip(), "type": type(e).__name__, "message": str(e),
+                     "traceback": traceback.format_exc()}
         busy.clear()
         reply["logs"] = capture.lines
         reply["host_s"] = time.perf_counter() - start  # engine-side time: the rest is orchestration
