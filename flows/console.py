@@ -8,7 +8,8 @@ The flows say what the console shows in their own log records (``logger.info(...
 step's figures), ``finish`` it, or print the record's line (``note``: a held-out figure). The records go to the Prefect UI and to the command's log
 file as every other one; on the console only the display shows them. Prefect's own lines (every
 task's and sub-flow's start, end and "View at" link) go to the log file and the UI only, unless
-``--verbose``; warnings and errors still print in full. When the output is not a terminal (CI, a
+``--verbose``; warnings and errors print their first line (``Brief``: no traceback; the log file has them whole), and
+Prefect's repeats of a failure's exception stay in the log file. When the output is not a terminal (CI, a
 file), each advance is one plain line (``train step 12/40 reward ... (demo: 0:00:25 elapsed, ~0:00:58 left)``).
 
 Each top-level flow run's page is printed when it starts and again at the end: on the server
