@@ -111,6 +111,33 @@ SUMMARY = {  # `yattflow --help`: what each command does, a line each
     "run": "start a flow run of the train deployment on a server; prints its URL",
 }
 
+@contextlib.contextmanager
+def _cancelled_when_stopped(console):
+    """A run stopped on purpose (Ctrl-C, SIGTERM) is Cancelled in the UI, not Crashed: Prefect ends a
+    flow run that a KeyboardInterrupt unwinds as Crashed; its top-level runs (the ones the console
+    links) are set Cancelled here, while the server still answers."""
+    try:
+        yield
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        try:
+            asyncio.run(_set_cancelled(list(console.runs)))
+        except Exception as e:  # noqa: BLE001 - the stop line matters more than the UI's word for it
+            console.say(f"(could not mark the stopped run Cancelled in the UI: {type(e).__name__}: {e})")
+        raise
+
+
+async def _set_cancelled(run_ids: list[str]) -> None:
+    from prefect import get_client
+    from prefect.states import Cancelled
+
+    async with get_client() as client:
+        for run_id in run_ids:
+            state = (await client.read_flow_run(run_id)).state
+            if state is None or not state.is_final() or state.is_crashed():
+                await client.set_flow_run_state(run_id, Cancelled(message="stopped by Ctrl-C or SIGTERM: the same command "
+                                                                          "continues it"), force=True)
+
+
 IN_PROCESS = {
     "sft": "Supervised fine-tuning of a Hugging Face causal LM (sft.base), or of a tiny model built from scratch, on a "
            "Parquet of prompts and completions (sft.data), into a new model folder (sft.output); the same run name "
@@ -163,7 +190,7 @@ def _in_process(argv: list[str]) -> int:
     start = time.perf_counter()
     console = RunConsole(log_path(config.storage.root, config.name, args.command), *ui_of_command(), verbose=args.verbose)
     try:
-        with _sigterm_as_ctrl_c(), console, prefect_server.local_api():
+        with _sigterm_as_ctrl_c(), console, prefect_server.local_api(), _cancelled_when_stopped(console):
             if args.command == "sft":
                 result = sft(config_file=args.config, overrides=args.overrides)
                 print(f"\nsft '{config.name}': {_sft_line(result)}")

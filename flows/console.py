@@ -63,8 +63,10 @@ class Brief(logging.Formatter):
         return self.inner.format(brief)
 
 
-# Prefect's lines that only repeat a failure's exception, which the command's last line states
-REPEATS = ("Task run failed with exception", "Finished in state Failed", "Encountered exception during execution")
+# Prefect's lines that only repeat a failure's exception, which the command's last line states (or call a
+# deliberate stop a crash: the command says where the run stopped, and the run is marked Cancelled)
+REPEATS = ("Task run failed with exception", "Finished in state Failed", "Encountered exception during execution",
+           "Crash detected!")
 
 
 def no_repeats(record: logging.LogRecord) -> bool:

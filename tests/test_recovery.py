@@ -207,10 +207,25 @@ def stop_with_sigterm(args: list[str], ready) -> str:
     reader.join(timeout=10)
     out = "".join(lines)
     assert code == 130, out[-3000:]
-    assert "TerminationSignal" not in out, out[-3000:]
+    assert "TerminationSignal" not in out and "Crash detected" not in out, out[-3000:]
     _, alive = psutil.wait_procs(started, timeout=30)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], f"left running: {alive}"
     return out.strip().splitlines()[-1]
+
+
+def latest_state(flow_run_name: str) -> str:
+    """The state type of the newest flow run of that name on the tests' Prefect server."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    async def read() -> str:
+        async with get_client() as client:
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[flow_run_name])),
+                                               sort=FlowRunSort.START_TIME_DESC, limit=1)
+            return runs[0].state.type.value
+
+    return asyncio.run(read())
 
 
 def hosts_starting(out: str, me: psutil.Process) -> bool:
@@ -242,6 +257,7 @@ def test_sigterm_at_any_moment_stops_like_ctrl_c_and_the_run_resumes_exactly(pre
     assert last == f"yattflow train: stopped before run '{name}' took its first step; run the same command to start it"
     last = stop_with_sigterm(args, lambda out, _: "fault injection: genrm_score@1:dp-1:hang" in out)
     assert re.fullmatch(stopped("2", "none yet (it starts from step 1)"), last), last
+    assert latest_state(f"train-{name}") == "CANCELLED"  # a deliberate stop, not a crash, in the UI
     last = stop_with_sigterm(args, lambda out, _: "step 3/6" in out)
     assert re.fullmatch(stopped("4", "step 2"), last), last
     # the writer hangs as step 3 ends (its log line may come first) or while step 4 trains
