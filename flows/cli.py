@@ -115,7 +115,7 @@ SUMMARY = {  # `yattflow --help`: what each command does, a line each
 def _cancelled_when_stopped(console):
     """A run stopped on purpose (Ctrl-C, SIGTERM) is Cancelled in the UI, not Crashed: Prefect ends a
     flow run that a KeyboardInterrupt unwinds as Crashed; its top-level runs (the ones the console
-    links) are set Cancelled here, while the server still answers."""
+    links) and their sub-flows are set Cancelled here, while the server still answers."""
     try:
         yield
     except (KeyboardInterrupt, asyncio.CancelledError):
@@ -128,14 +128,19 @@ def _cancelled_when_stopped(console):
 
 async def _set_cancelled(run_ids: list[str]) -> None:
     from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.states import Cancelled
 
     async with get_client() as client:
-        for run_id in run_ids:
-            state = (await client.read_flow_run(run_id)).state
-            if state is None or not state.is_final() or state.is_crashed():
-                await client.set_flow_run_state(run_id, Cancelled(message="stopped by Ctrl-C or SIGTERM: the same command "
-                                                                          "continues it"), force=True)
+        while run_ids:
+            parents = [await client.read_flow_run(run_id) for run_id in run_ids]
+            for run in parents:
+                if run.state is None or not run.state.is_final() or run.state.is_crashed():
+                    await client.set_flow_run_state(run.id, Cancelled(message="stopped by Ctrl-C or SIGTERM: the same "
+                                                                              "command continues it"), force=True)
+            children = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id for run in parents])))
+            run_ids = [child.id for child in children]
 
 
 IN_PROCESS = {

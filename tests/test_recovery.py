@@ -213,17 +213,22 @@ def stop_with_sigterm(args: list[str], ready) -> str:
     return out.strip().splitlines()[-1]
 
 
-def latest_state(flow_run_name: str) -> str:
-    """The state type of the newest flow run of that name on the tests' Prefect server."""
+def latest_states(flow_run_name: str) -> tuple[str, set[str]]:
+    """The state type of the newest flow run of that name on the tests' Prefect server, and the types of
+    its sub-flows, all the way down."""
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterParentFlowRunId
     from prefect.client.schemas.sorting import FlowRunSort
 
-    async def read() -> str:
+    async def read() -> tuple[str, set[str]]:
         async with get_client() as client:
             runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[flow_run_name])),
                                                sort=FlowRunSort.START_TIME_DESC, limit=1)
-            return runs[0].state.type.value
+            seen, level = set(), runs
+            while level := await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id for run in level]))):
+                seen |= {run.state.type.value for run in level}
+            return runs[0].state.type.value, seen
 
     return asyncio.run(read())
 
@@ -257,7 +262,8 @@ def test_sigterm_at_any_moment_stops_like_ctrl_c_and_the_run_resumes_exactly(pre
     assert last == f"yattflow train: stopped before run '{name}' took its first step; run the same command to start it"
     last = stop_with_sigterm(args, lambda out, _: "fault injection: genrm_score@1:dp-1:hang" in out)
     assert re.fullmatch(stopped("2", "none yet (it starts from step 1)"), last), last
-    assert latest_state(f"train-{name}") == "CANCELLED"  # a deliberate stop, not a crash, in the UI
+    top, below = latest_states(f"train-{name}")
+    assert top == "CANCELLED" and "CANCELLED" in below and "CRASHED" not in below, (top, below)  # a deliberate stop, not a crash
     last = stop_with_sigterm(args, lambda out, _: "step 3/6" in out)
     assert re.fullmatch(stopped("4", "step 2"), last), last
     # the writer hangs as step 3 ends (its log line may come first) or while step 4 trains
