@@ -170,7 +170,8 @@ def test_the_host_door_survives_garbage_half_and_silent_connections(monkeypatch,
     served = []
 
     def serve():
-        while (conn := door.next()) is not None:
+        while True:
+            conn = door.next()
             threading.Thread(target=lambda c=conn: served.append(channel.answer(c, lambda r: PingResult(pid=os.getpid(), rank=0), 0)),
                              daemon=True).start()
 

@@ -110,8 +110,8 @@ def _more_connections(door: Door, worker, handle, rank: int) -> None:
     away without one is a lost node, so the host exits as it does when the run's connection drops
     (the run heals from its checkpoint); a rollout lane that closes leaves the host to the run's
     connection."""
-    while (conn := door.next()) is not None:
-        threading.Thread(target=_answer_more, args=(conn, worker, handle, rank), daemon=True).start()
+    while True:  # until the process exits
+        threading.Thread(target=_answer_more, args=(door.next(), worker, handle, rank), daemon=True).start()
 
 
 def _answer_more(conn, worker, handle, rank: int) -> None:

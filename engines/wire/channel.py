@@ -184,16 +184,17 @@ class Door:
         self._secret = secret
         self._server = socket.create_server((bind, 0))
         self.port = self._server.getsockname()[1]
-        self._ready: queue.Queue[Connection | None] = queue.Queue()
+        self._ready: queue.Queue[Connection] = queue.Queue()
         threading.Thread(target=self._accept, name="door", daemon=True).start()
 
-    def next(self) -> Connection | None:
-        """The next authenticated connection (None: the door is closed)."""
+    def next(self) -> Connection:
+        """The next authenticated connection (waits for one)."""
         return self._ready.get()
 
     def close(self) -> None:
+        """Stop accepting. Threads waiting in ``next`` are not woken: a daemon thread that wakes while the
+        interpreter exits aborted deployed hosts ("terminate called without an active exception", exit -6)."""
         self._server.close()
-        self._ready.put(None)
 
     def _accept(self) -> None:
         while True:
