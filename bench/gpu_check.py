@@ -174,9 +174,7 @@ def _demo(overrides: list[str]) -> dict:
 def part_sync(args) -> dict:
     """A Megatron trainer step, full colocation's sleep, the sync into a TorchGenerator, wake; then
     the fingerprints and the log-probabilities of the rollout's own tokens under both engines."""
-    import torch
-
-    from bench.megatron_gpu import _save_model
+    from bench.megatron_gpu import _save_model, sync_into
     from engines.backends.base import TrainBatch, fingerprint
     from engines.backends.megatron.trainer import MegatronTrainer
     from engines.backends.torch.generator import TorchGenerator
@@ -193,22 +191,16 @@ def part_sync(args) -> dict:
                        [1.0 if i % 2 else -1.0 for i in range(len(gens))])
     stats = trainer.train_step(batch)
     moved = trainer.sleep()  # full colocation: the rollout takes the device, the export reads the host copy
-    names = []
-    start = time.perf_counter()
-    count = generator.update_weights((names.append(n) or n, t) for n, t in trainer.export_weights())
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    params = dict(generator.model.named_parameters())
-    rollout_fp = fingerprint((n, params[n]) for n in names)
-    asleep_fp = fingerprint(trainer.export_weights())
+    synced = sync_into(trainer, generator)
     trainer.wake()
     awake_fp = fingerprint(trainer.export_weights())
     gens = generator.generate(["12+34=", "7+8="], n=2, max_new_tokens=8, seed=1)
     probe = TrainBatch([g.prompt_ids for g in gens], [g.response_ids for g in gens], [g.logprobs for g in gens], [0.0] * len(gens))
     gap = max(abs(a - b) for g, r in zip(gens, trainer.logprobs(probe)) for a, b in zip(g.logprobs, r))
-    out = {"tensors": count, "sync_s": seconds, "slept_mib": moved / 2**20, "loss": stats["loss"], "fingerprint_trainer": awake_fp,
-           "fingerprint_asleep": asleep_fp, "fingerprint_rollout": rollout_fp, "logprob_gap": gap, "dtype": dtype}
+    rollout_fp, asleep_fp = synced["fingerprint_rollout"], synced["fingerprint_trainer"]
+    out = {"tensors": synced["sync_tensors"], "sync_s": synced["sync_s"], "slept_mib": moved / 2**20, "loss": stats["loss"],
+           "fingerprint_trainer": awake_fp, "fingerprint_asleep": asleep_fp, "fingerprint_rollout": rollout_fp,
+           "logprob_gap": gap, "dtype": dtype}
     if not rollout_fp == asleep_fp == awake_fp:
         raise PartFailed("the rollout engine's weights are not the trainer's after the sync", out)
     return out

@@ -133,30 +133,33 @@ def _time_steps(trainer, shape: dict, args) -> float:
     return statistics.median(times)
 
 
-def _sync(trainer, folder: str) -> dict:
-    """The weight sync a run does after each step (``Worker.sync_weights``): the trainer's export,
-    by Hugging Face name, into a rollout engine (``TorchGenerator``, bf16, same device), timed; then
-    the check that the rollout engine now holds the trainer's weights bit for bit (a fingerprint
-    of each side, ``engines.backends.base.fingerprint``)."""
+def sync_into(trainer, generator) -> dict:
+    """The weight sync a run does after each step (``Worker.sync_weights``): the trainer's export, by
+    Hugging Face name, into the rollout engine ``generator``, timed; then whether the rollout engine
+    now holds the trainer's weights bit for bit (``engines.backends.base.fingerprint`` of each side;
+    a sleeping trainer's export reads its host copy)."""
     import torch
 
     from engines.backends.base import fingerprint
-    from engines.backends.torch.generator import TorchGenerator
 
-    generator = TorchGenerator(folder, dtype="bfloat16", device=trainer.device)
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     names = []
-    named = ((names.append(n) or n, t) for n, t in trainer.export_weights())
     sync()
     start = time.perf_counter()
-    tensors = generator.update_weights(named)
+    tensors = generator.update_weights((names.append(n) or n, t) for n, t in trainer.export_weights())
     sync()
     seconds = time.perf_counter() - start
     params = dict(generator.model.named_parameters())
     ours, theirs = fingerprint(trainer.export_weights()), fingerprint((n, params[n]) for n in names)
-    del generator
     return {"sync_s": seconds, "sync_tensors": tensors, "sync_gib": sum(params[n].nbytes for n in names) / 2**30,
             "fingerprint_trainer": ours, "fingerprint_rollout": theirs, "sync_matches": ours == theirs}
+
+
+def _sync(trainer, folder: str) -> dict:
+    """``sync_into`` a bf16 ``TorchGenerator`` of the trainer's folder on the trainer's device."""
+    from engines.backends.torch.generator import TorchGenerator
+
+    return sync_into(trainer, TorchGenerator(folder, dtype="bfloat16", device=trainer.device))
 
 
 def run_one(engine: str, folder: str, shape: dict, params: int, args) -> dict:

@@ -127,8 +127,6 @@ def read_bytes(uri: str) -> bytes:
         return retrying(uri, "read", read)
     except FileNotFoundError as e:
         raise StorageError(f"{uri}: not found") from e
-    except StorageError:
-        raise
     except OSError as e:
         raise StorageIOError(f"{uri}: read failed: {os_error(e)}") from e
 
@@ -138,8 +136,6 @@ def write_bytes(uri: str, data: bytes) -> None:
     the URI and the OS's error, and leaves the old object, or none."""
     try:
         retrying(uri, "write", lambda: _write_bytes(uri, data))
-    except StorageError:
-        raise
     except OSError as e:
         raise StorageIOError(f"{uri}: write failed: {os_error(e)}") from e
 
@@ -231,8 +227,6 @@ def remove(uri: str) -> None:
     try:
         if retrying(uri, "remove", lambda: fs.exists(path)):
             retrying(uri, "remove", lambda: fs.rm(path, recursive=True))
-    except StorageError:
-        raise
     except OSError as e:
         raise StorageIOError(f"{uri}: remove failed: {os_error(e)}") from e
 
@@ -242,8 +236,6 @@ def move(uri: str, to: str) -> None:
     fs, path = fs_for(uri)
     try:
         retrying(uri, "move", lambda: fs.mv(path, fs_for(to)[1], recursive=True))
-    except StorageError:
-        raise
     except OSError as e:
         raise StorageIOError(f"{uri}: move to {to} failed: {os_error(e)}") from e
 

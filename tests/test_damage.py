@@ -71,7 +71,7 @@ def test_an_unreadable_state_json_names_itself_what_is_wrong_and_the_intact_chec
 
     # the CLI's error path reads it again, and must not fail doing so
     from engines.config import load_config
-    from flows.cli import where_it_stopped
+    from flows.stops import where_it_stopped
 
     config = load_config(None, [f"storage.root={tmp_path}", "name=r"])
     assert config.run_uri == run_uri

@@ -115,7 +115,7 @@ def test_run_that_keeps_failing_stops_after_its_retries(prepared, faults):
 def test_bug_in_user_code_is_not_retried(prepared, tmp_path):
     """A reward rule that raises is the user's bug, not a lost host: the run fails at once, and its
     last line (what the CLI shows) names the rule, the prompt_id and the response it raised on."""
-    from flows.cli import failure_cause
+    from flows.stops import failure_cause
 
     rule = tmp_path / "broken_rule.py"
     # (the input check before the engines load scores the reference answer: that one passes)
