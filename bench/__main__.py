@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-ORDER = ["rollout", "balance", "checkpoint", "sampling", "placement", "controller", "embedded", "overhead", "floor", "scale",
+ORDER = ["rollout", "balance", "checkpoint", "sampling", "placement", "controller", "embedded", "overhead", "floor", "events", "scale",
          "megatron_gpu"]
 # run on their own only: seeds is the demo ten times over (~40 min), a learning check, not a speed figure;
 # lora_memory measures memory, not speed
@@ -58,6 +58,7 @@ QUICK = {
     "embedded": "--steps 10",
     "overhead": "--scaling '' --steps 4",
     "floor": "--dps 4 --repeats 1",
+    "events": "--steps 40",
     "scale": "--dps 1,4,16 --steps 3 --real-steps 3",
     "megatron_gpu": "--sizes 0.44b --layers 4 --steps 3",
 }

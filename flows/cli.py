@@ -11,12 +11,13 @@ command continues it:
     yattflow prepare [-c run.yaml] [key=value ...]   build the demo's datasets and tiny models
     yattflow train   [-c run.yaml] [key=value ...]   run (or resume) RL training
     yattflow demo    [-c run.yaml] [key=value ...]   prepare, then train, then print accuracy
+    yattflow evaluate [key=value ...] [--checkpoint STEP|final|URI]   score a checkpoint on the held-out set
 
 The Prefect way (a server, a worker on a work pool, deployments from deployments/prefect.yaml):
 
     yattflow server [--port 4200]                    local Prefect server + a process worker; Ctrl-C stops both
     yattflow stack --database-url URL [--replicas N] API replicas on PostgreSQL, Redis, services (flows/stack.py)
-    yattflow deploy [--kubernetes]                   create the work pool(s) if missing, then `prefect deploy`
+    yattflow deploy [--kubernetes] [--notify BLOCK]  the work pools if missing, the automations, then `prefect deploy`
     yattflow run    [-c run.yaml] [key=value ...]    a flow run of train/yattflow; prints its URL
     yattflow status [name]                           each run from storage; with a server, its flow-run state too
 
@@ -41,9 +42,11 @@ from flows import prefect_server
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout: deployments run from here
 PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
-PROCESS_POOL, K8S_POOL = "yattflow-process", "yattflow-k8s"
+PROCESS_POOL, EVAL_POOL, K8S_POOL = "yattflow-process", "yattflow-eval", "yattflow-k8s"
 POOL_TEMPLATES = {PROCESS_POOL: ("process", ROOT / "deployments" / "process-gpu.json"),
+                  EVAL_POOL: ("process", ROOT / "deployments" / "process-gpu.json"),
                   K8S_POOL: ("kubernetes", ROOT / "deployments" / "kubernetes-gpu.json")}
+AUTOMATIONS_FILE = ROOT / "deployments" / "automations.yaml"
 TRAIN_DEPLOYMENT = "train/yattflow"
 DEFAULT_PORT = prefect_server.DEFAULT_PORT
 
@@ -102,6 +105,7 @@ SUMMARY = {  # `yattflow --help`: what each command does, a line each
     "demo": "prepare, then train: the demo end to end, held-out accuracy before and after RL",
     "prepare": "build the demo's datasets and tiny SFT'd models (skips what exists)",
     "train": "run RL training, or resume it (the same name continues from its last checkpoint)",
+    "evaluate": "score a run's checkpoint on its held-out set (default: the last one); the result beside it",
     "sft": "supervised fine-tuning on your Parquet into a new model folder (or resume it)",
     "rm": "train a scalar reward model on preference pairs (Bradley-Terry)",
     "status": "where each run stands, read from storage (no server needed)",
@@ -123,6 +127,10 @@ IN_PROCESS = {
                "points; skips what it built before, and never writes over a folder it did not make.",
     "train": "Run RL training, or resume it: the same run name continues from its last committed checkpoint.",
     "demo": "prepare, then train, then print the held-out score before and after RL.",
+    "evaluate": "Score a committed checkpoint of the run (default: its last; --checkpoint STEP, 'final' or a URI) on the "
+                "run's held-out set with its rule or judge, on engine hosts of its own, from the run's stored config "
+                "with the overrides on top; the result goes to runs/<name>/evaluations/ (the evaluate flow that "
+                "deployments/prefect.yaml triggers on every committed checkpoint).",
 }
 
 
@@ -146,6 +154,8 @@ def _in_process(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-4 dp=2")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="Prefect's task and flow log lines on the console too (they always go to the log file)")
+    if argv[0] == "evaluate":
+        parser.add_argument("--checkpoint", help="a step number, 'final', or a checkpoint's URI or path (default: the last)")
     args = parser.parse_intermixed_args(argv[1:])
     args.command = argv[0]
 
@@ -155,16 +165,18 @@ def _in_process(argv: list[str]) -> int:
         print(f"yattflow: {e}", file=sys.stderr)
         return 2
     from flows.console import RunConsole, log_path, ui_of_command
+    from flows.evaluate import evaluate, pick_checkpoint
     from flows.prepare import prepare
     from flows.rm import rm, summary_line
     from flows.sft import sft, stopped_line
-    from flows.stops import cancelled_when_stopped, failed_line, where_it_stopped
+    from flows.stops import cancelled_when_stopped, failed_line, stopped_when_cancelled, where_it_stopped
     from flows.training import train
 
     start = time.perf_counter()
     console = RunConsole(log_path(config.storage.root, config.name, args.command), *ui_of_command(), verbose=args.verbose)
     try:
-        with _sigterm_as_ctrl_c(), console, prefect_server.local_api(), cancelled_when_stopped(console):
+        with (_sigterm_as_ctrl_c(), console, prefect_server.local_api(), cancelled_when_stopped(console),
+              stopped_when_cancelled(console)):
             if args.command == "sft":
                 result = sft(config_file=args.config, overrides=args.overrides)
                 print(f"\nsft '{config.name}': {_sft_line(result)}")
@@ -172,11 +184,17 @@ def _in_process(argv: list[str]) -> int:
                 print(f"\nrm '{config.name}': {summary_line(rm(config_file=args.config, overrides=args.overrides))}")
             if args.command in ("prepare", "demo"):
                 prepare(config_file=args.config, overrides=args.overrides)
+            if args.command == "evaluate":
+                result = asyncio.run(evaluate(checkpoint=pick_checkpoint(config, args.checkpoint), overrides=args.overrides))
+                print(f"\nevaluate '{config.name}': {_evaluation_line(result)}")
             if args.command in ("train", "demo"):
                 summary = asyncio.run(train(config_file=args.config, overrides=args.overrides))
                 print(f"\nrun '{config.name}': {_heldout_line(summary)}; final policy: {summary['final_model']}")
     except (KeyboardInterrupt, asyncio.CancelledError):  # (asyncio.run re-raises a cancel that was not only ours)
-        where = stopped_line(config, args.command) if args.command in ("sft", "rm") else where_it_stopped(config)
+        if args.command == "evaluate":
+            where = "stopped; nothing was written (the training run is not touched)"
+        else:
+            where = stopped_line(config, args.command) if args.command in ("sft", "rm") else where_it_stopped(config)
         print(f"\nyattflow {args.command}: {where}", file=sys.stderr, flush=True)
         return 130
     except Exception as e:  # noqa: BLE001 - the traceback is in the log above; the cause goes last, alone
@@ -194,6 +212,14 @@ def _heldout_line(summary: dict) -> str:
 
     return (f"held-out {summary['heldout_metric']}: {percent(summary['heldout_before'])} before RL → "
             f"{percent(summary['heldout_after'])} after {summary['steps']} RL steps")
+
+
+def _evaluation_line(result: dict) -> str:
+    """``held-out mean … reward 62.5% at step 9 (policy version 10); result: file:///…/evaluations/000009.json``."""
+    from flows.artifacts import percent
+
+    return (f"held-out {result['heldout_metric']} {percent(result['score'])} at step {result['step']} (policy version "
+            f"{result['policy_version']}); result: {result['result']}")
 
 
 def _sft_line(result: dict) -> str:
@@ -247,10 +273,37 @@ async def _ensure_pool(name: str) -> bool:
         return True
 
 
+async def _ensure_automations(notify: str | None = None) -> list[str]:
+    """Create the automations of deployments/automations.yaml, replacing those of the same names;
+    with ``notify`` (a notification block, 'type/name') each also sends a notification."""
+    import yaml
+    from prefect.blocks.core import Block
+    from prefect.client.orchestration import get_client
+    from prefect.events.actions import SendNotification
+    from prefect.events.schemas.automations import AutomationCore
+
+    automations = [AutomationCore.model_validate(a) for a in yaml.safe_load(AUTOMATIONS_FILE.read_text())["automations"]]
+    if notify:
+        try:
+            block = await Block.aload(notify)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"--notify {notify}: no such notification block ('type/name', e.g. slack-webhook/oncall): {e}") from None
+        for automation in automations:
+            automation.actions.append(SendNotification(
+                block_document_id=block._block_document_id, subject=f"yattflow: {automation.name}",
+                body="{{ automation.description }} {{ event.payload if event else '' }}"))
+    async with get_client() as client:
+        for automation in automations:
+            for old in await client.read_automations_by_name(automation.name):
+                await client.delete_automation(old.id)
+            await client.create_automation(automation)
+    return [a.name for a in automations]
+
+
 def server(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="yattflow server", description=(
-        "Start a local Prefect server on 127.0.0.1 and a process worker for the yattflow-process work pool "
-        "(created if missing). Ctrl-C stops both."))
+        f"Start a local Prefect server on 127.0.0.1 and process workers for the {PROCESS_POOL} and {EVAL_POOL} work pools "
+        "(created if missing). Ctrl-C stops them all."))
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="server port (default %(default)s)")
     parser.add_argument("--no-worker", action="store_true", help="start the server only")
     args = parser.parse_args(argv)
@@ -279,12 +332,13 @@ def server(argv: list[str]) -> int:
             return 1
         if not args.no_worker:
             with prefect_server.use_api(api_url):
-                created = asyncio.run(_ensure_pool(PROCESS_POOL))
-            if created:
-                print(f"created work pool {PROCESS_POOL} from deployments/process-gpu.json")
-            worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", PROCESS_POOL,
-                                       "--type", "process"], env=env, cwd=ROOT)
-            procs.append((worker, "worker"))
+                for pool in (PROCESS_POOL, EVAL_POOL):
+                    if asyncio.run(_ensure_pool(pool)):
+                        print(f"created work pool {pool} from deployments/process-gpu.json")
+            for pool in (PROCESS_POOL, EVAL_POOL):  # training, and the evaluations its checkpoints trigger
+                worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool,
+                                           "--type", "process"], env=env, cwd=ROOT)
+                procs.append((worker, f"worker of {pool}"))
         print(f"\nPrefect UI: {ui_url}\n  server log: {log_path}\n  in other shells: export PREFECT_API_URL={api_url}"
               f"\n  then: yattflow deploy && yattflow run --deployment prepare/prepare --watch && yattflow run steps=5"
               f"\nCtrl-C stops the server and the worker.\n", flush=True)
@@ -304,21 +358,32 @@ def server(argv: list[str]) -> int:
 
 def deploy(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="yattflow deploy", description=(
-        f"Create the {PROCESS_POOL} work pool from deployments/process-gpu.json if missing, then deploy "
-        "train/yattflow, engine-host/yattflow-host and prepare/prepare from deployments/prefect.yaml (`prefect deploy`)."))
+        f"Create the {PROCESS_POOL} and {EVAL_POOL} work pools from deployments/process-gpu.json if missing and the "
+        "automations of deployments/automations.yaml (replacing those of the same names), then deploy train/yattflow, "
+        "engine-host/yattflow-host, prepare/prepare and evaluate/evaluate from deployments/prefect.yaml (`prefect deploy`)."))
     parser.add_argument("--kubernetes", action="store_true", help=(
         f"also create the {K8S_POOL} pool (deployments/kubernetes-gpu.json) and deploy train/yattflow-k8s and "
         "engine-host/yattflow-host-k8s "
         "(= prefect deploy --all)"))
+    parser.add_argument("--notify", metavar="BLOCK", help=(
+        "a notification block ('type/name', e.g. slack-webhook/oncall, made in the UI or with `prefect block create`) "
+        "that each automation also notifies"))
     args = parser.parse_args(argv)
     api_url = _reachable_api("deploy")
     if api_url is None:
         return 1
     with prefect_server.use_api(api_url):
-        for pool in (PROCESS_POOL, K8S_POOL) if args.kubernetes else (PROCESS_POOL,):
+        for pool in (PROCESS_POOL, EVAL_POOL, K8S_POOL) if args.kubernetes else (PROCESS_POOL, EVAL_POOL):
             if asyncio.run(_ensure_pool(pool)):
                 print(f"created work pool {pool} from {POOL_TEMPLATES[pool][1].relative_to(ROOT)}")
-    names = ["--all"] if args.kubernetes else ["--name", "yattflow", "--name", "yattflow-host", "--name", "prepare"]
+        try:
+            for name in asyncio.run(_ensure_automations(args.notify)):
+                print(f"automation {name} (deployments/automations.yaml){' notifying ' + args.notify if args.notify else ''}")
+        except ValueError as e:
+            print(f"yattflow deploy: {e}", file=sys.stderr)
+            return 2
+    names = ["--all"] if args.kubernetes else ["--name", "yattflow", "--name", "yattflow-host", "--name", "prepare",
+                                               "--name", "evaluate"]
     cmd = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", str(PREFECT_FILE), *names]
     return subprocess.run(cmd, cwd=ROOT).returncode  # from the checkout: the build step records it
 

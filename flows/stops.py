@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import os
+import signal
+import threading
 from pathlib import Path
 
 
@@ -24,6 +28,37 @@ def cancelled_when_stopped(console):
         raise
 
 
+@contextlib.contextmanager
+def stopped_when_cancelled(console, every_s: float = 2.0):
+    """A run cancelled on the server (the UI's Cancel, ``prefect flow-run cancel``, an automation of
+    deployments/automations.yaml) stops as on Ctrl-C. Prefect stops a cancelled flow run only where a
+    worker runs it; a command's own run in this process would go on, so a thread reads the state of
+    its top-level runs every ``every_s`` and, once one is Cancelling, interrupts the main thread."""
+    done = threading.Event()
+
+    def watch() -> None:
+        from prefect import get_client
+
+        with get_client(sync_client=True) as client:
+            while not done.wait(every_s):
+                for run_id in list(console.runs):
+                    try:
+                        state = client.read_flow_run(run_id).state
+                    except Exception:  # noqa: BLE001 - the server busy or gone: the run itself will say so
+                        continue
+                    if state is not None and state.is_cancelling():
+                        console.say(f"cancelled on the Prefect server ({state.message or 'no reason given'}): stopping")
+                        os.kill(os.getpid(), signal.SIGINT)
+                        return
+
+    # the thread reads the API this command's context points at (settings live in a context variable)
+    threading.Thread(target=contextvars.copy_context().run, args=(watch,), daemon=True, name="yattflow-cancel-watch").start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
 async def _set_cancelled(run_ids: list[str]) -> None:
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
@@ -34,8 +69,8 @@ async def _set_cancelled(run_ids: list[str]) -> None:
             parents = [await client.read_flow_run(run_id) for run_id in run_ids]
             for run in parents:
                 if run.state is None or not run.state.is_final() or run.state.is_crashed():
-                    await client.set_flow_run_state(run.id, Cancelled(message="stopped by Ctrl-C or SIGTERM: the same "
-                                                                              "command continues it"), force=True)
+                    await client.set_flow_run_state(run.id, Cancelled(message="stopped (Ctrl-C, SIGTERM or a cancel): the "
+                                                                              "same command continues it"), force=True)
             children = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
                 parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id for run in parents])))
             run_ids = [child.id for child in children]

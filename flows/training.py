@@ -26,7 +26,7 @@ from prefect.runtime import flow_run
 from engines.wire.channel import HostLost
 from engines.wire.commands import CheckpointWaitResult
 from engines.config import RunConfig, load_config
-from flows import pipeline
+from flows import events, pipeline
 from flows.sampling import GroupSampling, plan_wave
 from flows.artifacts import Curves, Progress, StepProgress, percent
 from flows.console import shown
@@ -36,7 +36,7 @@ from flows.nodes import node_controllers, run_on_nodes
 from flows.tracking import MetricsLog
 from storage import objectstore
 from storage.lease import Lease, verify_held
-from storage.runstate import RunState, checkpoint_uri, commit_checkpoint, discard_uncommitted, resume_point
+from storage.runstate import RunState, checkpoint_uri, commit_checkpoint, config_uri, discard_uncommitted, resume_point
 from tasks import stages
 
 
@@ -171,6 +171,8 @@ def commit(config: RunConfig, checkpoint: dict, files: list[str]) -> None:
     state.sampling = checkpoint["sampling"]
     state.checkpoint = checkpoint["uri"]
     commit_checkpoint(config.run_uri, state, files, config.checkpoint.keep_last, config.checkpoint.keep_every)
+    events.emit(config, events.CHECKPOINT_COMMITTED,
+                {"step": state.step, "uri": state.checkpoint, "policy_version": state.policy_version})
 
 
 def waited_files(checkpoint: dict, waited: list[CheckpointWaitResult | None]) -> list[str]:
@@ -256,7 +258,9 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
     committed checkpoint, up to ``retries.run`` times."""
     logger = get_run_logger()
     config = load_config(config_file, overrides or [])
+    events.check_guard(config)
     objectstore.check_reachable(config.uri(""))
+    events.top_flow_run(config)
     lease = Lease(config.run_uri, config.run.lease_s, flow_run.get_id())
     try:
         await asyncio.to_thread(lease.acquire, config.run.on_conflict == "wait", logger.info)
@@ -264,6 +268,8 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
         lease.release()
         raise
     logger.info("run %s: lease taken (%s)", config.name, lease.uri)
+    # the run's config as this run trains it: what an evaluation of its checkpoints loads (flows/evaluate.py)
+    objectstore.write_json(config_uri(config.run_uri), config.model_dump(mode="json"))
     history: list[StepMetrics] = []  # every step trained, over the attempts (a step redone replaces its first try)
     try:
         for attempt in range(config.retries.run + 1):
@@ -273,6 +279,8 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
                 if attempt == config.retries.run:
                     raise e.__cause__ from None
                 state = RunState.load(config.run_uri)
+                resumes = state.step + 1 if state and state.step >= 0 else 0
+                events.emit(config, events.RUN_HEALED, {"attempt": attempt + 1, "error": str(e), "resumes_at_step": resumes})
                 logger.warning("attempt %d of %d failed: %s. Restarting the engine hosts and resuming from %s (retries.run=%d)",
                                attempt + 1, config.retries.run + 1, e,
                                f"the checkpoint of step {state.step + 1}" if state and state.step >= 0 else "the start",
@@ -319,6 +327,9 @@ async def _attempt(config: RunConfig, history: list[StepMetrics]) -> dict:
                "history": [m.model_dump(exclude={"checkpoint_files", "pending_checkpoint"}) for m in history]}
     await acreate_markdown_artifact(key=f"{config.name}-summary", markdown=_summary_markdown(summary),
                                     description=f"{config.name}: held-out {metric or 'evaluation off'}: {percent(before)} → {percent(after)}")
+    events.emit(config, events.RUN_FINISHED, {"steps_done": max(first, end), "steps": config.steps,
+                                              "heldout_metric": metric, "heldout_before": before, "heldout_after": after,
+                                              "final_model": final_uri})
     if metric:
         logger.info("held-out %s: before RL %s, after RL %s", metric, percent(before), percent(after))
     return summary
@@ -402,6 +413,7 @@ async def _steps(config: RunConfig, state: RunState, first: int, end: int, histo
                         f", checkpoint {metrics.heldout_checkpoint}" if metrics.heldout_checkpoint else "", percent(metrics.heldout),
                         extra=shown("note"))
         tracking.step(metrics)
+        events.step_completed(config, history)
         empty_steps = empty_steps + 1 if metrics.kept_groups == 0 else 0
         if empty_steps:
             check_empty_steps(config, metrics, empty_steps)

@@ -78,6 +78,11 @@ class RunState:
         objectstore.write_json(objectstore.join(run_uri, "state.json"), asdict(self))
 
 
+def config_uri(run_uri: str) -> str:
+    """The run's config, as its latest training run trained it (``flows/training.py``)."""
+    return objectstore.join(run_uri, "config.json")
+
+
 def checkpoint_uri(run_uri: str, step: int) -> str:
     return objectstore.join(run_uri, "checkpoints", f"{step:06d}")
 

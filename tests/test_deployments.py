@@ -39,6 +39,7 @@ from tests.helpers import assert_steps_completed, children, read_run_tree
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS = ROOT / "deployments"
 POOLS = {"yattflow-process": ("process", DEPLOYMENTS / "process-gpu.json"),
+         "yattflow-eval": ("process", DEPLOYMENTS / "process-gpu.json"),
          "yattflow-k8s": ("kubernetes", DEPLOYMENTS / "kubernetes-gpu.json")}
 
 
@@ -92,18 +93,22 @@ def pools(prefect_server):
 
 @pytest.fixture(scope="module")
 def deployed(pools):
-    """``prefect deploy --all`` of deployments/prefect.yaml, from the repository root."""
+    """``prefect deploy --all`` of deployments/prefect.yaml, from the repository root. The evaluate
+    deployment is deleted at once: its trigger would schedule an evaluation of every checkpoint of
+    the session's later runs (tests/test_events.py deploys it for its own tests)."""
     out = prefect("deploy", "--prefect-file", str(DEPLOYMENTS / "prefect.yaml"), "--all", timeout=300)
-    for name in ("train/yattflow", "engine-host/yattflow-host", "prepare/prepare", "train/yattflow-k8s",
+    for name in ("train/yattflow", "engine-host/yattflow-host", "prepare/prepare", "evaluate/evaluate", "train/yattflow-k8s",
                  "engine-host/yattflow-host-k8s"):
         assert f"Deployment '{name}' successfully created" in out, out
+    prefect("deployment", "delete", "evaluate/evaluate")
     return out
 
 
-def start_worker(log_path: Path, name: str, queues: list[str], env: dict | None = None) -> subprocess.Popen:
-    """A real process worker on the yattflow-process pool serving ``queues``, polling every second."""
+def start_worker(log_path: Path, name: str, queues: list[str], env: dict | None = None,
+                 pool: str = "yattflow-process") -> subprocess.Popen:
+    """A real process worker on ``pool`` serving ``queues``, polling every second."""
     env = dict(os.environ, PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="10", **(env or {}))
-    cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", "yattflow-process", "--type", "process",
+    cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process",
            "--name", name, *(arg for q in queues for arg in ("--work-queue", q))]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -504,7 +509,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_yattflow_server_starts_server_and_worker_and_ctrl_c_stops_both(tmp_path):
+def test_yattflow_server_starts_server_and_workers_and_ctrl_c_stops_them(tmp_path):
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(tmp_path / "home")}
@@ -514,14 +519,15 @@ def test_yattflow_server_starts_server_and_worker_and_ctrl_c_stops_both(tmp_path
                                 stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 180
-        while "started!" not in log_path.read_text():  # the worker's line, printed after the UI URL
+        while log_path.read_text().count("started!") < 2:  # the workers' lines, printed after the UI URL
             assert proc.poll() is None and time.time() < deadline, log_path.read_text()
             time.sleep(0.5)
         assert f"Prefect UI: http://127.0.0.1:{port}" in log_path.read_text()
-        pool = json.load(urllib.request.urlopen(f"{api}/work_pools/yattflow-process", timeout=10))
-        assert pool["type"] == "process" and pool["base_job_template"] == json.loads(POOLS["yattflow-process"][1].read_text())
+        for name in ("yattflow-process", "yattflow-eval"):  # training, and the evaluations its checkpoints trigger
+            pool = json.load(urllib.request.urlopen(f"{api}/work_pools/{name}", timeout=10))
+            assert pool["type"] == "process" and pool["base_job_template"] == json.loads(POOLS[name][1].read_text())
         kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        assert len(kids) == 2, kids  # the server and the worker; the pool was created through the server, not an ephemeral API
+        assert len(kids) == 3, kids  # the server and the workers; the pools were created through the server, not an ephemeral API
         server_pid = next(k for k in kids if b"server\x00start" in Path(f"/proc/{k}/cmdline").read_bytes())
         server_env = dict(kv.split("=", 1) for kv in Path(f"/proc/{server_pid}/environ").read_text().split("\0") if "=" in kv)
         assert {k: server_env.get(k) for k in SERVER_SETTINGS} == SERVER_SETTINGS  # the batched task-run recorder

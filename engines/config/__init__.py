@@ -11,6 +11,7 @@ Paths without a scheme are relative to ``storage.root``. The sections and their 
 
 from __future__ import annotations
 
+import copy
 import textwrap
 from typing import Annotated, get_args, get_origin
 from pathlib import Path
@@ -21,7 +22,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from engines.config.sections import (
     Section, StorageConfig, PrepareConfig, SFTConfig, ModelConfig, DataConfig, EvalConfig, RolloutConfig,
     JudgeConfig, RewardConfig, SamplingConfig, PlacementConfig, CheckpointConfig, HostsConfig,
-    RunControlConfig, RetriesConfig, TimeoutsConfig,
+    RunControlConfig, RetriesConfig, TimeoutsConfig, GuardConfig,
 )
 from engines.config.rm import RMConfig
 from engines.config.controllers import ControllersConfig
@@ -60,6 +61,7 @@ class RunConfig(Section):
     run: RunControlConfig = Field(default_factory=RunControlConfig)
     retries: RetriesConfig = Field(default_factory=RetriesConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
 
     @model_validator(mode="after")
     def _devices_per_group(self):
@@ -155,10 +157,12 @@ def _set_dotted(tree: dict, key: str, value) -> None:
     node[parts[-1]] = value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Defaults ← YAML file ← ``key=value`` overrides, validated as a whole."""
-    source = str(path) if path else "<defaults>"
-    tree: dict = {}
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), tree: dict | None = None,
+                source: str | None = None) -> RunConfig:
+    """Defaults ← YAML file (or ``tree``, a config as a mapping read from ``source``) ← ``key=value``
+    overrides, validated as a whole."""
+    source = source or (str(path) if path else "<defaults>")
+    tree = copy.deepcopy(tree or {})
     if path:
         try:
             tree = yaml.safe_load(Path(path).read_text()) or {}

@@ -398,6 +398,25 @@ class CheckpointConfig(Section):
         return self
 
 
+class GuardConfig(Section):
+    """Bounds a run watches its own steps against (flows/events.py). A step outside them emits the
+    ``yattflow.guard.tripped`` event; what follows is up to the server's automations
+    (deployments/automations.yaml: cancel the run, or notify someone). Off by default."""
+
+    reward_drop: float | None = Field(
+        None, gt=0,
+        description="Trip when a step's mean reward is this far below the best step reward of the `window` steps "
+        "before it (e.g. 0.3: a fall of 0.3 or more). None: off.",
+    )
+    window: int = Field(5, gt=0, description="Steps before the current one that reward_drop compares with.")
+    max: dict[str, float] = Field(
+        {},
+        description="Upper bounds on a step's figures by name: a StepMetrics number (seconds, response_tokens, ...) or a "
+        "trainer figure (loss, grad_norm, entropy, kl_rollout, kl_reference, clip_fraction, ...), e.g. "
+        "{kl_reference: 0.5, grad_norm: 50}. A step with a figure above its bound trips the guard.",
+    )
+
+
 class HostsConfig(Section):
     """Where the engine hosts (one process per DP group, engines resident for the whole run) run."""
 

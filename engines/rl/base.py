@@ -104,6 +104,17 @@ def on_response_tokens(advantages: Sequence[float | Sequence[float]], mask: torc
     return out.to(mask.device)
 
 
+def statistic_names(algorithm: AlgorithmConfig) -> list[str]:
+    """The statistics a train step of ``algorithm`` reports besides loss, grad_norm and tokens: its
+    loss's own (names from a pass over no tokens), then ``SHARED_STATISTICS``."""
+    empty = torch.zeros(0, 0, dtype=torch.float64)
+    if algorithm.needs.pairs:  # per-pair statistics: averaged over pairs rather than tokens
+        names = list(algorithm.pair_loss(*[torch.zeros(0, dtype=torch.float64)] * 5)[1])
+    else:
+        names = list(algorithm.loss(empty, empty, torch.zeros(0, dtype=torch.float64), empty)[1])
+    return names + list(SHARED_STATISTICS)
+
+
 class LossStep:
     """One ``train_step``'s loss and statistics, for a trainer that owns the passes.
 
@@ -117,13 +128,8 @@ class LossStep:
         self.unit = algorithm.needs.unit  # rows per loss term: the trainers cut their batches between units
         # per-token statistics summed over this rank's tokens (on the device once added to); their
         # names from a pass over no tokens, so that a rank given no rows reports them too (as 0)
-        empty = torch.zeros(0, 0, dtype=torch.float64)
-        if algorithm.needs.pairs:  # per-pair statistics: averaged over pairs rather than tokens
-            names = list(algorithm.pair_loss(*[torch.zeros(0, dtype=torch.float64)] * 5)[1])
-        else:
-            names = list(algorithm.loss(empty, empty, torch.zeros(0, dtype=torch.float64), empty)[1])
-        self.pair_statistics = set(names) if algorithm.needs.pairs else set()
-        names += SHARED_STATISTICS
+        names = statistic_names(algorithm)
+        self.pair_statistics = set(names) - set(SHARED_STATISTICS) if algorithm.needs.pairs else set()
         self.sums = {name: torch.zeros((), dtype=torch.float64) for name in names}
         self.pairs = 0
         self.shift, self.scale = 0.0, 1.0
