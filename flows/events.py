@@ -9,8 +9,9 @@
 
 An event's resource is the run's top flow run (``prefect.flow-run.<id>``: the UI lists the events on
 that run's page, and an automation's cancel-flow-run action finds the run from the event) labelled
-with the run's name (``yattflow.run``) and storage (``yattflow.run.uri``). A resumed run is a new
-flow run with the same ``yattflow.run``. Step numbers are 0-based, as in checkpoint names.
+with the run's name (``yattflow.run``), storage (``yattflow.run.uri``) and whether it has a held-out
+set (``yattflow.run.heldout``: yes/no; the evaluate trigger matches yes). A resumed run is a new flow
+run with the same ``yattflow.run``. Step numbers are 0-based, as in checkpoint names.
 
 Prefect's triggers match event names and labels, not numbers: so the run itself holds its figures
 against ``guard`` (``guard_trips``) and says so in ``yattflow.guard.tripped``; what happens then is the
@@ -53,7 +54,8 @@ def resource(config: RunConfig) -> dict[str, str]:
     from prefect.runtime import flow_run
 
     run_id = _TOP_RUNS.get(config.name) or flow_run.get_id()
-    return {"prefect.resource.id": f"prefect.flow-run.{run_id}", "yattflow.run": config.name, "yattflow.run.uri": config.run_uri}
+    return {"prefect.resource.id": f"prefect.flow-run.{run_id}", "yattflow.run": config.name, "yattflow.run.uri": config.run_uri,
+            "yattflow.run.heldout": "yes" if config.data.heldout else "no"}
 
 
 def emit(config: RunConfig, event: str, payload: dict) -> None:

@@ -268,8 +268,6 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
         lease.release()
         raise
     logger.info("run %s: lease taken (%s)", config.name, lease.uri)
-    # the run's config as this run trains it: what an evaluation of its checkpoints loads (flows/evaluate.py)
-    objectstore.write_json(config_uri(config.run_uri), config.model_dump(mode="json"))
     history: list[StepMetrics] = []  # every step trained, over the attempts (a step redone replaces its first try)
     try:
         for attempt in range(config.retries.run + 1):
@@ -351,6 +349,8 @@ async def _train_on(hosts, config: RunConfig, state: RunState | None, first: int
     await stages.validate_inputs(config)
     resume = state.checkpoint if state else None
     await asyncio.gather(*(stages.setup_engines(config, g, resume, hosts.master) for g in range(config.dp)))
+    # inputs checked, engines loaded: the run's config as it trains, what an evaluation of its checkpoints loads (flows/evaluate.py)
+    objectstore.write_json(config_uri(run_uri), config.model_dump(mode="json"))
     if state is None:
         state = RunState(cursors=[0] * config.dp)
         state.heldout_before = await heldout_score(config, "before")

@@ -100,8 +100,15 @@ def deployed(pools):
     for name in ("train/yattflow", "engine-host/yattflow-host", "prepare/prepare", "evaluate/evaluate", "train/yattflow-k8s",
                  "engine-host/yattflow-host-k8s"):
         assert f"Deployment '{name}' successfully created" in out, out
-    prefect("deployment", "delete", "evaluate/evaluate")
+    remove_deployment("evaluate/evaluate")
     return out
+
+
+def remove_deployment(name: str) -> None:
+    """Delete a deployment and the automations of its triggers (deleting a deployment leaves them)."""
+    deployment = client_call(lambda c: c.read_deployment_by_name(name))
+    client_call(lambda c: c.delete_resource_owned_automations(f"prefect.deployment.{deployment.id}"))
+    client_call(lambda c: c.delete_deployment(deployment.id))
 
 
 def start_worker(log_path: Path, name: str, queues: list[str], env: dict | None = None,

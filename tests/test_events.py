@@ -28,6 +28,7 @@ from tests.test_deployments import (
     DEPLOYMENTS,
     client_call,
     prefect,
+    remove_deployment,
     start_worker,
     stop_workers,
     wait_final,
@@ -79,7 +80,7 @@ def deployed(prefect_server):
                   timeout=300)
     assert "Deployment 'evaluate/evaluate' successfully created" in out, out
     yield
-    prefect("deployment", "delete", "evaluate/evaluate")
+    remove_deployment("evaluate/evaluate")
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +214,8 @@ def test_a_guard_cancels_a_run_whose_kl_explodes_and_the_run_resumes(prepared, t
     state = json.loads((Path(prepared) / "runs" / name / "state.json").read_text())
     assert 0 <= state["step"] < 49 and Path(state["checkpoint"].removeprefix("file://"), "MANIFEST.json").exists()
 
+    # no held-out set (data.heldout=null): its checkpoints' events match no evaluation trigger
+    assert not client_call(lambda c: c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="evaluate-guardtest-"))))
     resumed = run_deployed(common + [f"steps={state['step'] + 3}"])
     assert wait_final(resumed).state.is_completed()
     iterations = sorted(r.name for r in client_call(lambda c: children(c, resumed)) if r.name.startswith("iteration-"))
