@@ -15,7 +15,7 @@ command continues it:
 
 The Prefect way (a server, a worker on a work pool, deployments from deployments/prefect.yaml):
 
-    yattflow server [--port 4200]                    local Prefect server + a process worker; Ctrl-C stops both
+    yattflow server [--port 4200]                    local Prefect server + a worker per pool; Ctrl-C stops them
     yattflow stack --database-url URL [--replicas N] API replicas on PostgreSQL, Redis, services (flows/stack.py)
     yattflow deploy [--kubernetes] [--notify BLOCK]  the work pools if missing, the automations, then `prefect deploy`
     yattflow run    [-c run.yaml] [key=value ...]    a flow run of train/yattflow; prints its URL
@@ -331,17 +331,16 @@ def server(argv: list[str]) -> int:
             print(f"yattflow server: {e}", file=sys.stderr)
             return 1
         if not args.no_worker:
-            with prefect_server.use_api(api_url):
-                for pool in (PROCESS_POOL, EVAL_POOL):
+            for pool in (PROCESS_POOL, EVAL_POOL):  # training, and the evaluations its checkpoints trigger
+                with prefect_server.use_api(api_url):
                     if asyncio.run(_ensure_pool(pool)):
                         print(f"created work pool {pool} from deployments/process-gpu.json")
-            for pool in (PROCESS_POOL, EVAL_POOL):  # training, and the evaluations its checkpoints trigger
                 worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool,
                                            "--type", "process"], env=env, cwd=ROOT)
                 procs.append((worker, f"worker of {pool}"))
         print(f"\nPrefect UI: {ui_url}\n  server log: {log_path}\n  in other shells: export PREFECT_API_URL={api_url}"
               f"\n  then: yattflow deploy && yattflow run --deployment prepare/prepare --watch && yattflow run steps=5"
-              f"\nCtrl-C stops the server and the worker.\n", flush=True)
+              f"\nCtrl-C stops the server and the workers.\n", flush=True)
         while all(p.poll() is None for p, _ in procs):
             time.sleep(0.5)
         for p, name in procs:
