@@ -3,9 +3,10 @@
 * ``{name}-progress`` — steps done out of ``steps`` (a progress artifact of the ``train`` run);
 * ``{name}-dp-{g}-progress`` — the stages of the current step that group ``g`` has done (a
   progress artifact of each DP-group sub-flow, updated as each stage task finishes);
-* ``{name}-curves`` — reward and rollout accuracy per step as Unicode sparklines and bars
-  (markdown of the ``train`` run, redrawn in place after every step), its points kept in
-  ``runs/{name}/curves.json`` so that a resumed run draws the whole run;
+* ``{name}-curves`` — the learning curve: a picture of reward, rollout accuracy and held-out per
+  step, then sparklines and bars (``flows/curves.py`` draws them; markdown of the ``train`` run,
+  redrawn in place after every step), its points kept in ``runs/{name}/curves.json`` so that a
+  resumed run draws the whole run, its picture in ``runs/{name}/curves.svg``;
 * ``{name}-iteration`` (table) and ``{name}-summary`` (markdown) are written by the flows.
 
 Progress and curves are created once per flow run and then updated in place, in the
@@ -16,7 +17,6 @@ never fails the step.
 from __future__ import annotations
 
 import asyncio
-import math
 from uuid import UUID
 
 from prefect import get_run_logger
@@ -24,11 +24,10 @@ from prefect.artifacts import acreate_markdown_artifact, acreate_progress_artifa
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 
+from flows.curves import curves_markdown, curves_svg
 from storage import objectstore
 
 CURVE_FIELDS = ("step", "reward", "accuracy", "kept_groups", "dropped_groups", "waves", "loss", "seconds", "heldout")
-SPARKS = "▁▂▃▄▅▆▇█"
-EIGHTHS = " ▏▎▍▌▋▊▉"
 
 
 async def _quietly(what: str, call):
@@ -127,14 +126,16 @@ class StepProgress(Progress):
 
 
 class Curves(LiveArtifact):
-    """``{run}-curves``: reward and accuracy per step, redrawn after every step. The points live
-    in ``runs/{run}/curves.json`` so that a resumed run draws its earlier steps too (with the run's
-    steps and, once it ends, its held-out figure after the last step: ``yattflow status`` reads them)."""
+    """``{run}-curves``: the learning curve, redrawn after every step. The points live in
+    ``runs/{run}/curves.json`` so that a resumed run draws its earlier steps too (with the run's steps
+    and, once it ends, its held-out figure after the last step: ``yattflow status`` reads them); the
+    picture beside them in ``curves.svg``."""
 
     def __init__(self, run: str, run_uri: str, steps: int, first_step: int, heldout_before: float | None,
                  heldout_metric: str | None = None):
         super().__init__(f"{run}-curves")
         self.run, self.uri, self.steps, self.heldout_before = run, objectstore.join(run_uri, "curves.json"), steps, heldout_before
+        self.picture = objectstore.join(run_uri, "curves.svg")
         self.heldout_metric = heldout_metric
         points = objectstore.read_json(self.uri).get("points", []) if objectstore.exists(self.uri) else []
         self.points = [p for p in points if p["step"] < first_step]  # a resume redoes the later ones
@@ -147,76 +148,20 @@ class Curves(LiveArtifact):
         flat = metrics | metrics.get("train", {})  # the trainer's figures (loss) beside the step's
         point = {k: flat[k] for k in CURVE_FIELDS if k in flat}
         self.points = [p for p in self.points if p["step"] != point["step"]] + [point]
-        objectstore.write_json(self.uri, {"points": self.points, "steps": self.steps})
-        self._draw()
+        self._keep({"points": self.points, "steps": self.steps})
 
     def finish(self, heldout_after: float | None) -> None:
         """The run's end: the held-out figure after its last step (kept for ``yattflow status``, until a later step)."""
         after_step = max((p["step"] + 1 for p in self.points), default=0)
-        objectstore.write_json(self.uri, {"points": self.points, "steps": self.steps, "heldout_after": heldout_after,
-                                          "after_step": after_step})
+        self._keep({"points": self.points, "steps": self.steps, "heldout_after": heldout_after, "after_step": after_step},
+                   heldout_after)
+
+    def _keep(self, curves: dict, heldout_after: float | None = None) -> None:
+        """The points and the picture to storage, the artifact redrawn."""
+        objectstore.write_json(self.uri, curves)
+        objectstore.write_bytes(self.picture, curves_svg(self.run, self.points, self.steps, self.heldout_before, heldout_after).encode())
         self._draw(heldout_after)
 
     def _draw(self, heldout_after: float | None = None) -> None:
         self.show(curves_markdown(self.run, self.points, self.steps, self.heldout_before, heldout_after, self.heldout_metric),
                   f"{self.run}: reward and accuracy per step ({len(self.points)} of {self.steps} steps)")
-
-
-def sparkline(values: list[float | None], width: int = 60) -> str:
-    """``▁▃▅█``: one character per step (per bucket of steps past ``width``), scaled min..max."""
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    if not vals:
-        return ""
-    if len(values) > width:  # bucket means
-        size = len(values) / width
-        buckets = [values[int(i * size): int((i + 1) * size)] for i in range(width)]
-        values = [(sum(b) / len(b)) if (b := [v for v in bucket if v is not None]) else None for bucket in buckets]
-    lo, hi = min(vals), max(vals)
-    span = hi - lo
-    return "".join(" " if v is None else SPARKS[0 if span == 0 else min(7, int((v - lo) / span * 8))] for v in values)
-
-
-def bar(value: float | None, lo: float, hi: float, width: int = 20) -> str:
-    """A horizontal bar in eighths of a character: ``█████▍``."""
-    if value is None or hi <= lo:
-        return ""
-    eighths = round(max(0.0, min(1.0, (value - lo) / (hi - lo))) * width * 8)
-    return "█" * (eighths // 8) + (EIGHTHS[eighths % 8] if eighths % 8 else "")
-
-
-def percent(x: float | None) -> str:
-    """``31.2%``, or ``n/a`` for a figure not measured."""
-    return "n/a" if x is None else f"{100 * x:.1f}%"
-
-
-def curves_markdown(run: str, points: list[dict], steps: int, heldout_before: float | None,
-                    heldout_after: float | None = None, heldout_metric: str | None = None, rows: int = 40) -> str:
-    done = len(points)
-    heldout = (f"**{percent(heldout_before)} → {percent(heldout_after)}** (before → after RL)" if heldout_after is not None
-               else f"**{percent(heldout_before)}** before RL (after RL: measured when the run ends)")
-    heldout = f"Held-out {heldout_metric}: {heldout}" if heldout_metric else "No held-out evaluation (data.heldout is not set)"
-    lines = [f"# Run `{run}`: reward and accuracy, {done} of {steps} steps", "", heldout, ""]
-    if not points:
-        return "\n".join(lines + ["No step has finished yet."])
-    first, last = points[0]["step"], points[-1]["step"]
-    lines += [f"| per step | first | latest | min | max | step {first} → {last} |", "|---|---:|---:|---:|---:|---|"]
-    series = [("reward (mean)", "reward", lambda v: f"{v:.3f}"), ("rollout accuracy", "accuracy", percent), ("held-out", "heldout", percent),
-              ("groups kept", "kept_groups", lambda v: f"{v:g}"), ("loss", "loss", lambda v: f"{v:.4f}"),
-              ("seconds", "seconds", lambda v: f"{v:.2f}")]
-    for label, key, fmt in series:
-        vals = [p.get(key) for p in points]
-        known = [v for v in vals if v is not None]
-        if not known:
-            continue
-        lines.append(f"| {label} | {fmt(known[0])} | {fmt(known[-1])} | {fmt(min(known))} | {fmt(max(known))} | `{sparkline(vals)}` |")
-    rewards = [p["reward"] for p in points if p.get("reward") is not None]
-    lo, hi = min(0.0, *rewards), max(1.0, *rewards)
-    shown = points[-rows:]
-    latest = f", the latest {rows} steps" if len(points) > rows else ""
-    # one chart per metric, bars last on each line: block characters are not always one cell wide
-    for title, key, fmt, (a, b) in (("Reward (mean)", "reward", lambda v: f"{v:.3f}", (lo, hi)),
-                                    ("Rollout accuracy", "accuracy", percent, (0.0, 1.0))):
-        lines += ["", f"{title} per step{latest}, bars from {fmt(a)} to {fmt(b)}:", "", "```text", f"{'step':>6}  {key:>8}"]
-        lines += [f"{p['step']:>6}  {fmt(p[key]) if p.get(key) is not None else 'n/a':>8}  {bar(p.get(key), a, b)}" for p in shown]
-        lines.append("```")
-    return "\n".join(lines)

@@ -164,6 +164,7 @@ def _in_process(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"yattflow: {e}", file=sys.stderr)
         return 2
+    from flows import events
     from flows.console import RunConsole, log_path, ui_of_command
     from flows.evaluate import evaluate, pick_checkpoint
     from flows.prepare import prepare
@@ -175,21 +176,21 @@ def _in_process(argv: list[str]) -> int:
     start = time.perf_counter()
     console = RunConsole(log_path(config.storage.root, config.name, args.command), *ui_of_command(), verbose=args.verbose)
     try:
-        with (_sigterm_as_ctrl_c(), console, prefect_server.local_api(), cancelled_when_stopped(console),
+        with (_sigterm_as_ctrl_c(), console, prefect_server.local_api(), events.all_sent(), cancelled_when_stopped(console),
               stopped_when_cancelled(console)):
             if args.command == "sft":
                 result = sft(config_file=args.config, overrides=args.overrides)
-                print(f"\nsft '{config.name}': {_sft_line(result)}")
+                console.say(f"\nsft '{config.name}': {_sft_line(result)}")
             if args.command == "rm":
-                print(f"\nrm '{config.name}': {summary_line(rm(config_file=args.config, overrides=args.overrides))}")
+                console.say(f"\nrm '{config.name}': {summary_line(rm(config_file=args.config, overrides=args.overrides))}")
             if args.command in ("prepare", "demo"):
                 prepare(config_file=args.config, overrides=args.overrides)
             if args.command == "evaluate":
                 result = asyncio.run(evaluate(checkpoint=pick_checkpoint(config, args.checkpoint), overrides=args.overrides))
-                print(f"\nevaluate '{config.name}': {_evaluation_line(result)}")
+                console.say(f"\nevaluate '{config.name}': {_evaluation_line(result)}")
             if args.command in ("train", "demo"):
                 summary = asyncio.run(train(config_file=args.config, overrides=args.overrides))
-                print(f"\nrun '{config.name}': {_heldout_line(summary)}; final policy: {summary['final_model']}")
+                console.say(f"\nrun '{config.name}': {_heldout_line(summary)}; final policy: {summary['final_model']}")
     except (KeyboardInterrupt, asyncio.CancelledError):  # (asyncio.run re-raises a cancel that was not only ours)
         if args.command == "evaluate":
             where = "stopped; nothing was written (the training run is not touched)"
@@ -208,7 +209,7 @@ def _heldout_line(summary: dict) -> str:
     """``held-out mean engines.demo.arithmetic:exact_match reward: 31.2% before RL → 63.2% after 40 RL steps``."""
     if summary["heldout_metric"] is None:
         return "no held-out evaluation (data.heldout is not set)"
-    from flows.artifacts import percent
+    from flows.curves import percent
 
     return (f"held-out {summary['heldout_metric']}: {percent(summary['heldout_before'])} before RL → "
             f"{percent(summary['heldout_after'])} after {summary['steps']} RL steps")
@@ -216,7 +217,7 @@ def _heldout_line(summary: dict) -> str:
 
 def _evaluation_line(result: dict) -> str:
     """``held-out mean … reward 62.5% at step 9 (policy version 10); result: file:///…/evaluations/000009.json``."""
-    from flows.artifacts import percent
+    from flows.curves import percent
 
     return (f"held-out {result['heldout_metric']} {percent(result['score'])} at step {result['step']} (policy version "
             f"{result['policy_version']}); result: {result['result']}")
@@ -226,7 +227,7 @@ def _sft_line(result: dict) -> str:
     """``held-out exact match 95.0% after 700 steps; model: file:///…/models/mine-sft``."""
     if result.get("skipped"):
         return f"a model is already committed at {result['uri']} (nothing trained)"
-    from flows.artifacts import percent
+    from flows.curves import percent
 
     heldout = "" if result["exact_match"] is None else f"held-out exact match {percent(result['exact_match'])}, "
     return f"{heldout}loss {result['loss']:.4f} after {result['steps']} steps; model: {result['uri']}"

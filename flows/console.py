@@ -93,6 +93,7 @@ class RunConsole(logging.Handler):
         self.progress: Progress | None = None
         self._lock = threading.RLock()
         self._restore: list = []
+        self.last_said: str | None = None
 
     # ------------------------------------------------------------------ setup
     def __enter__(self) -> "RunConsole":
@@ -106,13 +107,13 @@ class RunConsole(logging.Handler):
         if consoles and consoles[0].formatter is not None:
             self.file.setFormatter(consoles[0].formatter)  # Prefect's: flow and task run names on each line
         for handler in consoles:
-            self._restore.append((handler, handler.level, handler.console.file, handler.console.stderr, handler.formatter))
+            self._restore.append((handler, handler.level, handler.console, handler.formatter))
             if not self.verbose:
                 handler.setLevel(logging.WARNING)
                 handler.setFormatter(Brief(handler.formatter, self.log_path))
                 handler.addFilter(no_repeats)
-            if self.live:  # through sys.stderr as it is at each write: the display prints it above itself
-                handler.console.file, handler.console.stderr = None, True
+            if self.live:  # the display's console: it prints the line above itself (rich bypasses a redirected stderr)
+                handler.console = self.console
         root.addHandler(self.file)
         root.addHandler(self)
         self.say(f"log: {self.log_path}" + ("" if self.verbose else " (Prefect's task and flow lines; --verbose shows them here)"))
@@ -129,18 +130,20 @@ class RunConsole(logging.Handler):
         root.removeHandler(self)
         if self.progress is not None:
             self.progress.stop()
-        for handler, level, file, stderr, formatter in self._restore:
+        for handler, level, console, formatter in self._restore:
             handler.setLevel(level)
-            handler.console.file, handler.console.stderr = file, stderr
+            handler.console = console
             handler.setFormatter(formatter)
             handler.removeFilter(no_repeats)
         root.removeHandler(self.file)
         self.file.close()
-        for run_id, name in self.runs.items():
-            self.say(self.link_line(name, run_id))
+        for run_id, name in self.runs.items():  # again, below what the run printed (unless it printed nothing)
+            if self.link_line(name, run_id) != self.last_said:
+                self.say(self.link_line(name, run_id))
 
     def say(self, line: str) -> None:
-        """A line of its own: above the display, or on stdout."""
+        """A line of its own, never wrapped (a link stays whole): above the display, or on stdout."""
+        self.last_said = line
         if self.progress is not None:
             self.progress.console.print(line, highlight=False, markup=False, soft_wrap=True)
         else:

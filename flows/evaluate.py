@@ -24,7 +24,7 @@ from prefect.artifacts import acreate_markdown_artifact
 
 from engines.config import ConfigError, load_config
 from flows import events
-from flows.artifacts import percent
+from flows.curves import percent
 from flows.hosts import engine_hosts
 from flows.training import heldout_metric, heldout_score
 from storage import objectstore

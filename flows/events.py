@@ -22,6 +22,8 @@ events worker sends on its own thread (the cost: docs/deployments.md#events).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from engines.config import ConfigError, RunConfig
 from flows.metrics import StepMetrics
@@ -39,6 +41,19 @@ STEP_FIELDS = ("step", "reward", "accuracy", "kept_groups", "dropped_groups", "w
 
 
 _TOP_RUNS: dict[str, str] = {}  # run name -> the flow run that trains (or evaluates) it in this process
+
+
+@contextmanager
+def all_sent(timeout_s: float = 10.0) -> Iterator[None]:
+    """Every event queued in the block (ours, and the task-run states Prefect sends as events) is
+    sent before it ends: before a command's last line and before an embedded server stops, so
+    Prefect's exit hook has nothing left to warn about ("Still processing items") on the console."""
+    try:
+        yield
+    finally:
+        from prefect.events.worker import EventsWorker
+
+        EventsWorker.drain_all(timeout=timeout_s)
 
 
 def top_flow_run(config: RunConfig) -> None:

@@ -24,7 +24,7 @@ from engines import reward_model
 from engines.backends import chat
 from engines.config import ConfigError, RunConfig, load_config
 from engines.demo import arithmetic
-from flows.artifacts import percent
+from flows.curves import percent
 from flows.console import shown
 from flows.sft import _load_state, _save_state, local_base, needs_building
 from flows.training import run_label

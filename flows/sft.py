@@ -27,7 +27,7 @@ from engines.backends import chat
 from engines.config import ConfigError, RunConfig, SFTConfig, load_config
 from engines.sft import sft as train_sft
 from engines.sft import start_model
-from flows.artifacts import percent
+from flows.curves import percent
 from flows.console import shown
 from flows.training import run_label
 from storage import datasets, objectstore

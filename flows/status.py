@@ -1,7 +1,8 @@
 """``yattflow status [name]``: where runs stand.
 
 From storage, with no Prefect server needed (``storage/runstatus.py``): each run's steps trained,
-its last committed checkpoint, its held-out figures and whether a live run holds its lease. When a
+its last committed checkpoint, its held-out figures, whether a live run holds its lease, and its
+learning curve (``flows/curves.py``: sparklines here, a picture in ``runs/<name>/curves.svg``). When a
 Prefect server answers (``PREFECT_API_URL``, or ``yattflow server``'s), the state of the flow run that
 took each run's lease last goes beside it, and the latest flow runs of the train flow (deployed or
 from the command line) follow, with the step each run's state.json committed.
@@ -15,8 +16,9 @@ import os
 import sys
 
 from flows import prefect_server
-from flows.artifacts import percent
+from flows.curves import curves_text, percent
 from flows.cli import ROOT, TRAIN_DEPLOYMENT, _api_url
+from storage import objectstore
 
 
 def status(argv: list[str]) -> int:
@@ -62,11 +64,25 @@ def status(argv: list[str]) -> int:
         for r in runs:
             if r.problem:
                 print(f"  {r.name}: {r.problem}")
+        if len(runs) == 1:
+            _curve(runs[0])
+        elif any(r.points for r in runs):
+            print("  (yattflow status NAME: that run's learning curve)")
     if not server:
         print(f"\nno Prefect server at {api_url}: flow-run states not shown (start one with `yattflow server`, "
               "or set PREFECT_API_URL)")
         return 0
     return _flow_runs(api_url, args.deployment, args.name, args.limit)
+
+
+def _curve(r) -> None:
+    """The run's learning curve in the terminal, and where its picture is."""
+    lines = curves_text(r.points, r.heldout_before, r.heldout_after)
+    if not lines:
+        return
+    print(f"\n{r.name}: {_steps(r)} steps (picture: {objectstore.join(r.uri, 'curves.svg')})")
+    for line in lines:
+        print(f"  {line}")
 
 
 def _steps(r) -> str:

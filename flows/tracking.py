@@ -64,9 +64,18 @@ class MetricsLog:
             self._log({self.heldout_tag: value}, step)
             self._publish()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """The last curves to storage. ``failed``: on the way out of a run that failed or was stopped (perhaps on
+        storage): a short wait for the store, then a warning, never an error over the run's own."""
         self.writer.close()
-        self._publish()
+        if not failed:
+            self._publish()
+        else:
+            try:
+                with objectstore.retry_at_most(10.0):
+                    self._publish()
+            except objectstore.StorageError as e:
+                objectstore.log.warning("%s: TensorBoard's last lines not written (%s)", self.uri, " ".join(str(e).split()))
         if self.mlflow is not None:
             self.mlflow.end_run()
 

@@ -23,12 +23,14 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 from prefect.runtime import flow_run
 
+from engines.wire import channel
 from engines.wire.channel import HostLost
-from engines.wire.commands import CheckpointWaitResult
+from engines.wire.commands import REQUESTS, CheckpointWaitResult
 from engines.config import RunConfig, load_config
 from flows import events, pipeline
 from flows.sampling import GroupSampling, plan_wave
-from flows.artifacts import Curves, Progress, StepProgress, percent
+from flows.artifacts import Curves, Progress, StepProgress
+from flows.curves import percent
 from flows.console import shown
 from flows.hosts import engine_hosts
 from flows.metrics import GroupStep, StageClock, StepMetrics, Wave
@@ -189,6 +191,41 @@ async def finish_checkpoint(config: RunConfig, checkpoint: dict | None) -> None:
         return
     waited = await asyncio.gather(*(stages.checkpoint_wait(config, g, checkpoint["step"]) for g in range(config.dp)))
     commit(config, checkpoint, waited_files(checkpoint, list(waited)))
+
+
+PENDING_WAIT_S = 60.0  # how long a failed run waits for its hosts to finish the checkpoint write it has not committed
+
+
+async def keep_pending_checkpoint(config: RunConfig, checkpoint: dict) -> None:
+    """A step failed while the hosts, alive (its input, a reward rule's bug, no prompt group kept; not a lost
+    host), were still writing an earlier step's checkpoint in the background, which the failed iteration
+    would have committed: commit it once every host has written it (``PENDING_WAIT_S`` at most), so that the
+    same command continues from that step and not from the checkpoint before it (the next attempt discards an
+    uncommitted write). Not while a host is in a stage that needs the other groups (a train step's all-reduce)
+    and some group is not in it: that host answers nothing more. Never raises: the step's own error is what
+    stops the run."""
+    logger, done = get_run_logger(), checkpoint["step"] + 1  # steps 1-based, as the console counts them
+    why = None
+    try:
+        state = RunState.load(config.run_uri)
+        if state is not None and state.step >= checkpoint["step"]:
+            return  # the failed iteration committed it before it failed
+        busy = channel.in_flight(config.name, config.dp)  # the failed step's commands: their tasks are cancelled, they go on
+        shared = {g: stage for g, stage in busy.items() if not REQUESTS[stage].alone}
+        if config.controllers.groups_per_node:
+            why = "the node controllers hold the groups' commands, which this process cannot see"
+        elif shared and (len(shared) < config.dp or len(set(shared.values())) > 1):
+            why = "dp-{} is still in its '{}', which waits for a group that will not come".format(*next(iter(shared.items())))
+        else:
+            await asyncio.wait_for(finish_checkpoint(config, checkpoint), PENDING_WAIT_S)
+    except Exception as e:  # noqa: BLE001 - a host gone or slow: the resume discards the write
+        why = (f"its hosts did not finish it within {PENDING_WAIT_S:g}s" if isinstance(e, TimeoutError)
+               else f"{type(e).__name__}: {e}".splitlines()[0])
+    if why:
+        logger.warning("the checkpoint of step %d (%s) is not committed (%s); the same command resumes from the last "
+                       "committed one", done, checkpoint["uri"], why)
+    else:
+        logger.info("committed the checkpoint of step %d (%s), written while the failed step ran", done, checkpoint["uri"])
 
 
 class NothingToLearn(RuntimeError):
@@ -368,8 +405,10 @@ async def _train_on(hosts, config: RunConfig, state: RunState | None, first: int
         tracking.heldout(0, state.heldout_before)
     try:
         after = await _steps(config, state, first, end, history, run_progress, curves, tracking)
-    finally:
-        tracking.close()
+    except BaseException:
+        tracking.close(failed=True)
+        raise
+    tracking.close()
     final_uri = objectstore.join(run_uri, "final")
     await stages.export_policy(config, final_uri)
     curves.finish(after)
@@ -384,14 +423,16 @@ async def _steps(config: RunConfig, state: RunState, first: int, end: int, histo
     logger, run_uri, metric = get_run_logger(), config.run_uri, heldout_metric(config)
     cursors, sampling = state.cursors, state.sampling or None
     written = None  # the last asynchronous checkpoint, still being written (committed by the next iteration)
+    pending = None  # the same, as the last recorded step left it: what a failed step has not committed
     empty_steps = 0  # steps in a row that kept no prompt group
     began = time.perf_counter()  # since the last step was recorded: with overlapping steps, the pace of the run
 
     async def record(metrics: StepMetrics) -> dict | None:
         """Book a finished step (in step order); returns its checkpoint still being written."""
-        nonlocal began, empty_steps
+        nonlocal began, empty_steps, pending
         step = metrics.step
-        written, metrics.pending_checkpoint = metrics.pending_checkpoint, None
+        written = pending = metrics.pending_checkpoint
+        metrics.pending_checkpoint = None
         if metric and config.eval.every and (step + 1) % config.eval.every == 0:
             metrics.heldout = await heldout_score(config, f"step {step}")
             metrics.heldout_checkpoint = checkpoint_uri(run_uri, step) if is_checkpoint_step(config, step, end) else None
@@ -419,16 +460,21 @@ async def _steps(config: RunConfig, state: RunState, first: int, end: int, histo
             check_empty_steps(config, metrics, empty_steps)
         return written
 
-    if config.rollout.max_staleness:  # step n+1's generation overlaps step n's training (flows/pipeline.py)
-        written = await pipeline.overlapped(
-            config.name, config.rollout.max_staleness, first, end, cursors, sampling,
-            lambda step, cursors, sampling: iteration(config, step, cursors, end, None, sampling), record)
-    else:
-        for step in range(first, end):
-            began = time.perf_counter()
-            metrics = await iteration(config, step, cursors, end, written, sampling)
-            cursors, sampling = metrics.cursors, metrics.sampling
-            written = await record(metrics)
+    try:
+        if config.rollout.max_staleness:  # step n+1's generation overlaps step n's training (flows/pipeline.py)
+            written = await pipeline.overlapped(
+                config.name, config.rollout.max_staleness, first, end, cursors, sampling,
+                lambda step, cursors, sampling: iteration(config, step, cursors, end, None, sampling), record)
+        else:
+            for step in range(first, end):
+                began = time.perf_counter()
+                metrics = await iteration(config, step, cursors, end, written, sampling)
+                cursors, sampling = metrics.cursors, metrics.sampling
+                written = await record(metrics)
+    except Exception as e:
+        if pending is not None and not _host_lost(e):  # the hosts are alive: keep what they were writing
+            await keep_pending_checkpoint(config, pending)
+        raise
     await finish_checkpoint(config, written)  # this run's last checkpoint: the next run resumes there
     after = await heldout_score(config, "after")
     tracking.heldout(end, after)

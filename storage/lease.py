@@ -13,7 +13,10 @@ the machines that may train a run.
 
 A holder that could not renew (storage unreachable for longer than the lease, or a process
 paused that long) may have been taken over: it reads the lease again before it commits a
-checkpoint and stops with ``LeaseLost`` if it is no longer the holder.
+checkpoint and stops with ``LeaseLost`` if it is no longer the holder. One that nobody took over
+meanwhile still holds it, and extends it: a taker's write is conditional on the very lease it read,
+so of a late renewal and a take-over exactly one wins. So an object store that stops answering for
+longer than the lease, but less than its retries (``YATTFLOW_STORAGE_RETRY_S``), stops no run.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class LeaseLost(RuntimeError):
 
 
 _held: dict[str, "Lease"] = {}  # run URI -> the lease this process holds on it
+RELEASE_RETRY_S = 10.0  # how long giving the lease back waits for an object store that does not answer
 
 
 class Lease:
@@ -87,33 +91,42 @@ class Lease:
                 pass
 
     def renew(self) -> None:
-        """Push ``expires_at`` forward; ``LeaseLost`` when another run holds it now."""
-        now = time.time()
+        """Push ``expires_at`` to ``ttl_s`` from when storage answered (not from when the call began: an
+        outage the object store's retries rode out would leave a lease that ran out meanwhile); ``LeaseLost``
+        when another run holds it now. A lease of this run that expired unrenewed (storage did not answer,
+        the process was paused) is extended too: nobody took it, and a taker's conditional write on the
+        lease it read now fails."""
 
         def extend(current: dict | None) -> dict | None:
-            if not self._mine(current) or current["expires_at"] < now:  # expired: another run may have acted on that
-                return None
-            return current | {"expires_at": now + self.ttl_s}
+            return current | {"expires_at": time.time() + self.ttl_s} if self._mine(current) else None
 
         lease = objectstore.update_json(self.uri, extend)
-        if not self._mine(lease) or lease["expires_at"] < now:
+        if not self._mine(lease):
             raise LeaseLost(f"{self.uri}: this run's lease ran out and {describe(lease) if lease else 'nobody'} holds it now")
 
     def verify(self) -> None:
-        """Raise ``LeaseLost`` unless this process still holds the lease (read from storage)."""
+        """Raise ``LeaseLost`` unless this process still holds the lease (read from storage; one that ran out
+        unrenewed and nobody took is this run's still, and renewed here)."""
         if self.lost:
             raise LeaseLost(self.lost)
         lease = objectstore.read_json(self.uri) if objectstore.exists(self.uri) else None
-        if not self._mine(lease) or lease["expires_at"] < time.time():
+        if not self._mine(lease):
             raise LeaseLost(f"{self.uri}: this run no longer holds the lease ({describe(lease) if lease else 'none'})")
+        if lease["expires_at"] < time.time():
+            self.renew()
 
     def release(self) -> None:
         """Give the lease back (a later run takes it at once); nothing happens if it was lost."""
         self._stop.set()
-        if self._renewer is not None:
-            self._renewer.join()
+        if self._renewer is not None:  # (a renewal still waiting on the store finds the lease released, or expires)
+            self._renewer.join(timeout=RELEASE_RETRY_S)
         _held.pop(self.run_uri, None)
-        objectstore.update_json(self.uri, lambda current: current | {"released": True} if self._mine(current) else None)
+        try:  # on the way out, perhaps of a run that failed on storage: a short wait, then it expires by itself
+            with objectstore.retry_at_most(RELEASE_RETRY_S):
+                objectstore.update_json(self.uri, lambda current: current | {"released": True} if self._mine(current) else None)
+        except objectstore.StorageError as e:
+            objectstore.log.warning("%s: not released (%s); it expires %gs after its last renewal", self.uri,
+                                    " ".join(str(e).split()), self.ttl_s)
 
     def _mine(self, lease: dict | None) -> bool:
         return bool(lease) and lease["holder"]["id"] == self.me["id"] and not lease.get("released")

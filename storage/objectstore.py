@@ -12,8 +12,11 @@ import fcntl
 import json
 import logging
 import os
+import re
 import time
 import uuid
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Callable
 
@@ -34,10 +37,26 @@ class StorageIOError(StorageError, OSError):
 log = logging.getLogger("yattflow.storage")
 
 
+_retry_cap: ContextVar[float | None] = ContextVar("yattflow_storage_retry_cap", default=None)
+
+
 def retry_s() -> float:
     """How long a remote object-store call retries an unreachable store before failing:
-    ``YATTFLOW_STORAGE_RETRY_S`` (seconds, default 180; 0: fail at once)."""
-    return float(os.environ.get("YATTFLOW_STORAGE_RETRY_S", "180"))
+    ``YATTFLOW_STORAGE_RETRY_S`` (seconds, default 180; 0: fail at once), or less inside ``retry_at_most``."""
+    configured, cap = float(os.environ.get("YATTFLOW_STORAGE_RETRY_S", "180")), _retry_cap.get()
+    return configured if cap is None else min(configured, cap)
+
+
+@contextmanager
+def retry_at_most(seconds: float):
+    """Calls in this block (this thread or task) ride out an outage for at most ``seconds``: for reads that
+    only add to what a command says as it ends (where a run that failed on storage stands), which must not
+    wait out another ``retry_s()``."""
+    token = _retry_cap.set(seconds)
+    try:
+        yield
+    finally:
+        _retry_cap.reset(token)
 
 
 def _transient(e: BaseException) -> bool:
@@ -56,27 +75,49 @@ def _transient(e: BaseException) -> bool:
     return False
 
 
+# an endpoint as the HTTP clients name it: ``endpoint URL: "http://host:port/bucket/key"``, ``host 10.0.0.5:9000``
+_ENDPOINT = re.compile(r"""(:\s*)?["']?\bhttps?://[^\s"']*["']?|\bhost \S+:\d+(\s+ssl:\S+)?(\s+\[[^]]*\])?""", re.IGNORECASE)
+
+
+def _reason(e: BaseException) -> str:
+    """A store that did not answer, in the words of its client, without the HTTP endpoint or address it
+    names: ``EndpointConnectionError: Could not connect to the endpoint URL``. The object's URI says what
+    failed; the endpoint is the client's setting (``AWS_ENDPOINT_URL_S3``), and in a failure's exception
+    chain (the log file's traceback)."""
+    first = str(e).splitlines()[0] if str(e) else ""
+    first = " ".join(_ENDPOINT.sub(lambda m: "host" if m.group(0).lower().startswith("host") else "", first).split())
+    return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__
+
+
 def retrying(uri: str, what: str, call: Callable):
     """``call()``; on a remote URI an unreachable store is retried with backoff (0.5 s doubling to
-    10 s) for ``retry_s()``, then a StorageError naming ``uri``. A local folder is never retried."""
+    10 s) for ``retry_s()``, then a StorageError naming ``uri``. A local folder is never retried.
+
+    One warning per call that meets an outage, naming ``uri`` and not the HTTP endpoint (``_reason``), and
+    a line when the store answers again."""
     if is_local(uri):
         return call()
-    deadline, delay, warned = time.monotonic() + retry_s(), 0.5, False
+    started = time.monotonic()
+    deadline, delay, warned = started + retry_s(), 0.5, False
     while True:
         try:
-            return call()
+            result = call()
         except Exception as e:  # noqa: BLE001 - only a store that did not answer is retried
             if not _transient(e):
                 raise
-            reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             if time.monotonic() + delay > deadline:
                 raise StorageError(f"{uri}: {what} failed: the object store did not answer for {retry_s():.0f}s "
-                                   f"(YATTFLOW_STORAGE_RETRY_S) ({type(e).__name__}: {reason})") from e
+                                   f"(YATTFLOW_STORAGE_RETRY_S) ({_reason(e)})") from e
             if not warned:
-                log.warning("%s: %s: the object store does not answer (%s); retrying for up to %.0fs", uri, what, reason, retry_s())
+                log.warning("%s: %s: the object store does not answer (%s); retrying for up to %.0fs (YATTFLOW_STORAGE_RETRY_S)",
+                            uri, what, _reason(e), retry_s())
                 warned = True
             time.sleep(delay)
             delay = min(2 * delay, 10.0)
+            continue
+        if warned:
+            log.info("%s: %s: the object store answers again (after %.0fs)", uri, what, time.monotonic() - started)
+        return result
 
 
 def os_error(e: OSError) -> str:

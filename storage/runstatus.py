@@ -9,7 +9,7 @@ the Prefect flow run that took it last) are read; nothing is written.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from storage import lease as leases
 from storage import objectstore
@@ -25,6 +25,8 @@ class RunStatus:
     steps: int | None = None  # the steps the run was started for, as its last command had it
     heldout_before: float | None = None
     heldout_last: tuple[int, float] | None = None  # (step, figure): the latest held-out figure measured
+    heldout_after: float | None = None  # the held-out figure at the run's end
+    points: list[dict] = field(default_factory=list)  # curves.json's: a point per step trained
     lease_held: bool = False
     lease: str = "never taken"
     flow_run_id: str | None = None  # the flow run that took the lease last (it trains, or trained, the run)
@@ -58,8 +60,8 @@ def run_status(run_uri: str) -> RunStatus:
     try:
         curves_uri = objectstore.join(run_uri, "curves.json")
         curves = objectstore.read_json(curves_uri) if objectstore.exists(curves_uri) else {}
-        points = curves.get("points", [])
-        status.steps = curves.get("steps")
+        status.points = points = curves.get("points", [])
+        status.steps, status.heldout_after = curves.get("steps"), curves.get("heldout_after")
         if points:
             status.trained = max(status.trained or 0, max(p["step"] + 1 for p in points))
         measured = [(p["step"] + 1, p["heldout"]) for p in points if p.get("heldout") is not None]

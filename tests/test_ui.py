@@ -174,6 +174,10 @@ def test_ui_shows_every_step_and_the_curves(prepared, browser):
     text = browser.text()
     assert "Held-out mean engines.demo.arithmetic:exact_match reward" in text and "reward (mean)" in text
     assert any(c in text for c in "▁▂▃▄▅▆▇") and "█" in text, "no chart on the curves page"
+    # ... and above them the picture: the browser loaded and drew it (an image 640 pixels wide)
+    drawn = browser.page.evaluate("() => [...document.querySelectorAll('img[alt=\"uitest: learning curve\"]')]"
+                                  ".map(i => [i.complete, i.naturalWidth, i.src.slice(0, 26)])")
+    assert drawn == [[True, 640, "data:image/svg+xml;base64,"]], drawn
 
 
 FAILED_INPUTS = "'rollout' on run 'uifail' dp-0 with step=0, wave=0, cursor=0, count=4"
@@ -240,9 +244,9 @@ def test_ui_shows_a_failed_tasks_inputs(failed_rollout, browser):
 
 
 def test_curves_markdown_stays_small_on_long_runs():
-    """500 steps: sparklines stay 60 characters wide, bars show the latest 40 steps, a negative
-    reward (overlong penalty) widens the scale instead of breaking the bars."""
-    from flows.artifacts import bar, curves_markdown, sparkline
+    """500 steps: sparklines stay 60 characters wide, bars show the latest 40 steps, the picture 200
+    points a line; a negative reward (overlong penalty) widens the scale instead of breaking the bars."""
+    from flows.curves import bar, curves_markdown, curves_svg, sparkline, svg_image
 
     points = [{"step": i, "reward": -0.5 + i / 500, "accuracy": i / 500, "kept_groups": 4, "loss": 0.1, "seconds": 2.0}
               for i in range(500)]
@@ -253,6 +257,11 @@ def test_curves_markdown_stays_small_on_long_runs():
     assert "the latest 40 steps, bars from -0.500 to 1.000" in md
     assert md.count("\n   499  ") == 2 and "\n   459  " not in md
     assert bar(0.5, 0.0, 1.0, width=4) == "██" and bar(None, 0.0, 1.0) == "" and sparkline([]) == ""
+    # the picture: a line per figure thinned to 200 points, the scale widened to the negative reward
+    svg = curves_svg("long", points, 1000, 0.3)
+    lines = re.findall(r'<polyline points="([^"]+)"', svg)
+    assert [len(line.split()) for line in lines] == [200, 200] and ">-0.5</text>" in svg and len(svg) < 12_000
+    assert svg_image(svg, "long: learning curve") in md and len(md) < 30_000
 
 
 def test_describe_call_names_inputs_not_data():

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from helpers import ROOT  # noqa: F401  (puts the checkout on sys.path)
@@ -257,3 +258,96 @@ def test_judge_sees_the_pictures_or_the_text_without_placeholders(vlm, tmp_path,
         assert all(p.count("<image>") == 1 for p in judged)
     else:
         assert images is None and not any("<image>" in p for p in judged)
+
+
+def starved_png(png: bytes) -> bytes:
+    """``png`` with its pixel data (IDAT) replaced by far too little, every chunk's checksum recomputed:
+    PIL's ``verify`` (the check of every image before the engines load) passes it, decoding fails."""
+    import struct
+    import zlib
+
+    out, i = png[:8], 8
+    while i < len(png):
+        n = struct.unpack(">I", png[i:i + 4])[0]
+        kind, data = png[i + 4:i + 8], png[i + 8:i + 8 + n]
+        if kind == b"IDAT":
+            data = zlib.compress(b"\x00" * 10)
+        out += struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        i += 12 + n
+    return out
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_bad_image_found_in_a_later_step_stops_the_run_before_that_step_trains(prefect_server, vlm, tmp_path, monkeypatch, dp):
+    """Issue 43: a picture that passes the check before the engines load (sound chunks, too little
+    pixel data) in a row its group first reads in step 2 (1-based). The run trains step 1, then stops in
+    step 2's rollout: the error names the file, the prompt_id and the field; the stop line says to fix it
+    first; nothing of step 2 trained or was committed (state.json and curves.json end at step 1); no
+    engine host is left.
+
+    dp=1: step 1's checkpoint, still being written in the background when step 2 failed, is committed
+    (else the same command would train step 1 again), step 2 wrote nothing, and fixed, the same
+    command continues with step 2. dp=2: the other group may be in its train step, whose all-reduce
+    waits for the failed group: the run does not wait on it (it keeps step 1's checkpoint only where
+    the other group was not there yet)."""
+    import asyncio
+    import json
+    import time
+    from pathlib import Path
+
+    from flows import training
+    from flows.stops import failed_line
+    from tests.helpers import no_engine_hosts_left, read_run_tree
+
+    bad = 3 if dp == 1 else 7  # the second row of its group's step 2: dp=1 rows 2, 3; dp=2 dp-1's rows 5, 7
+    rows = [{"prompt_id": i, "prompt": p, "answer": a, "images": im} for i, (p, im, a, _) in enumerate(problems(4 * dp, seed=7))]
+    good = rows[bad]["images"]
+    damaged = starved_png(good[0])
+    multimodal.check_image(damaged, "damaged", len(damaged))  # what the check before the engines load sees: sound
+    rows[bad] = rows[bad] | {"images": [damaged]}
+    prompts = write_prompts(tmp_path / "prompts.parquet", rows)
+    name = f"bad-image-later-dp{dp}"
+    overrides = [f"storage.root={tmp_path}", f"model.policy={vlm}", f"data.prompts={prompts}", "data.heldout=null",
+                 f"name={name}", "steps=2", f"dp={dp}", "checkpoint.every=1", "reward.genrm_weight=0",
+                 "reward.rule=engines.demo.arithmetic:exact_match", "reward.rule_weight=1", "data.max_prompt_tokens=48",
+                 "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4", "sampling.adaptive=false",
+                 "sampling.prompts_per_wave=2", "sampling.target_groups=2", "sampling.max_waves=1",
+                 "sampling.filter_equal_rewards=false"]
+    config = load_config(None, overrides)
+    monkeypatch.setattr(training, "PENDING_WAIT_S", 300.0)  # waiting on a host stuck in an all-reduce would show
+
+    started = time.monotonic()
+    with pytest.raises(Exception) as failed:
+        asyncio.run(training.train(overrides=overrides))
+    assert time.monotonic() - started < 150
+    want = rf"{re.escape(prompts)} \(prompt_id {bad}\): field 'images'\[0\]: not a decodable image"
+    assert re.search(want, str(failed.value)), str(failed.value)
+    line = failed_line("train", failed.value, config, Path("the.log"))  # the command's last line (flows/cli.py)
+    assert re.search(want, line) and "fix that, then run the same command" in line, line
+    assert "; run the same command" not in line, line
+    no_engine_hosts_left()
+
+    run_dir, group = tmp_path / "runs" / name, dp - 1
+    tree = asyncio.run(read_run_tree(name))
+    assert tree["iteration-0000"][0] == "COMPLETED" and tree["iteration-0001"][0] == "FAILED", tree
+    assert tree[f"iteration-0001-dp-{group}"][1] == {f"rollout dp={group} wave=0": "FAILED"}, tree  # nothing after it
+    assert not any(tree[f"iteration-0001-dp-{g}"][1].get(f"train_step dp={g}") == "COMPLETED" for g in range(dp)), tree
+    assert not (run_dir / "steps" / "000001" / "experience" / f"group={group}").exists()
+    assert [p["step"] for p in json.loads((run_dir / "curves.json").read_text())["points"]] == [0]
+    state = json.loads((run_dir / "state.json").read_text())
+    committed = (run_dir / "checkpoints" / "000000" / "MANIFEST.json").exists()
+    assert (state["step"], state["cursors"]) == ((0, [2] * dp) if committed else (-1, [0] * dp)), state
+    last = "step 1" if committed else "none yet (it starts from step 1)"
+    assert f"stopped at step 2 of 2; last checkpoint: {last}; fix that, then run the same command to continue" in line, line
+    if dp == 2:
+        return
+
+    assert committed and sorted(p.name for p in (run_dir / "steps").iterdir()) == ["000000"]  # step 2 wrote nothing
+    # fixed, the same command continues: step 2 only, from step 1's checkpoint
+    rows[bad] = rows[bad] | {"images": good}
+    write_prompts(tmp_path / "prompts.parquet", rows)
+    summary = asyncio.run(training.train(overrides=overrides))
+    assert [m["step"] for m in summary["history"]] == [1]
+    experience = pq.read_table(run_dir / "steps" / "000001" / "experience", columns=["prompt_id"])
+    assert sorted(set(experience.column("prompt_id").to_pylist())) == [2, 3]  # the rows the failed step had read
+    no_engine_hosts_left()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engines.backends import chat, multimodal
@@ -31,6 +33,7 @@ def check_model_folder(field: str, uri: str, backend: str = "torch") -> str:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - any failure means the folder is unusable
         raise InputError(f"{field}: {uri} is not a readable Hugging Face model folder ({type(e).__name__}: {e})") from e
+    check_weights(field, uri, path)
     text = getattr(config, "text_config", None) or config  # a vision-language model: its language model's heads
     head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     if backend == "vllm" and not torch.cuda.is_available() and head_size not in VLLM_CPU_HEAD_SIZES:
@@ -39,6 +42,19 @@ def check_model_folder(field: str, uri: str, backend: str = "torch") -> str:
             f"vLLM's CPU attention supports {VLLM_CPU_HEAD_SIZES}; use the torch backend or another model"
         )
     return path
+
+
+def check_weights(field: str, uri: str, path: str) -> None:
+    """The folder's weights are safetensors: pickled ones (``pytorch_model.bin``, ``*.pt``) can run
+    code when loaded, so they are refused by name, never opened."""
+    names = sorted(os.listdir(path))
+    if any(n.endswith(".safetensors") for n in names):
+        return
+    pickled = [n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt", ".pkl"))]
+    if pickled:
+        raise InputError(f"{field}: {uri}/{pickled[0]}: pickled weights are never loaded (unpickling can run code); "
+                         "save the model as safetensors (save_pretrained(..., safe_serialization=True))")
+    raise InputError(f"{field}: {uri} holds no weights (*.safetensors)")
 
 
 def validate_inputs(config) -> dict:
@@ -119,10 +135,7 @@ def check_reward_model(config) -> None:
     from engines.reward_model import reward_head_problem
 
     uri = config.uri(config.model.reward_model)
-    try:
-        found = AutoConfig.from_pretrained(objectstore.local_folder(uri))
-    except Exception as e:  # noqa: BLE001 - any failure means the folder is unusable
-        raise InputError(f"model.reward_model: {uri} is not a readable Hugging Face model folder ({type(e).__name__}: {e})") from e
+    found = AutoConfig.from_pretrained(check_model_folder("model.reward_model", uri))
     if problem := reward_head_problem(found):
         raise InputError(f"model.reward_model: {uri}/config.json: {problem}: a scalar reward model is an "
                          "AutoModelForSequenceClassification with num_labels=1 (`yattflow rm` trains one)")

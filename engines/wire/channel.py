@@ -60,17 +60,21 @@ class HostClient:
         # Why the channel is out of step, once a command gave up waiting for its answer: that
         # answer may still arrive, and the next command would read it as its own.
         self._abandoned: str | None = None
+        self.in_flight: str | None = None  # the stage whose answer a call waits for (a cancelled task's call goes on)
 
     def call(self, request: Request) -> tuple[Result, list[str]]:
         stage = request.stage
         with self._lock:
             if self._abandoned is not None:
                 raise HostLost(f"{self.label}: channel unusable for '{stage}': {self._abandoned}")
+            self.in_flight = stage
             try:
                 self._conn.send_bytes(json.dumps({"stage": stage, "fields": request.model_dump(mode="json")}).encode())
                 reply = self._reply(stage, getattr(request, "timeout_s", None))
             except (EOFError, OSError) as e:
                 raise HostLost(f"{self.label}: engine host is gone ({type(e).__name__}) during '{stage}'") from e
+            finally:
+                self.in_flight = None
         if "error" in reply:
             error = HostError(f"{self.label}: '{stage}' failed in the engine host: {reply['error']}")
             error.logs, error.remote, error.traceback = reply["logs"], (reply.get("type"), reply.get("message")), reply.get("traceback", "")
@@ -149,6 +153,13 @@ def client(run: str, group: int, lane: str | None = None) -> HostClient:
         if (run, group, lane) not in _clients:
             _clients[(run, group, lane)] = HostClient(*_opened[(run, group)])
         return _clients[(run, group, lane)]
+
+
+def in_flight(run: str, world: int) -> dict[int, str]:
+    """The stage each of ``run``'s groups waits on over the channel of this process (groups with none
+    in flight left out); a rollout lane's commands are not counted."""
+    clients = [(group, _clients.get((run, group))) for group in range(world)]
+    return {group: c.in_flight for group, c in clients if c is not None and c.in_flight is not None}
 
 
 def connect(run: str, group: int, address: tuple[str, int], secret: bytes, timeout_s: float, stage_s: float) -> None:

@@ -30,6 +30,7 @@ class Request(BaseModel):
 
     stage: ClassVar[str]  # the stage's one name: on the wire, in logs and in error messages
     result: ClassVar[type[Result]]
+    alone: ClassVar[bool] = False  # a host answers it without the other DP groups (no collective inside)
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs) -> None:
@@ -89,6 +90,7 @@ class Rollout(Request):
     """Sample G responses for the next ``count`` prompts of the group's stream from ``cursor``."""
 
     stage = "rollout"
+    alone = True
     result = RolloutResult
     step: int
     wave: int
@@ -111,6 +113,7 @@ class GenRMScore(Request):
     """Reward every rollout: the judge's verdict, the rule, the overlong penalty."""
 
     stage = "genrm_score"
+    alone = True
     result = GenRMScoreResult
     rollouts: str
     out: str
@@ -131,6 +134,7 @@ class RolloutAndScore(Request):
     """Partial colocation: ``Rollout`` and ``GenRMScore`` of one wave at once, chunks streaming to the judge."""
 
     stage = "rollout_and_score"
+    alone = True
     result = RolloutAndScoreResult
     step: int
     wave: int
@@ -159,6 +163,7 @@ class DynamicFilter(Request):
     """DAPO dynamic sampling: keep groups whose rewards differ (``carry_in`` first), up to the target."""
 
     stage = "dynamic_filter"
+    alone = True
     result = DynamicFilterResult
     step: int
     scored: list[str]  # this step's waves so far
@@ -239,6 +244,7 @@ class CheckpointWait(Request):
     """Wait for the background checkpoint write; its files."""
 
     stage = "checkpoint_wait"
+    alone = True
     result = CheckpointWaitResult
 
 
@@ -255,6 +261,7 @@ class Evaluate(Request):
     reward rule, or by the judge's verdict (1 for ``judge.good``) when there is no rule."""
 
     stage = "evaluate"
+    alone = True
     result = EvaluateResult
     uri: str
     limit: int
