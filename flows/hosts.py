@@ -199,5 +199,5 @@ def engine_hosts(config: RunConfig):
 
     if config.hosts.launch == "deployment":
         return DeployedHosts(config)
-    return LocalHosts(config.name, config.dp, config.threads_per_host, config.host_timeout_s, config.hosts.devices,
+    return LocalHosts(config.name, config.layout, config.threads_per_host, config.host_timeout_s, config.hosts.devices,
                       config.timeouts.stage_s, fork=config.hosts.fork)

@@ -208,7 +208,7 @@ def test_shipped_deployment_validates():
 
 def test_hosts_devices_one_entry_per_dp_group():
     assert load_config(None, ["dp=2", 'hosts.devices=["0", "1"]']).hosts.devices == ["0", "1"]
-    with pytest.raises(ConfigError, match=r"hosts.devices has 1 entries for dp=2 groups"):
+    with pytest.raises(ConfigError, match=r"hosts.devices has 1 entries for 2 engine hosts \(one per group\)"):
         load_config(None, ["dp=2", 'hosts.devices=["0"]'])
     with pytest.raises(ConfigError, match=r"field 'hosts.launch'"):
         load_config(None, ["hosts.launch=slurm"])

@@ -280,6 +280,11 @@ def test_an_expected_error_is_a_line_on_the_console_and_its_traceback_in_the_log
     assert len(said) <= 4 and re.match(last.format(**paths), said[-1]), "\n".join(screen)
     if code:
         assert said[-1].endswith(f"(log: {log})") and "Traceback" in log.read_text()
+    if case == "int-answers":  # `yattflow status` lists a failed command-line run beside the deployments' runs
+        status = subprocess.run([sys.executable, "-m", "flows.cli", "status", name], cwd=ROOT,
+                                capture_output=True, text=True, timeout=120)
+        assert status.returncode == 0, status.stderr
+        assert re.search(rf"train-{name}\s+Failed .* {name}\s+-\s+yattflow train", status.stdout), status.stdout
     if case == "lost-host":  # the failed task and the restart: a line each, each on a line of its own
         assert [line.split(" | ")[1].strip() for line in said[:-1]] == ["ERROR", "WARNING"], "\n".join(screen)
         assert "died. Restarting the engine hosts" in said[1]

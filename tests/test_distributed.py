@@ -43,7 +43,7 @@ def test_local_hosts_take_one_gpu_each():
     assert local_devices(2, None, gpus=4, visible=None) == ["0", "1"]
     assert local_devices(2, None, gpus=2, visible="5,7") == ["5", "7"]  # the parent's numbering
     assert local_devices(2, ["0,1", "2,3"], gpus=4, visible=None) == ["0,1", "2,3"]  # hosts.devices wins
-    with pytest.raises(HostError, match="dp=4 local hosts need one GPU each and this machine shows 2"):
+    with pytest.raises(HostError, match="4 local hosts need one GPU each and this machine shows 2"):
         local_devices(4, None, gpus=2, visible=None)
 
 

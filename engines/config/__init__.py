@@ -26,6 +26,7 @@ from engines.config.sections import (
 )
 from engines.config.rm import RMConfig
 from engines.config.controllers import ControllersConfig
+from engines.config.layout import Layout
 from engines.config.train import TrainConfig
 from storage import objectstore
 
@@ -39,7 +40,8 @@ class RunConfig(Section):
         description="When set, each run trains this many more steps after the last committed one, up to `steps` "
         "(a schedule that fires again continues the training); None: train up to `steps`.",
     )
-    dp: int = Field(2, gt=0, description="Data-parallel groups; each has one engine host process.")
+    dp: int = Field(2, gt=0, description="Data-parallel groups; each has train.tensor_parallel engine-host processes (one "
+                    "by default), one device each.")
     threads_per_host: int = Field(1, gt=0, description="torch threads in each engine host.")
     host_timeout_s: float = Field(600.0, gt=0, description="A host command (or collective) taking longer fails the task.")
     storage: StorageConfig = Field(default_factory=StorageConfig)
@@ -63,10 +65,17 @@ class RunConfig(Section):
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
 
+    @property
+    def layout(self) -> Layout:
+        """The run's engine-host ranks: ``dp`` groups of ``train.tensor_parallel`` (engines/config/layout.py)."""
+        return Layout(self.dp, self.train.tensor_parallel)
+
     @model_validator(mode="after")
     def _devices_per_group(self):
-        if self.hosts.devices is not None and len(self.hosts.devices) != self.dp:
-            raise ValueError(f"hosts.devices has {len(self.hosts.devices)} entries for dp={self.dp} groups (one per group)")
+        world = self.layout.world
+        if self.hosts.devices is not None and len(self.hosts.devices) != world:
+            per = "one per group" if world == self.dp else f"one per rank: dp={self.dp} x train.tensor_parallel={self.train.tensor_parallel}"
+            raise ValueError(f"hosts.devices has {len(self.hosts.devices)} entries for {world} engine hosts ({per})")
         if self.reward.reward_model_weight > 0 and self.model.reward_model is None:
             raise ValueError(f"reward.reward_model_weight={self.reward.reward_model_weight} but model.reward_model is not "
                              "set: name the reward model's folder (e.g. one `yattflow rm` wrote: model.reward_model=models/rm)")
@@ -87,6 +96,26 @@ class RunConfig(Section):
             raise ValueError(f"data.preferences={self.data.preferences}: train.algorithm.name={name} does not learn from a "
                              "preference dataset (it samples its own); unset data.preferences, or pick an algorithm that "
                              "does (docs/algorithms.md)")
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_runs_where_wired(self):
+        # the paths a group of several ranks is wired through so far: each refusal says what is missing
+        tp = self.train.tensor_parallel
+        if tp == 1:
+            return self
+        reasons = {
+            "train.algorithm": self.train.algorithm.needs.critic and f"name={self.train.algorithm.name} has a critic, and the "
+            "dynamic filter runs it on the group's leader alone while a Megatron critic's forward is a collective of its ranks",
+            "controllers.groups_per_node": self.controllers.groups_per_node and "node controllers connect one host per group",
+            "hosts.launch": self.hosts.launch == "deployment" and "deployed hosts are one flow run per group",
+            "rollout.max_staleness": self.rollout.max_staleness and "the overlapping lanes are not yet tested with several "
+            "ranks per group",
+        }
+        named = [f"{field}: {why}" for field, why in reasons.items() if why]
+        if named:
+            raise ValueError(f"train.tensor_parallel={tp} is not wired with " + "; ".join(named)
+                             + " (docs/parallelism.md); use train.tensor_parallel=1 there")
         return self
 
     @model_validator(mode="after")

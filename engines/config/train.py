@@ -49,7 +49,8 @@ class TrainConfig(Section):
         "response) token of the group's batch; measured with `python -m engines.backends.stub.engines --measure`.",
     )
     tensor_parallel: int = Field(
-        1, gt=0, description="Megatron-Core tensor-parallel size inside a DP group (the local engine hosts run 1 process per group, so 1 only)."
+        1, gt=0, description="Megatron-Core tensor-parallel size: the ranks of each DP group, one engine-host process and one "
+        "device each, that split the policy's layers between them (docs/parallelism.md)."
     )
     distributed_optimizer: bool = Field(False, description="Megatron-Core distributed optimizer (optimizer state sharded over DP).")
     recompute_granularity: Literal["none", "selective", "full"] = Field(
@@ -151,10 +152,6 @@ class TrainConfig(Section):
         default = TrainConfig.model_fields[info.field_name].default
         if value != default and info.data.get("backend") != "megatron":
             raise ValueError("needs train.backend: megatron")
-        if info.field_name == "tensor_parallel" and value > 1:
-            # MegatronTrainer shards layers over TP ranks, but a local engine host is one process
-            # per DP group; hosts per TP rank are not wired into the flows yet.
-            raise ValueError("> 1 is not supported by the engine hosts yet (one process per DP group)")
         return value
 
     @model_validator(mode="after")

@@ -24,6 +24,7 @@ from collections import defaultdict
 from itertools import chain
 
 from engines.backends.base import TrainBatch
+from engines.config.layout import Layout
 
 
 def karmarkar_karp(weights: list[int], parts: int) -> list[list[int]]:
@@ -197,13 +198,15 @@ def to_batch(rows: list[dict]) -> TrainBatch:
                       prompt_rows=[r.get("prompt_row") for r in rows], returns=column("returns"), values=column("values"))
 
 
-def balanced_batch(rank: int, world: int, experience: str, rows: list[dict], minibatches: int,
+def balanced_batch(rank: int, layout: Layout | int, experience: str, rows: list[dict], minibatches: int,
                    enabled: bool, unit: int = 1) -> tuple[TrainBatch, dict]:
-    """This rank's train batch, spread over the DP groups by token count (collective).
+    """DP group ``rank``'s train batch, spread over the ``layout``'s groups (a number: that many
+    groups of one rank) by token count (collective over every rank).
 
     The hosts all-gather (experience URI, tokens per row) — small integers, as tensors over the
     gloo metadata group, no pickles and no sample data — and every rank computes the same
-    :func:`plan`, then reads the rows it is given from the other groups' experience files.
+    :func:`plan` from each group's leader's, then reads the rows it is given from the other groups'
+    experience files. The ranks of a group read the same file and get the same batch.
     Returns (batch, metrics); ``balance_ratio`` is max/mean of the groups' tokens (prompt +
     response) after, ``balance_ratio_before`` before; both are reported with balancing off too.
     ``unit``: runs of that many consecutive rows (a pair algorithm's (chosen, rejected)) move as one
@@ -217,10 +220,12 @@ def balanced_batch(rank: int, world: int, experience: str, rows: list[dict], min
     tokens = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
     info = {"tokens_before_balance": float(sum(len(r["response_ids"]) for r in rows)),
             "sequences_before_balance": len(rows), "rows_received": 0, "balance_ratio": 1.0, "balance_ratio_before": 1.0}
-    if world == 1 or not dist.is_initialized():
+    layout = layout if isinstance(layout, Layout) else Layout(layout)
+    if layout.dp == 1 or not dist.is_initialized():
         return to_batch(rows), info | {"balance_s": time.perf_counter() - start}
     uri = list(experience.encode())
     gathered = all_gather_ints([len(uri), *uri, *tokens])
+    gathered = [gathered[layout.leader(group)] for group in range(layout.dp)]
     uris = [bytes(g[1 : 1 + g[0]]).decode() for g in gathered]
     counts = [g[1 + g[0] :] for g in gathered]
     info["balance_ratio"] = info["balance_ratio_before"] = imbalance([sum(c) for c in counts])

@@ -8,7 +8,8 @@ every rank's files are written, ``storage/runstate.py``):
                          ``dist_checkpointing`` shards written by every rank)
     critic-{backend}/    an algorithm with a critic: its weights (value head included) and optimizer (torch:
                          rank 0's file; Megatron: ``dist_checkpointing`` shards written by every rank)
-    model/               the policy as a Hugging Face folder (rank 0); with train.lora the adapter
+    model/               the policy as a Hugging Face folder (rank 0; group 0's other ranks gather it
+                         with rank 0: a tensor-parallel export is a collective); with train.lora the adapter
                          folder (the base is the policy folder, recorded in trainer-torch/)
     prompts.json         the prompt files the data cursors point into (rank 0)
     rng-{rank}.pt        torch's and Python's RNG states
@@ -50,8 +51,10 @@ class Checkpoints:
     (``storage.datasets.part_files``): a checkpoint records them, and a resume refuses a dataset
     whose first files changed, since the data cursors are positions in them."""
 
-    def __init__(self, rank: int, backend: str, prompt_files: list[list]):
+    def __init__(self, rank: int, backend: str, prompt_files: list[list], name: str | None = None, exports: bool | None = None):
         self.rank, self.backend, self.prompt_files = rank, backend, prompt_files
+        self.name = name or f"dp-{rank}"  # in logs and faults (engines/config/layout.py)
+        self.exports = rank == 0 if exports is None else exports  # takes part in writing model/ (DP group 0's ranks)
         self._write: BackgroundWrite | None = None  # in flight, or finished and not yet collected
 
     def save(self, trainer: Trainer, uri: str, asynchronous: bool, critic=None) -> CheckpointResult:
@@ -60,7 +63,7 @@ class Checkpoints:
         Otherwise return after the write, with the files."""
         leftover = self._collect()  # normally collected by ``wait`` already
         if leftover is not None:
-            log.warning("dp-%d: checkpoint %s was written but never collected with checkpoint_wait", self.rank, leftover["uri"])
+            log.warning("%s: checkpoint %s was written but never collected with checkpoint_wait", self.name, leftover["uri"])
         start = time.perf_counter()
         write = self._freeze(trainer, uri, copy=asynchronous, critic=critic)
         if not asynchronous:
@@ -69,7 +72,7 @@ class Checkpoints:
             return CheckpointResult(files=files, asynchronous=False, stall_s=seconds, seconds=seconds)
         self._write = BackgroundWrite(uri, write)
         stall = time.perf_counter() - start
-        log.info("dp-%d: checkpoint %s: state copied in %.3fs, writing in the background", self.rank, uri, stall)
+        log.info("%s: checkpoint %s: state copied in %.3fs, writing in the background", self.name, uri, stall)
         return CheckpointResult(files=None, asynchronous=True, stall_s=stall, seconds=stall)
 
     def wait(self) -> CheckpointWaitResult:
@@ -93,14 +96,14 @@ class Checkpoints:
         tmp = tempfile.mkdtemp(prefix="yattflow-checkpoint-")
         trainer_dir = os.path.join(tmp, f"trainer-{self.backend}")
         try:
-            frozen = trainer.freeze_checkpoint(trainer_dir, copy=copy, hf_weights=self.rank == 0)
+            frozen = trainer.freeze_checkpoint(trainer_dir, copy=copy, hf_weights=self.exports)
             frozen_critic = (critic.freeze_checkpoint(os.path.join(tmp, critic_dir(self.backend)), copy=copy)
                              if critic is not None else None)
             rng = to_bytes({"torch": torch.get_rng_state(), "python": random.getstate()})
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        rank, backend, prompt_files = self.rank, self.backend, list(self.prompt_files)
+        rank, name, exports, backend, prompt_files = self.rank, self.name, self.exports, self.backend, list(self.prompt_files)
 
         def write() -> list[str]:
             try:
@@ -116,14 +119,15 @@ class Checkpoints:
         def written() -> list[str]:
             files = [f"trainer-{backend}/{f}" for f in frozen.write()]
             files += [f"{critic_dir(backend)}/{f}" for f in frozen_critic.write()] if frozen_critic is not None else []
-            if rank == 0:
+            if exports:  # rank 0 writes; without a copy taken, its tensor-parallel peers gather the weights with it
                 trainer.save_hf(os.path.join(tmp, "model"), tensors=frozen.hf_weights)
+            if rank == 0:
                 files += sorted(str(p.relative_to(tmp)) for p in Path(tmp, "model").rglob("*") if p.is_file())
             objectstore.write_bytes(objectstore.join(uri, f"rng-{rank}.pt"), rng)
             _test_checkpoint_pause()
-            faults.inject("checkpoint_write", checkpoint_step(uri), rank)
-            for name in files:
-                objectstore.write_bytes(objectstore.join(uri, name), Path(tmp, name).read_bytes())
+            faults.inject("checkpoint_write", checkpoint_step(uri), name)
+            for file in files:
+                objectstore.write_bytes(objectstore.join(uri, file), Path(tmp, file).read_bytes())
             if rank == 0:  # the prompt files this run's streams (and so the cursors) were read from
                 objectstore.write_json(objectstore.join(uri, "prompts.json"), {"files": prompt_files})
                 files.append("prompts.json")

@@ -1,6 +1,7 @@
 """Fault injection: kill or hang an engine host at a chosen point, to prove that runs heal.
 
-``YATTFLOW_FAULTS`` lists faults as ``point@step:dp-rank:action``, comma-separated, e.g.::
+``YATTFLOW_FAULTS`` lists faults as ``point@step:dp-rank:action``, comma-separated (a DP group's
+second tensor-parallel rank is ``dp-1.1``: engines/config/layout.py), e.g.::
 
     YATTFLOW_FAULTS="rollout@2:dp-1:kill,checkpoint_write@3:dp-0:kill,train_step@5:dp-0:hang,genrm_score@6:dp-0:kill-run"
 
@@ -21,14 +22,15 @@ import signal
 import time
 
 
-def inject(point: str, step: int | None, rank: int) -> None:
-    """Fire the fault planned for ``point`` at ``step`` on ``rank``, if any and not fired yet."""
+def inject(point: str, step: int | None, rank: int | str) -> None:
+    """Fire the fault planned for ``point`` at ``step`` on ``rank`` (a number, or a name as ``dp-1.1``), if any
+    and not fired yet."""
     planned = os.environ.get("YATTFLOW_FAULTS")
     if not planned or step is None:
         return
     for fault in planned.split(","):
         where, action = fault.rsplit(":", 1)
-        if where != f"{point}@{step}:dp-{rank}" or not _first_time(fault):
+        if where != f"{point}@{step}:{rank if isinstance(rank, str) else f'dp-{rank}'}" or not _first_time(fault):
             continue
         print(f"yattflow fault injection: {fault}", flush=True)
         if action == "kill":

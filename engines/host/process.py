@@ -135,7 +135,7 @@ def _handle(worker, seen: dict, lock: threading.Lock, request):
         lane = threading.get_ident()  # each connection is answered on a thread of its own
         if getattr(request, "step", None) is not None:
             seen[lane] = request.step
-        faults.inject(request.stage, seen.get(lane), worker.rank)
+        faults.inject(request.stage, seen.get(lane), worker.name)
         return worker.handle(request)
 
 

@@ -149,11 +149,19 @@ def check_megatron_architecture(config, policy: str) -> None:
         return
     from transformers import AutoConfig
 
+    hf = AutoConfig.from_pretrained(policy)
     try:
-        architectures.architecture(AutoConfig.from_pretrained(policy))
+        architectures.architecture(hf)
     except architectures.Unsupported as e:
         raise InputError(f"model.policy: {config.uri(config.model.policy)}/config.json: train.backend=megatron cannot "
                          f"train it: {e}") from None
+    tp = config.train.tensor_parallel
+    heads = hf.num_attention_heads
+    groups = getattr(hf, "num_key_value_heads", None) or heads
+    if heads % tp or groups % tp:  # each tensor-parallel rank holds whole heads (engines/backends/megatron/mapping.py)
+        raise InputError(f"model.policy: {config.uri(config.model.policy)}/config.json: num_attention_heads={heads} and "
+                         f"num_key_value_heads={groups} do not split over train.tensor_parallel={tp} ranks: use a "
+                         "tensor_parallel that divides both")
 
 
 def check_critic(config, policy: str) -> None:

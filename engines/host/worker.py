@@ -40,6 +40,7 @@ from engines.wire.commands import (Checkpoint, CheckpointResult, CheckpointWait,
                               RolloutAndScoreResult, RolloutResult, SetupEngines, SetupEnginesResult, SyncWeights,
                               SyncWeightsResult, TrainStep, TrainStepResult, ValidateInputs, ValidateInputsResult)
 from engines.config import RunConfig
+from engines.config.layout import Layout
 from engines.backends.base import Generator, Trainer, fingerprint
 from storage import datasets, objectstore
 
@@ -52,10 +53,17 @@ def stable_seed(*parts) -> int:
 
 
 class Worker:
-    """The engines of one DP group (rank ``rank`` of ``world``) and the stage work done with them."""
+    """The engines of one rank (``rank`` of ``world``) of a DP group and the stage work done with them.
+
+    A group of several ranks (``train.tensor_parallel``, engines/config/layout.py) splits its trainer
+    between them; its leader, the first, also holds the rollout engine and the judge and alone
+    answers the stages that use them (``Request.ranks``)."""
 
     def __init__(self, rank: int, world: int, threads: int, rendezvous: socket.socket | None = None):
         self.rank, self.world, self.threads = rank, world, threads
+        self.group, self.dp, self.leader = rank, world, True  # one rank per group until the run's layout says more
+        self.name = f"dp-{rank}"  # in logs and faults: dp-1, its second rank dp-1.1
+        self.layout = Layout(world)
         self.rendezvous = rendezvous  # rank 0 of a DP run: the listening socket its rendezvous store serves on
         self.config: RunConfig | None = None
         self.policy: Generator | None = None  # the rollout engine
@@ -91,8 +99,15 @@ class Worker:
         start = time.perf_counter()
         cfg = self.config = request.config
         torch.set_num_threads(self.threads)
+        tp = cfg.train.tensor_parallel
+        if self.world % tp:
+            raise ValueError(f"this host is rank {self.rank} of {self.world}: not groups of train.tensor_parallel={tp} ranks")
+        layout = self.layout = Layout(self.world // tp, tp)  # the hosts started: dp groups (config.layout), or fewer to evaluate
+        self.group, self.dp, self.leader, self.name = (layout.group(self.rank), layout.dp, layout.tp_rank(self.rank) == 0,
+                                                       layout.name(self.rank))
         prompts_uri = cfg.uri(cfg.data.preferences or cfg.data.prompts)  # a preference dataset is the stream instead
-        self.checkpoints = Checkpoints(self.rank, cfg.train.backend, datasets.part_files(prompts_uri))
+        self.checkpoints = Checkpoints(self.rank, cfg.train.backend, datasets.part_files(prompts_uri), self.name,
+                                       exports=self.group == 0)
         if request.resume:
             self.checkpoints.check_prompt_files(prompts_uri, request.resume,  # before any engine loads
                                                 "data.preferences" if cfg.data.preferences else "data.prompts")
@@ -108,31 +123,32 @@ class Worker:
         self.trainer = build.make_trainer(cfg, policy_dir, device)
         if cfg.train.algorithm.needs.critic:
             self.critic = build.make_critic(cfg, objectstore.local_folder(critic_host.folder(cfg)), device)
-        self.policy = build.make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads, device)
+        # the rollout engine and the scorers: the group's leader's (its other ranks only train)
+        self.policy = build.make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads, device) if self.leader else None
         self.judge = None
-        if cfg.reward.genrm_weight > 0:
+        if cfg.reward.genrm_weight > 0 and self.leader:
             judge_dir = objectstore.local_folder(cfg.uri(cfg.model.judge))
             self.judge = build.make_judge(cfg, judge_dir, self.threads, device)
             self.judge_sees_images = self.vision and multimodal.is_vision_folder(judge_dir)
         self.reward_model = (build.make_reward_model(cfg, objectstore.local_folder(cfg.uri(cfg.model.reward_model)), self.threads,
-                                                     device) if cfg.reward.reward_model_weight > 0 else None)
+                                                     device) if cfg.reward.reward_model_weight > 0 and self.leader else None)
         if self.vision:
             self.placeholder = multimodal.placeholder(multimodal.load_processor(policy_dir))
         self.rule = rewards.load_rule(cfg.reward.rule) if cfg.reward.rule else None
         self.format_rule = rewards.load_rule(cfg.reward.format_rule, "reward.format_rule") if cfg.reward.format_rule else None
         self.awake = {"policy", "judge", "trainer", "critic"}  # all loaded, all on the devices
         self.engine_loads += 1
-        self.prompts = PromptStream(prompts_uri, self.rank, self.world, cfg.data.max_image_bytes,
+        self.prompts = PromptStream(prompts_uri, self.group, self.dp, cfg.data.max_image_bytes,
                                     datasets.PREFERENCES if cfg.data.preferences else datasets.PROMPTS)
         self.preferences = PreferenceRows(policy_dir, cfg, self.vision) if cfg.data.preferences else None
         self.rollout_weights.reset(self.trainer.version)  # both engines loaded the same folder
         if request.resume:
             self.checkpoints.load(self.trainer, request.resume, self.critic)
             self.sync_weights(SyncWeights())
-            log.info("dp-%d: resumed from %s (policy version %d, parameters %s)", self.rank, request.resume,
+            log.info("%s: resumed from %s (policy version %d, parameters %s)", self.name, request.resume,
                      self.trainer.version, self.params_sha())
-        log.info("dp-%d: engines (rollout=%s judge=%s train=%s) loaded in %.2fs, policy version %d", self.rank,
-                 cfg.rollout.backend, cfg.judge.backend, cfg.train.backend, time.perf_counter() - start, self.trainer.version)
+        log.info("%s: engines (rollout=%s judge=%s train=%s) loaded in %.2fs, policy version %d", self.name,
+                 cfg.rollout.backend if self.leader else "-", cfg.judge.backend if self.leader else "-", cfg.train.backend, time.perf_counter() - start, self.trainer.version)
         return SetupEnginesResult(seconds=time.perf_counter() - start, policy_version=self.trainer.version,
                                   stream_length=len(self.prompts))
 
@@ -197,7 +213,7 @@ class Worker:
                     judge["error"] = e
                 judge["busy_s"] += time.perf_counter() - t
 
-        thread = threading.Thread(target=judge_loop, name=f"genrm-judge-dp{self.rank}", daemon=True)
+        thread = threading.Thread(target=judge_loop, name=f"genrm-judge-{self.name}", daemon=True)
         thread.start()
         rows, blocked, complete = [], 0.0, False
         torch.set_num_threads(max(1, self.threads - judge_threads))
@@ -220,12 +236,12 @@ class Worker:
             datasets.write_rows(r.rollouts_out, rows, datasets.ROLLOUTS)  # while the judge scores the tail
         thread.join()
         if judge["error"] is not None:
-            raise RuntimeError(f"dp-{self.rank}: the GenRM judge failed in wave {r.wave}") from judge["error"]
+            raise RuntimeError(f"{self.name}: the GenRM judge failed in wave {r.wave}") from judge["error"]
         flat = [row for chunk in scored for row in chunk]
         datasets.write_rows(r.scored_out, flat, datasets.SCORED)
         seconds = time.perf_counter() - start
-        log.info("dp-%d rollout_and_score wave %d: %.2fs (generating %.2fs, judge busy %.2fs, judge after the last chunk "
-                 "%.2fs, generator waited on the queue %.2fs)", self.rank, r.wave, seconds, generate_s, judge["busy_s"],
+        log.info("%s rollout_and_score wave %d: %.2fs (generating %.2fs, judge busy %.2fs, judge after the last chunk "
+                 "%.2fs, generator waited on the queue %.2fs)", self.name, r.wave, seconds, generate_s, judge["busy_s"],
                  seconds - generate_s, blocked)
         return RolloutAndScoreResult(
             rollout=self._rollout_result(Rollout(step=r.step, wave=r.wave, cursor=r.cursor, count=r.count, out=r.rollouts_out),
@@ -294,7 +310,7 @@ class Worker:
         switch = self.take("trainer", "critic")  # training takes the group's devices (both placement modes)
         rows = datasets.read_table(request.experience, datasets.EXPERIENCE).to_pylist()
         unit = t.algorithm.needs.unit  # a pair's rows stay together
-        batch, balanced = balance.balanced_batch(self.rank, self.world, request.experience, rows, t.minibatches,
+        batch, balanced = balance.balanced_batch(self.group, self.layout, request.experience, rows, t.minibatches,
                                                  t.balance_tokens, unit)
         if self.vision:  # the rows reference their prompts' images: read them here, on the host that trains them
             parts = batch.split(t.minibatches, unit)
@@ -318,7 +334,10 @@ class Worker:
         start = time.perf_counter()
         switch = self.take("policy", "trainer")  # a sleeping vLLM engine cannot load weights
         # overlapping: never waits for the rollout lane's chunk (staged for its next one instead)
-        count = self.rollout_weights.sync(self.policy, self.trainer.version, self.trainer.export_weights())
+        weights = self.trainer.export_weights()
+        if self.policy is None:  # a rank that only trains: its shards go into the leader's gathered tensors (a collective)
+            return SyncWeightsResult(tensors=sum(1 for _ in weights), seconds=time.perf_counter() - start, switch_s=switch)
+        count = self.rollout_weights.sync(self.policy, self.trainer.version, weights)
         return SyncWeightsResult(tensors=count, seconds=time.perf_counter() - start, switch_s=switch)
 
     @handle.register
@@ -339,7 +358,7 @@ class Worker:
         """Greedy decoding of this rank's share of held-out prompts, scored by the reward rule, or
         by the judge's verdict when there is no rule (``flows.training.heldout_metric`` names it)."""
         reader = datasets.PromptReader(request.uri)  # this rank's share only, images included
-        indices = list(range(self.rank, min(request.limit, len(reader)), self.world))
+        indices = list(range(self.group, min(request.limit, len(reader)), self.dp))
         rows = [r | {"prompt_row": i, "prompt": chat.question(r)} for r, i in zip(reader.rows(indices), indices)]
         if not rows:
             return EvaluateResult(score_sum=0.0, total=0)
@@ -362,7 +381,7 @@ class Worker:
         """The current policy as a Hugging Face folder (MANIFEST.json last). A sleeping trainer
         is not woken: its weights are read from its host copy. With ``train.lora`` the folder is the
         adapter's, and with ``train.lora.export_merged`` the merged model is in its ``merged/``."""
-        if self.rank == 0:
+        if self.group == 0:  # its ranks gather the weights (a collective with several), its leader writes
             with tempfile.TemporaryDirectory() as tmp:
                 self.trainer.save_hf(tmp)
                 if self.critic is not None:  # PPO's critic beside it, loadable as model.critic (value_head.py)
@@ -370,7 +389,8 @@ class Worker:
                 lora = self.config.train.lora
                 if lora is not None and lora.export_merged:
                     self.trainer.save_merged(os.path.join(tmp, "merged"))
-                objectstore.upload_folder(tmp, request.uri)
+                if self.rank == 0:
+                    objectstore.upload_folder(tmp, request.uri)
         return ExportPolicyResult(uri=request.uri)
 
     @handle.register
@@ -410,7 +430,7 @@ class Worker:
     def _wave_prompts(self, cursor: int, count: int) -> list[dict]:
         batch = [r | {"prompt": chat.question(r)} for r in self.prompts.wave(cursor, count)]  # the rule's and judge's text
         if (cursor + count - 1) // len(self.prompts) > cursor // len(self.prompts):
-            log.warning("dp-%d: all %d prompts of this group's stream trained; starting it again (another epoch)", self.rank, len(self.prompts))
+            log.warning("%s: all %d prompts of this group's stream trained; starting it again (another epoch)", self.name, len(self.prompts))
         return batch
 
     def _chunks(self, batch: list, size: int | None = None) -> list[list]:
@@ -427,7 +447,7 @@ class Worker:
         with self.rollout_weights as version:  # one policy version per chunk: a sync lands before or after it
             gens = self.policy.generate([chat.source(row) for row in chunk], n=ro.samples_per_prompt, temperature=ro.temperature,
                                         top_p=ro.top_p, max_new_tokens=ro.max_new_tokens,
-                                        seed=stable_seed(self.config.seed, step, self.rank, wave, k), images=self._images_of(chunk))
+                                        seed=stable_seed(self.config.seed, step, self.group, wave, k), images=self._images_of(chunk))
         return [{
             "prompt_id": chunk[g.prompt_index]["prompt_id"], "sample_index": j % ro.samples_per_prompt,
             "policy_version": version, "wave": wave, "prompt": chunk[g.prompt_index]["prompt"],
@@ -476,7 +496,7 @@ class Worker:
 
     def _rollout_result(self, r: Rollout, rows: list[dict], seconds: float, switch: float) -> RolloutResult:
         tokens = sum(len(row["response_ids"]) for row in rows)
-        log.info("dp-%d rollout wave %d: %d prompts x %d samples, %d tokens in %.2fs", self.rank, r.wave, r.count,
+        log.info("%s rollout wave %d: %d prompts x %d samples, %d tokens in %.2fs", self.name, r.wave, r.count,
                  self.config.rollout.samples_per_prompt, tokens, seconds)
         return RolloutResult(uri=r.out, cursor=r.cursor + r.count, prompts=r.count, samples=len(rows), tokens=tokens, seconds=seconds,
                              truncated=sum(row["truncated"] for row in rows), switch_s=switch)

@@ -19,9 +19,11 @@ import socket
 import threading
 import time
 import traceback
+from concurrent import futures
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from typing import Callable
 
+from engines.config.layout import Layout
 from engines.wire.commands import REQUESTS, Request, Result, Shutdown
 
 log = logging.getLogger("yattflow.host")
@@ -92,7 +94,7 @@ class HostClient:
             now = time.monotonic()
             if deadline_s is not None and now - start > deadline_s:
                 self._abandoned = f"'{stage}' did not finish within its time-out of {deadline_s:g}s"
-                raise HostLost(f"dp-{self.group}: {self._abandoned}")
+                raise HostLost(f"{self.label}: {self._abandoned}")
             if now - moved > self.stage_s:
                 self._abandoned = f"'{stage}' hung: no progress for {now - moved:.0f}s (timeouts.stage_s={self.stage_s:g})"
                 raise HostLost(f"{self.label}: {self._abandoned}")
@@ -131,49 +133,101 @@ class HostClient:
             pass
 
 
-_clients: dict[tuple[str, int] | tuple[str, int, str], HostClient] = {}
+class GroupClient:
+    """The controller's end of a DP group of several ranks (engines/config/layout.py): a request
+    goes to the ranks its stage names (``Request.ranks``), to each over that rank's own channel, so
+    every rank keeps its own heartbeat watchdog and a rank that dies is a lost host at once; the
+    answers come back as one (``Result.merge``), its log lines the leader's then the others'. The
+    first rank to fail fails the call: the others may wait in a collective for it, and the run's
+    hosts are stopped or restarted after it (a relay through the leader would hide a dead rank
+    behind a collective that hangs)."""
+
+    def __init__(self, members: list[HostClient]):
+        self.members = members  # the leader first
+        self.label = members[0].label
+
+    @property
+    def in_flight(self) -> str | None:
+        return self.members[0].in_flight
+
+    def call(self, request: Request) -> tuple[Result, list[str]]:
+        if request.ranks == "leader":
+            return self.members[0].call(request)
+        calls = [_FAN_OUT.submit(member.call, request) for member in self.members]
+        futures.wait(calls, return_when=futures.FIRST_EXCEPTION)
+        failed = [c.exception() for c in calls if c.done() and c.exception() is not None]
+        if failed:  # a rank that is gone first: the run heals from that
+            raise next((e for e in failed if isinstance(e, HostLost)), failed[0])
+        answers = [c.result() for c in calls]
+        try:
+            result = request.result.merge([r for r, _ in answers])
+        except ValueError as e:
+            raise HostError(f"{self.label}: '{request.stage}': {e}") from e
+        return result, [line for _, lines in answers for line in lines]
+
+
+_FAN_OUT = futures.ThreadPoolExecutor(max_workers=1024, thread_name_prefix="yattflow-rank-call")
+_clients: dict[tuple[str, int] | tuple[str, int, str], HostClient] = {}  # (run, rank[, lane])
 _opened: dict[tuple[str, int], tuple] = {}  # how each host was reached: a second lane connects the same way
+_layouts: dict[str, Layout] = {}  # each connected run's ranks
 _lanes = threading.Lock()
 ROLLOUT_LANE = "rollout"
 
 
-def client(run: str, group: int, lane: str | None = None) -> HostClient:
-    """The open channel to the host of ``group`` in ``run`` (opened by ``connect``).
+def client(run: str, group: int, lane: str | None = None) -> HostClient | GroupClient:
+    """The open channel to the hosts of ``group`` in ``run`` (opened by ``connect``): its one host's,
+    or a ``GroupClient`` over its ranks.
 
     ``lane="rollout"`` (``rollout.max_staleness`` >= 1): a second connection to the same host,
     opened on first use, whose commands the host answers on a thread of their own, so that the
     next step's rollout runs while this step's train step holds the first (docs/off-policy.md)."""
+    layout = _layouts.get(run, Layout(group + 1))
+    ranks = layout.ranks(group)
     try:
-        main = _clients[(run, group)]
+        members = [_clients[(run, rank)] for rank in ranks]
     except KeyError:
         raise HostError(f"no engine host for run '{run}' dp-{group} in this process") from None
     if lane is None:
-        return main
+        return members[0] if len(members) == 1 else GroupClient(members)
+    leader = ranks[0]
     with _lanes:
-        if (run, group, lane) not in _clients:
-            _clients[(run, group, lane)] = HostClient(*_opened[(run, group)])
-        return _clients[(run, group, lane)]
+        if (run, leader, lane) not in _clients:
+            _clients[(run, leader, lane)] = HostClient(*_opened[(run, leader)])
+        return _clients[(run, leader, lane)]
 
 
 def in_flight(run: str, world: int) -> dict[int, str]:
-    """The stage each of ``run``'s groups waits on over the channel of this process (groups with none
-    in flight left out); a rollout lane's commands are not counted."""
-    clients = [(group, _clients.get((run, group))) for group in range(world)]
-    return {group: c.in_flight for group, c in clients if c is not None and c.in_flight is not None}
+    """The stage each of ``run``'s ``world`` groups waits on over the channel of this process
+    (groups with none in flight left out); a rollout lane's commands are not counted."""
+    busy = {}
+    for group in range(world):
+        try:
+            stage = client(run, group).in_flight
+        except HostError:
+            continue
+        if stage is not None:
+            busy[group] = stage
+    return busy
 
 
-def connect(run: str, group: int, address: tuple[str, int], secret: bytes, timeout_s: float, stage_s: float) -> None:
-    """Open the channel to a started host; tasks of ``run`` then reach it through ``client``."""
-    _clients[(run, group)] = HostClient(address, secret, group, timeout_s, stage_s)
-    _opened[(run, group)] = (address, secret, group, timeout_s, stage_s)
+def connect(run: str, rank: int, address: tuple[str, int], secret: bytes, timeout_s: float, stage_s: float,
+            layout: Layout | None = None) -> None:
+    """Open the channel to a started host (rank ``rank`` of ``layout``, default one rank per group);
+    tasks of ``run`` then reach it through ``client``."""
+    if layout is not None:
+        _layouts[run] = layout
+    label = layout.name(rank) if layout is not None else None
+    _clients[(run, rank)] = HostClient(address, secret, rank, timeout_s, stage_s, label)
+    _opened[(run, rank)] = (address, secret, rank, timeout_s, stage_s, label)
 
 
 def disconnect(run: str, world: int) -> None:
-    """End every connected host channel of ``run`` (``HostClient.end``): a rollout lane first,
-    then the channel whose 'shutdown' ends the host."""
-    for group in range(world):
-        _opened.pop((run, group), None)
-        for key in ((run, group, ROLLOUT_LANE), (run, group)):
+    """End every connected host channel of ``run``'s ``world`` ranks (``HostClient.end``): a rollout
+    lane first, then the channel whose 'shutdown' ends the host."""
+    _layouts.pop(run, None)
+    for rank in range(world):
+        _opened.pop((run, rank), None)
+        for key in ((run, rank, ROLLOUT_LANE), (run, rank)):
             c = _clients.pop(key, None)
             if c is not None:
                 c.end()

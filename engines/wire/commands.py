@@ -12,7 +12,7 @@ in ``tasks/stages.py``, a call in the flow.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -24,6 +24,12 @@ class Result(BaseModel):
 
     host_s: float = 0.0  # seconds the host spent on the command (the channel sets it): the rest is orchestration
 
+    @classmethod
+    def merge(cls, results: list["Result"]) -> "Result":
+        """One answer from a group's ranks' answers (engines/config/layout.py), the leader's first:
+        the leader's, unless a stage's result says how its ranks' answers combine."""
+        return results[0]
+
 
 class Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -31,6 +37,9 @@ class Request(BaseModel):
     stage: ClassVar[str]  # the stage's one name: on the wire, in logs and in error messages
     result: ClassVar[type[Result]]
     alone: ClassVar[bool] = False  # a host answers it without the other DP groups (no collective inside)
+    # which ranks of a DP group carry it out: all of them (the trainer's stages, collectives over the
+    # group's tensor-parallel ranks), or its leader alone (the rollout engine and judge live there)
+    ranks: ClassVar[Literal["all", "leader"]] = "all"
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs) -> None:
@@ -52,6 +61,7 @@ class ValidateInputs(Request):
     """Check prompts and model folders before any engine loads (no device time spent)."""
 
     stage = "validate_inputs"
+    ranks = "leader"
     result = ValidateInputsResult
     config: RunConfig
 
@@ -90,6 +100,7 @@ class Rollout(Request):
     """Sample G responses for the next ``count`` prompts of the group's stream from ``cursor``."""
 
     stage = "rollout"
+    ranks = "leader"
     alone = True
     result = RolloutResult
     step: int
@@ -113,6 +124,7 @@ class GenRMScore(Request):
     """Reward every rollout: the judge's verdict, the rule, the overlong penalty."""
 
     stage = "genrm_score"
+    ranks = "leader"
     alone = True
     result = GenRMScoreResult
     rollouts: str
@@ -134,6 +146,7 @@ class RolloutAndScore(Request):
     """Partial colocation: ``Rollout`` and ``GenRMScore`` of one wave at once, chunks streaming to the judge."""
 
     stage = "rollout_and_score"
+    ranks = "leader"
     alone = True
     result = RolloutAndScoreResult
     step: int
@@ -163,6 +176,7 @@ class DynamicFilter(Request):
     """DAPO dynamic sampling: keep groups whose rewards differ (``carry_in`` first), up to the target."""
 
     stage = "dynamic_filter"
+    ranks = "leader"
     alone = True
     result = DynamicFilterResult
     step: int
@@ -194,6 +208,13 @@ class TrainStepResult(Result):
     balance_ratio_before: float
     balance_s: float
 
+    @classmethod
+    def merge(cls, results: list["TrainStepResult"]) -> "TrainStepResult":
+        shas = {r.params_sha for r in results}
+        if len(shas) > 1:  # the group's ranks gathered different full weights: a shard went astray
+            raise ValueError(f"the group's ranks disagree on the trained weights after the step: {sorted(shas)}")
+        return results[0]
+
 
 class TrainStep(Request):
     """One update with ``train.algorithm``'s loss on the group's experience; gradients all-reduced across every group."""
@@ -224,6 +245,11 @@ class CheckpointResult(Result):
     stall_s: float  # how long training waited
     seconds: float
 
+    @classmethod
+    def merge(cls, results: list["CheckpointResult"]) -> "CheckpointResult":
+        return results[0].model_copy(update={"files": _files(results), "stall_s": max(r.stall_s for r in results),
+                                             "seconds": max(r.seconds for r in results)})
+
 
 class Checkpoint(Request):
     """Write this rank's share of a checkpoint; the controller commits the manifest."""
@@ -238,6 +264,18 @@ class CheckpointWaitResult(Result):
     files: list[str] | None
     write_s: float
     wait_s: float
+
+    @classmethod
+    def merge(cls, results: list["CheckpointWaitResult"]) -> "CheckpointWaitResult":
+        return results[0].model_copy(update={"files": _files(results), "write_s": max(r.write_s for r in results),
+                                             "wait_s": max(r.wait_s for r in results)})
+
+
+def _files(results) -> list[str] | None:
+    """Every rank's files of one checkpoint (each writes its own shards and RNG state)."""
+    if any(r.files is None for r in results):
+        return None
+    return sorted({f for r in results for f in r.files})
 
 
 class CheckpointWait(Request):
@@ -261,6 +299,7 @@ class Evaluate(Request):
     reward rule, or by the judge's verdict (1 for ``judge.good``) when there is no rule."""
 
     stage = "evaluate"
+    ranks = "leader"
     alone = True
     result = EvaluateResult
     uri: str

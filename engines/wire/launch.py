@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from engines.config.layout import Layout
 from engines.wire.channel import HostError, connect, disconnect
 
 
@@ -70,29 +71,31 @@ class HostProcess:
 def local_devices(world: int, devices: list[str] | None, gpus: int, visible: str | None) -> list[str | None]:
     """CUDA_VISIBLE_DEVICES of each of ``world`` local hosts on a machine with ``gpus`` GPUs
     (``visible``: the parent's CUDA_VISIBLE_DEVICES). ``devices`` (``hosts.devices``) when given;
-    else one GPU per host, since NCCL refuses two ranks of one group on one GPU; on the CPU, or
-    with one host, each inherits the parent's (None)."""
+    else one GPU per host (per rank of a DP group too), since NCCL refuses two ranks of one group on
+    one GPU; on the CPU, or with one host, each inherits the parent's (None)."""
     if devices is not None:
         return list(devices)
     if world == 1 or gpus == 0:
         return [None] * world
     if gpus < world:
-        raise HostError(f"dp={world} local hosts need one GPU each and this machine shows {gpus}: lower dp, "
-                        "or set hosts.devices (one CUDA_VISIBLE_DEVICES entry per group)")
+        raise HostError(f"{world} local hosts need one GPU each and this machine shows {gpus}: lower dp (or "
+                        "train.tensor_parallel), or set hosts.devices (one CUDA_VISIBLE_DEVICES entry per host)")
     ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
     return ids[:world]
 
 
 class LocalHosts:
-    """Start, supervise and stop the engine hosts of one run as local subprocesses."""
+    """Start, supervise and stop the engine hosts of one run as local subprocesses: one per rank of
+    ``layout`` (a number: that many groups of one rank)."""
 
-    def __init__(self, run: str, world: int, threads: int, timeout_s: float, devices: list[str] | None = None,
+    def __init__(self, run: str, layout: Layout | int, threads: int, timeout_s: float, devices: list[str] | None = None,
                  stage_s: float | None = None, fork: bool = False):
         import torch
 
-        self.run, self.world, self.threads = run, world, threads
+        self.layout = layout if isinstance(layout, Layout) else Layout(layout)
+        self.run, self.world, self.threads = run, self.layout.world, threads
         self.timeout_s, self.stage_s = timeout_s, stage_s or timeout_s  # stage_s: the progress watchdog (channel.py)
-        self.devices = local_devices(world, devices, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        self.devices = local_devices(self.world, devices, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         self.hosts: list[HostProcess] = []
         self.master: str | None = None  # rank 0's torch.distributed rendezvous, "host:port"
         self.fork, self.forkserver = fork, None  # hosts.fork: the node controllers (flows/nodes.py) are forked too
@@ -108,7 +111,7 @@ class LocalHosts:
                                       forkserver=self.forkserver)
                           for rank in range(self.world)]
             for h in self.hosts:
-                connect(self.run, h.rank, h.wait_ready().address, secret, self.timeout_s, self.stage_s)
+                connect(self.run, h.rank, h.wait_ready().address, secret, self.timeout_s, self.stage_s, self.layout)
             self.master = f"{self.hosts[0].address[0]}:{self.hosts[0].dist_port}"
             self.addresses = [h.address for h in self.hosts]
         except BaseException:
@@ -134,10 +137,10 @@ class LocalHosts:
 
     async def lost(self, grace_s: float = 2.0) -> list[str]:
         """The hosts that died (waiting up to ``grace_s`` for one that is on its way out), as
-        ``dp-1 (exit code -9)``; [] when all live."""
+        ``dp-1 (exit code -9)`` (``dp-1.1``: the group's second rank); [] when all live."""
         deadline = time.monotonic() + grace_s
         while True:
-            dead = [f"dp-{h.rank} (exit code {h.proc.poll()})" for h in self.hosts if h.proc.poll() is not None]
+            dead = [f"{self.layout.name(h.rank)} (exit code {h.proc.poll()})" for h in self.hosts if h.proc.poll() is not None]
             if dead or time.monotonic() > deadline:
                 return dead
             await asyncio.sleep(0.1)

@@ -191,5 +191,6 @@ def _init_distributed(tensor_parallel: int, device: torch.device) -> None:
         if current != tensor_parallel:
             raise ValueError(f"model parallel state already has TP={current}, asked for TP={tensor_parallel}")
     else:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+        # the rank order the engine hosts are laid out in (engines/config/layout.py): TP ranks consecutive
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel, order="tp-cp-ep-dp-pp")
         model_parallel_cuda_manual_seed(0)  # no dropout here, but attention forks this RNG tracker

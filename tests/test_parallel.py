@@ -1,0 +1,193 @@
+"""DP groups of several ranks (issue 44): the layout, what the config lets through, and engine hosts
+laid out as dp=2 groups of train.tensor_parallel=2 Megatron ranks carrying out a real RL step
+(engines/config/layout.py, engines/wire/channel.py's GroupClient)."""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from engines.config import ConfigError, load_config
+from engines.config.layout import Layout
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ranks_are_laid_out_in_megatron_order_with_each_groups_leader_first():
+    layout = Layout(dp=2, tp=2)
+    assert layout.world == 4
+    assert [(layout.group(r), layout.tp_rank(r), layout.name(r)) for r in range(4)] == [
+        (0, 0, "dp-0"), (0, 1, "dp-0.1"), (1, 0, "dp-1"), (1, 1, "dp-1.1")]
+    assert [layout.ranks(g) for g in range(2)] == [[0, 1], [2, 3]] and [layout.leader(g) for g in range(2)] == [0, 2]
+    one = Layout(3)  # the default: a group is one rank, named as before
+    assert [one.ranks(g) for g in range(3)] == [[0], [1], [2]] and one.name(2) == "dp-2"
+
+
+MEGATRON_TP2 = ["train.backend=megatron", "train.tensor_parallel=2"]
+
+
+def test_tensor_parallel_needs_megatron_and_is_refused_where_it_is_not_wired_yet(tmp_path):
+    config = load_config(None, MEGATRON_TP2 + ["dp=2"])
+    assert config.layout == Layout(2, 2)
+    with pytest.raises(ConfigError, match=r"field 'train\.tensor_parallel': .*needs train\.backend: megatron"):
+        load_config(None, ["train.tensor_parallel=2"])
+    refused = {
+        "train.algorithm": (["train.algorithm.name=ppo", "model.critic=models/critic"], "has a critic"),
+        "controllers.groups_per_node": (["controllers.groups_per_node=1"], "node controllers connect one host per group"),
+        "hosts.launch": (["hosts.launch=deployment"], "deployed hosts are one flow run per group"),
+        "rollout.max_staleness": (["rollout.max_staleness=1"], "overlapping lanes"),
+    }
+    for field, (overrides, why) in refused.items():
+        with pytest.raises(ConfigError, match=rf"train\.tensor_parallel=2 is not wired with {re.escape(field)}: .*{why}"):
+            load_config(None, MEGATRON_TP2 + overrides)
+    from engines.host.validation import InputError, check_megatron_architecture
+    from helpers import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "policy", hidden_size=32, num_layers=1)  # 4 heads, 2 key/value heads
+    check_megatron_architecture(config, model)
+    with pytest.raises(InputError, match=r"model\.policy: \S+/config\.json: num_attention_heads=4 and num_key_value_heads=2 do "
+                                         r"not split over train\.tensor_parallel=4 ranks"):  # before any engine loads
+        check_megatron_architecture(load_config(None, ["train.backend=megatron", "train.tensor_parallel=4", "dp=1"]), model)
+    with pytest.raises(ConfigError, match=r"hosts\.devices has 2 entries for 4 engine hosts \(one per rank: dp=2 x "
+                                          r"train\.tensor_parallel=2\)"):
+        load_config(None, MEGATRON_TP2 + ["dp=2", 'hosts.devices=["0","1"]'])
+
+
+RUN = "tp-hosts"
+RULE = '''
+def score(prompt, response, answer):
+    return float(len(response) % 3)  # rewards that differ inside a prompt's group, whatever a random policy says
+'''
+
+
+def one_step(root: Path, tp: int) -> dict:
+    """Engine hosts of dp=2 groups of ``tp`` Megatron ranks: setup, then one RL step through each
+    group's client (rollout, scoring and the filter on the leaders; the train step, the weight sync,
+    a checkpoint and the export on every rank), as the flow sends them."""
+    from engines.wire.channel import client
+    from engines.wire.commands import (Checkpoint, CheckpointWait, DynamicFilter, ExportPolicy, GenRMScore, Rollout,
+                                       SetupEngines, SyncWeights, TrainStep)
+    from engines.wire.launch import LocalHosts
+
+    run, out_dir = f"{RUN}-{tp}", root / f"tp{tp}"
+    overrides = [f"name={run}", "dp=2", f"storage.root={root}", "model.policy=models/policy", "data.prompts=data/train",
+                 "data.heldout=null", "reward.genrm_weight=0", f"reward.rule={root / 'rule.py'}:score", "reward.rule_weight=1",
+                 "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "train.minibatches=2", "host_timeout_s=300",
+                 "sampling.filter_equal_rewards=false", "train.backend=megatron", f"train.tensor_parallel={tp}"]
+    config = load_config(None, overrides)
+    site = str(ROOT / "tests" / "megatron_cpu_site")  # Megatron-Core's CPU shim, in the hosts (tests only)
+    step: dict = {"config": config}
+    out = lambda what, g: str(out_dir / what / f"group={g}" / "part-000.parquet")  # noqa: E731
+
+    def on_every_group(request_of):
+        with ThreadPoolExecutor(2) as pool:  # the collectives: both groups at once
+            calls = [pool.submit(client(run, g).call, request_of(g)) for g in range(2)]
+            answers = [c.result() for c in calls]
+        return [result for result, _ in answers], [lines for _, lines in answers]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [site, str(ROOT), os.environ.get("PYTHONPATH")])))
+        with LocalHosts(run, config.layout, 1, config.host_timeout_s) as hosts:
+            step["hosts"] = len(hosts.hosts)
+            _, step["setup"] = on_every_group(lambda g: SetupEngines(config=config, master=hosts.master))
+            step["rollout"], _ = on_every_group(lambda g: Rollout(step=0, wave=0, cursor=0, count=2, out=out("rollouts", g)))
+            on_every_group(lambda g: GenRMScore(rollouts=out("rollouts", g), out=out("scored", g)))
+            step["filter"], _ = on_every_group(lambda g: DynamicFilter(step=0, scored=[out("scored", g)], out=out("experience", g),
+                                                                        target_groups=2))
+            step["train"], _ = on_every_group(lambda g: TrainStep(experience=out("experience", g), step=0))
+            step["sync"], _ = on_every_group(lambda g: SyncWeights())
+            step["checkpoint"], _ = on_every_group(lambda g: Checkpoint(uri=str(out_dir / "checkpoint")))
+            step["written"], _ = on_every_group(lambda g: CheckpointWait())
+            client(run, 0).call(ExportPolicy(uri=str(out_dir / "export")))
+    step["experience"] = [out("experience", g) for g in range(2)]
+    step["export"], step["checkpoint_dir"] = out_dir / "export", out_dir / "checkpoint"
+    return step
+
+
+@pytest.fixture(scope="module")
+def tp_root(tmp_path_factory) -> Path:
+    """A storage root with a tiny Llama (4 heads, 2 key/value heads: they split over two ranks),
+    eight arithmetic prompts and a reward rule."""
+    pytest.importorskip("megatron.core", reason="Megatron-Core is optional (make engines installs it)")
+    import pyarrow as pa
+
+    from helpers import save_tiny_model
+    from storage import datasets
+
+    root = tmp_path_factory.mktemp("tp-hosts")
+    save_tiny_model(root / "models" / "policy", hidden_size=32, num_layers=2)
+    datasets.write_table(str(root / "data" / "train" / "part-00000.parquet"),
+                         pa.table({"prompt_id": list(range(8)), "prompt": [f"{i}+{i}=" for i in range(8)],
+                                   "answer": [str(2 * i) for i in range(8)]}), datasets.PROMPTS)
+    (root / "rule.py").write_text(RULE)
+    return root
+
+
+@pytest.fixture(scope="module")
+def steps(tp_root):
+    """The same step by groups of two ranks and by groups of one, from the same policy and prompts."""
+    return {tp: one_step(tp_root, tp) for tp in (2, 1)}
+
+
+def test_two_groups_of_two_tensor_parallel_ranks_train_the_step_groups_of_one_rank_train(steps):
+    """dp=2 x tp=2, four processes, against dp=2 x tp=1: the followers load no rollout engine; the
+    leaders sample and score the same experience; the update (layers split over the TP ranks,
+    gradients all-reduced over the DP ranks) is the one the groups of one rank make, within the
+    step tolerance every parity test here uses; every rank holds the same full weights after it;
+    the checkpoint is every rank's shards and RNG state with the policy's Hugging Face folder."""
+    from safetensors.torch import load_file
+
+    from helpers import STEP_RTOL, parity, step_gap
+    from storage import datasets
+
+    tp2, tp1 = steps[2], steps[1]
+    assert (tp2["hosts"], tp1["hosts"]) == (4, 2)
+    setup = "\n".join(line for lines in tp2["setup"] for line in lines)
+    for follower in ("dp-0.1", "dp-1.1"):
+        assert re.search(rf"{follower}: engines \(rollout=- judge=- train=megatron\) loaded", setup), setup
+    for leader in ("dp-0", "dp-1"):
+        assert re.search(rf"{leader}: engines \(rollout=torch judge=\w+ train=megatron\) loaded", setup), setup
+    assert [r.samples for r in tp2["rollout"]] == [8, 8] and [f.kept for f in tp2["filter"]] == [2, 2]
+    for a, b in zip(tp2["experience"], tp1["experience"]):
+        assert datasets.read_table(a, datasets.EXPERIENCE).equals(datasets.read_table(b, datasets.EXPERIENCE))
+    train = tp2["train"]
+    assert train[0].params_sha == train[1].params_sha  # and each group's two ranks agreed (GroupClient checks it)
+    assert [t.policy_version for t in train] == [1, 1] and len({s.tensors for s in tp2["sync"]}) == 1
+    assert train[0].statistics["loss"] == pytest.approx(tp1["train"][0].statistics["loss"], abs=1e-5)
+    before = load_file(str(tp2["config"].uri("models/policy")).removeprefix("file://") + "/model.safetensors")
+    exported = {tp: load_file(str(steps[tp]["export"] / "model.safetensors")) for tp in (2, 1)}
+    assert parity("hosts dp=2: tp=2 vs tp=1 step", step_gap(exported[2], exported[1], before)) <= STEP_RTOL
+
+    files = set(tp2["written"][0].files) | set(tp2["written"][1].files)  # group 0's ranks' files, group 1's
+    assert {f"rng-{r}.pt" for r in range(4)} <= files and "model/model.safetensors" in files
+    assert len({f for f in files if f.startswith("trainer-megatron/")}) >= 4
+    assert all((tp2["checkpoint_dir"] / f).is_file() for f in files)
+
+
+def test_a_run_whose_follower_rank_is_killed_heals_and_trains_each_step_once(prefect_server, tp_root, tmp_path, monkeypatch):
+    """A real training run (flows/training.py, Prefect) of one group of two ranks: rank dp-0.1 is
+    SIGKILLed as step 1's train step reaches it. Its own channel sees it gone at once (a lost
+    host, not a collective left to time out), the run restarts both ranks, resumes from step 0's
+    checkpoint and ends with every step trained once."""
+    import asyncio
+
+    from flows.training import train
+    from helpers import no_engine_hosts_left
+
+    site = str(ROOT / "tests" / "megatron_cpu_site")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [site, str(ROOT), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("YATTFLOW_FAULTS", "train_step@1:dp-0.1:kill")
+    monkeypatch.setenv("YATTFLOW_FAULTS_FIRED", str(tmp_path))
+    overrides = [f"storage.root={tp_root}", "name=tp-healed", "model.policy=models/policy", "data.prompts=data/train",
+                 "data.heldout=null", "reward.genrm_weight=0", f"reward.rule={tp_root / 'rule.py'}:score", "reward.rule_weight=1",
+                 "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "sampling.filter_equal_rewards=false", "dp=1",
+                 "steps=3", "checkpoint.every=1", *MEGATRON_TP2]
+    summary = asyncio.run(train(overrides=overrides))
+    assert [p.name for p in tmp_path.iterdir()] == ["train_step@1:dp-0.1:kill"]  # the fault fired
+    assert [m["step"] for m in summary["history"]] == [0, 1, 2]  # step 1 redone replaced its first try
+    assert (tp_root / "runs" / "tp-healed" / "final" / "model.safetensors").exists()
+    no_engine_hosts_left()
