@@ -64,10 +64,12 @@ def score(prompt, response, answer):
 '''
 
 
-def one_step(root: Path, tp: int) -> dict:
+def one_step(root: Path, tp: int, resume: Path | None = None) -> dict:
     """Engine hosts of dp=2 groups of ``tp`` Megatron ranks: setup, then one RL step through each
     group's client (rollout, scoring and the filter on the leaders; the train step, the weight sync,
-    a checkpoint and the export on every rank), as the flow sends them."""
+    a checkpoint and the export on every rank), as the flow sends them. Then a second train step
+    on the same experience: continuing (no ``resume``), or after loading the checkpoint ``resume``
+    (set up again on the same hosts); exported as ``export-2``."""
     from engines.wire.channel import client
     from engines.wire.commands import (Checkpoint, CheckpointWait, DynamicFilter, ExportPolicy, GenRMScore, Rollout,
                                        SetupEngines, SyncWeights, TrainStep)
@@ -103,8 +105,12 @@ def one_step(root: Path, tp: int) -> dict:
             step["checkpoint"], _ = on_every_group(lambda g: Checkpoint(uri=str(out_dir / "checkpoint")))
             step["written"], _ = on_every_group(lambda g: CheckpointWait())
             client(run, 0).call(ExportPolicy(uri=str(out_dir / "export")))
+            if resume is not None:
+                _, step["resumed"] = on_every_group(lambda g: SetupEngines(config=config, master=hosts.master, resume=str(resume)))
+            on_every_group(lambda g: TrainStep(experience=out("experience", g), step=1))
+            client(run, 0).call(ExportPolicy(uri=str(out_dir / "export-2")))
     step["experience"] = [out("experience", g) for g in range(2)]
-    step["export"], step["checkpoint_dir"] = out_dir / "export", out_dir / "checkpoint"
+    step["export"], step["export-2"], step["checkpoint_dir"] = out_dir / "export", out_dir / "export-2", out_dir / "checkpoint"
     return step
 
 
@@ -129,8 +135,10 @@ def tp_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def steps(tp_root):
-    """The same step by groups of two ranks and by groups of one, from the same policy and prompts."""
-    return {tp: one_step(tp_root, tp) for tp in (2, 1)}
+    """The same step by groups of two ranks and by groups of one, from the same policy and prompts;
+    then the second step, the groups of one rank resuming from the two-rank groups' checkpoint."""
+    tp2 = one_step(tp_root, 2)
+    return {2: tp2, 1: one_step(tp_root, 1, resume=tp2["checkpoint_dir"])}
 
 
 def test_two_groups_of_two_tensor_parallel_ranks_train_the_step_groups_of_one_rank_train(steps):
@@ -163,7 +171,7 @@ def test_two_groups_of_two_tensor_parallel_ranks_train_the_step_groups_of_one_ra
     assert parity("hosts dp=2: tp=2 vs tp=1 step", step_gap(exported[2], exported[1], before)) <= STEP_RTOL
 
     files = set(tp2["written"][0].files) | set(tp2["written"][1].files)  # group 0's ranks' files, group 1's
-    assert {f"rng-{r}.pt" for r in range(4)} <= files and "model/model.safetensors" in files
+    assert {f"rng-{r}.pt" for r in range(4)} | {"model/model.safetensors", "layout.json", "prompts.json"} <= files
     assert len({f for f in files if f.startswith("trainer-megatron/")}) >= 4
     assert all((tp2["checkpoint_dir"] / f).is_file() for f in files)
 
@@ -191,3 +199,48 @@ def test_a_run_whose_follower_rank_is_killed_heals_and_trains_each_step_once(pre
     assert [m["step"] for m in summary["history"]] == [0, 1, 2]  # step 1 redone replaced its first try
     assert (tp_root / "runs" / "tp-healed" / "final" / "model.safetensors").exists()
     no_engine_hosts_left()
+
+
+def test_a_checkpoint_of_two_rank_groups_resumes_in_groups_of_one_and_trains_on_alike(steps):
+    """dist_checkpointing reshards the model and the Adam state from TP=2 to TP=1: the groups of
+    one rank, set up again from the four ranks' checkpoint, hold exactly the weights the two-rank
+    groups checkpointed, and their next step on the same experience is the two-rank groups' next
+    step (a fresh optimizer's would not be: Adam's first step differs from its second)."""
+    from safetensors.torch import load_file
+
+    from helpers import STEP_RTOL, parity, step_gap
+
+    tp2, tp1 = steps[2], steps[1]
+    resumed = "\n".join(line for lines in tp1["resumed"] for line in lines)
+    assert re.search(rf"dp-0: resumed from \S*{tp2['checkpoint_dir'].name}", resumed), resumed
+    checkpointed = load_file(str(tp2["export"] / "model.safetensors"))
+    after = {tp: load_file(str(steps[tp]["export-2"] / "model.safetensors")) for tp in (2, 1)}
+    assert parity("hosts dp=2: tp=2 second step vs tp=1 resumed from its checkpoint", step_gap(after[1], after[2], checkpointed)) \
+        <= STEP_RTOL
+
+
+def test_a_checkpoint_resumes_under_another_layout_only_where_megatron_reshards_it(tmp_path):
+    """layout.json says what wrote a checkpoint; the distributed optimizer's state (saved
+    dp_reshardable) is refused under another TP size, and either optimizer's under the other kind,
+    each naming the field and the value to resume with, before any engine loads."""
+    import json
+
+    from engines.host.checkpointing import Checkpoints
+
+    def written(tp: int, distributed: bool) -> str:
+        folder = tmp_path / f"tp{tp}-{distributed}"
+        folder.mkdir(exist_ok=True)
+        (folder / "layout.json").write_text(json.dumps({"dp": 2, "tensor_parallel": tp, "distributed_optimizer": distributed}))
+        return str(folder)
+
+    def resuming(tp: int, distributed: bool) -> Checkpoints:
+        return Checkpoints(0, "megatron", [], layout={"dp": 4, "tensor_parallel": tp, "distributed_optimizer": distributed})
+
+    resuming(1, False).check_layout(written(2, False))  # the plain optimizer reshards over TP and DP
+    resuming(2, True).check_layout(written(2, True))  # the distributed one over DP
+    with pytest.raises(ValueError, match=r"written with train\.tensor_parallel=2 and the distributed optimizer, whose state "
+                                         r".*resume with train\.tensor_parallel=2 \(any dp\)"):
+        resuming(1, True).check_layout(written(2, True))
+    with pytest.raises(ValueError, match=r"written with train\.distributed_optimizer=false, .*resume with "
+                                         r"train\.distributed_optimizer=false"):
+        resuming(2, True).check_layout(str(tmp_path / "tp2-False"))

@@ -12,6 +12,7 @@ every rank's files are written, ``storage/runstate.py``):
                          with rank 0: a tensor-parallel export is a collective); with train.lora the adapter
                          folder (the base is the policy folder, recorded in trainer-torch/)
     prompts.json         the prompt files the data cursors point into (rank 0)
+    layout.json          the ranks that wrote it: dp, train.tensor_parallel, train.distributed_optimizer (rank 0)
     rng-{rank}.pt        torch's and Python's RNG states
 """
 
@@ -51,8 +52,10 @@ class Checkpoints:
     (``storage.datasets.part_files``): a checkpoint records them, and a resume refuses a dataset
     whose first files changed, since the data cursors are positions in them."""
 
-    def __init__(self, rank: int, backend: str, prompt_files: list[list], name: str | None = None, exports: bool | None = None):
+    def __init__(self, rank: int, backend: str, prompt_files: list[list], name: str | None = None, exports: bool | None = None,
+                 layout: dict | None = None):
         self.rank, self.backend, self.prompt_files = rank, backend, prompt_files
+        self.layout = layout or {}  # what layout.json records (``recorded_layout``)
         self.name = name or f"dp-{rank}"  # in logs and faults (engines/config/layout.py)
         self.exports = rank == 0 if exports is None else exports  # takes part in writing model/ (DP group 0's ranks)
         self._write: BackgroundWrite | None = None  # in flight, or finished and not yet collected
@@ -104,6 +107,7 @@ class Checkpoints:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         rank, name, exports, backend, prompt_files = self.rank, self.name, self.exports, self.backend, list(self.prompt_files)
+        layout = dict(self.layout)
 
         def write() -> list[str]:
             try:
@@ -130,7 +134,8 @@ class Checkpoints:
                 objectstore.write_bytes(objectstore.join(uri, file), Path(tmp, file).read_bytes())
             if rank == 0:  # the prompt files this run's streams (and so the cursors) were read from
                 objectstore.write_json(objectstore.join(uri, "prompts.json"), {"files": prompt_files})
-                files.append("prompts.json")
+                objectstore.write_json(objectstore.join(uri, "layout.json"), layout)
+                files += ["prompts.json", "layout.json"]
             return [f"rng-{rank}.pt", *files]
 
         return write
@@ -169,6 +174,31 @@ class Checkpoints:
                     "Leave existing files as they are and add new prompts as new files that sort after them "
                     "(e.g. part-00001.parquet)."
                 )
+
+    def check_layout(self, checkpoint: str) -> None:
+        """A checkpoint resumes under another layout where Megatron-Core's ``dist_checkpointing``
+        reshards it: the model and the plain optimizer over any TP and DP; the distributed
+        optimizer's state (saved ``dp_reshardable``, engines/backends/megatron/optimizer.py) over
+        DP only, and never into the plain optimizer or back. Else an error naming both."""
+        recorded = objectstore.join(checkpoint, "layout.json")
+        if self.backend != "megatron" or not objectstore.exists(recorded):
+            return  # one file per rank that any layout reads; or written before this record existed
+        was, now = objectstore.read_json(recorded), self.layout
+        if not was or not now:
+            return  # written or read without a layout (a test's own Checkpoints)
+        if was["distributed_optimizer"] != now["distributed_optimizer"]:
+            raise ValueError(f"checkpoint {checkpoint} was written with train.distributed_optimizer="
+                             f"{str(was['distributed_optimizer']).lower()}, and its optimizer state loads only into the same "
+                             f"kind of optimizer: resume with train.distributed_optimizer={str(was['distributed_optimizer']).lower()}")
+        if now["distributed_optimizer"] and was["tensor_parallel"] != now["tensor_parallel"]:
+            raise ValueError(f"checkpoint {checkpoint} was written with train.tensor_parallel={was['tensor_parallel']} and the "
+                             "distributed optimizer, whose state Megatron-Core 0.16 saves reshardable over the DP size only: "
+                             f"resume with train.tensor_parallel={was['tensor_parallel']} (any dp)")
+
+
+def recorded_layout(config, dp: int) -> dict:
+    """What a checkpoint records of the ranks that wrote it (``layout.json``)."""
+    return {"dp": dp, "tensor_parallel": config.train.tensor_parallel, "distributed_optimizer": config.train.distributed_optimizer}
 
 
 class BackgroundWrite:

@@ -33,7 +33,7 @@ from engines.host.prompts import PromptStream
 
 from engines.backends import chat, distributed, build, multimodal
 from engines.wire.channel import progress
-from engines.host.checkpointing import Checkpoints
+from engines.host.checkpointing import Checkpoints, recorded_layout
 from engines.wire.commands import (Checkpoint, CheckpointResult, CheckpointWait, CheckpointWaitResult, DynamicFilter,
                               DynamicFilterResult, Evaluate, EvaluateResult, ExportPolicy, ExportPolicyResult, GenRMScore,
                               GenRMScoreResult, Ping, PingResult, Request, Result, Rollout, RolloutAndScore,
@@ -107,10 +107,11 @@ class Worker:
                                                        layout.name(self.rank))
         prompts_uri = cfg.uri(cfg.data.preferences or cfg.data.prompts)  # a preference dataset is the stream instead
         self.checkpoints = Checkpoints(self.rank, cfg.train.backend, datasets.part_files(prompts_uri), self.name,
-                                       exports=self.group == 0)
-        if request.resume:
-            self.checkpoints.check_prompt_files(prompts_uri, request.resume,  # before any engine loads
+                                       exports=self.group == 0, layout=recorded_layout(cfg, layout.dp))
+        if request.resume:  # before any engine loads
+            self.checkpoints.check_prompt_files(prompts_uri, request.resume,
                                                 "data.preferences" if cfg.data.preferences else "data.prompts")
+            self.checkpoints.check_layout(request.resume)
         # the timing stub trains nothing on a device: its one all-reduce is of a CPU tensor
         device = torch.device("cpu") if cfg.train.backend == "stub" else distributed.default_device()
         if self.world > 1 and not dist.is_initialized():
