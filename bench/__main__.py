@@ -19,7 +19,7 @@ What is "baseline" differs per module (see each module's docstring): raw ``LLM.g
 (balance), a synchronous checkpoint (checkpoint), Prefect's own server on SQLite (embedded), fixed waves (sampling), full colocation (placement), a single controller
 that gathers and scatters every stage's data (controller), the SQLite server against PostgreSQL at 1-64 DP
 groups with timing-stub engines, and Prefect's floor beside each (scale), Prefect's default server against
-one with a batched task-run recorder (floor). ``megatron_gpu`` needs CUDA and is
+one with a batched task-run recorder (floor), a DP group of one Megatron rank against one of two (sync). ``megatron_gpu`` needs CUDA and is
 skipped without it; ``rollout`` needs vLLM.
 """
 

@@ -1,0 +1,139 @@
+"""Weight-sync benchmark: trainer → rollout engine in real engine hosts, one DP group of TP=1 and of TP=2.
+
+    python -m bench.sync                        # a ~560 MB (fp32) Llama, ~2 min on 2 CPU cores
+    python -m bench.sync --hidden 512 --layers 4 --repeats 3
+
+One DP group of ``train.tensor_parallel`` Megatron ranks (engine-host processes, gloo; on a CPU
+Megatron-Core runs under the tests' shim), the torch rollout engine on the group's leader
+(docs/parallelism.md). After setup, ``SyncWeights`` is sent ``--repeats`` times through the
+group's client, as the flow sends it: each rank gathers its shards of each parameter in turn
+(Megatron's ``export_weights``: one full Hugging Face-named tensor at a time), the leader copies
+them into its rollout engine, the other ranks drop theirs.
+
+- **sync s**: the host's time for the command (the slowest rank's), median.
+- **peak MB**: each rank's resident memory while the sync runs (sampled every 20 ms, its
+  child processes included) above what it held just before: what the sync itself costs in
+  memory. A sync that gathered the whole model in one place would show the model's size here;
+  one tensor at a time shows a few of the largest tensors (and what the allocator keeps).
+- **first sync's lasting MB**: a first sync, not timed, after which the leader holds about the
+  model's size more for good: the rollout engine's weights, loaded as a memory map of the
+  policy's file, become its own pages as they are written (once per run, not per sync).
+
+The baseline is TP=1, measured in the same run. Prints a markdown table and returns the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _policy(folder: Path, hidden: int, layers: int) -> tuple[str, int]:
+    """A random Llama of the given size with the char tokenizer; its folder and bytes (fp32)."""
+    from engines.demo.tiny import build_char_tokenizer, build_tiny_llama
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_llama(len(tokenizer), hidden_size=hidden, num_layers=layers, num_heads=hidden // 64,
+                             num_kv_heads=hidden // 128, seed=0)
+    model.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    return str(folder), sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _rss(pid: int) -> int:
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
+    except psutil.NoSuchProcess:
+        return 0
+
+
+def measure(root: Path, tp: int, repeats: int) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pyarrow as pa
+
+    from engines.config import load_config
+    from engines.wire.channel import client
+    from engines.wire.commands import SetupEngines, SyncWeights
+    from engines.wire.launch import LocalHosts
+    from storage import datasets
+
+    prompts = root / "data" / "train" / "part-00000.parquet"
+    if not prompts.exists():
+        datasets.write_table(str(prompts), pa.table({"prompt_id": [0, 1], "prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}),
+                             datasets.PROMPTS)
+    run = f"bench-sync-tp{tp}"
+    config = load_config(None, [f"name={run}", "dp=1", f"storage.root={root}", "model.policy=models/policy",
+                                "data.prompts=data/train", "data.heldout=null", "reward.genrm_weight=0",
+                                "reward.rule=engines.demo.arithmetic:exact_match", "reward.rule_weight=1", "host_timeout_s=1200",
+                                "train.backend=megatron", f"train.tensor_parallel={tp}"])
+    seconds, peaks = [], []
+    with LocalHosts(run, config.layout, 1, config.host_timeout_s) as hosts:
+        group = client(run, 0)
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(group.call, SetupEngines(config=config, master=hosts.master)).result()
+        pids = [h.proc.pid for h in hosts.hosts]
+        # not measured: the first sync makes the rollout engine's weights resident and private (they
+        # were loaded as a memory map of the policy's safetensors file): the model's size, once
+        warmup = [_rss(pid) for pid in pids]
+        group.call(SyncWeights())
+        first = [(_rss(pid) - b) / 2**20 for pid, b in zip(pids, warmup)]
+        for _ in range(repeats):
+            before = [_rss(pid) for pid in pids]
+            peak = list(before)
+            done = threading.Event()
+
+            def sample():
+                while not done.is_set():
+                    for i, pid in enumerate(pids):
+                        peak[i] = max(peak[i], _rss(pid))
+                    time.sleep(0.02)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            result, _ = group.call(SyncWeights())
+            done.set()
+            sampler.join()
+            seconds.append(result.host_s)
+            peaks.append([(p - b) / 2**20 for p, b in zip(peak, before)])
+    return {"tp": tp, "sync_s": statistics.median(seconds), "tensors": result.tensors, "first_mb": first,
+            "peak_mb": [max(run[i] for run in peaks) for i in range(len(pids))]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests" / "megatron_cpu_site"), str(ROOT),
+                                                              os.environ.get("PYTHONPATH")]))  # Megatron on a CPU: the shim
+    with tempfile.TemporaryDirectory(prefix="yattflow-bench-sync-") as tmp:
+        root = Path(tmp)
+        _, size = _policy(root / "models" / "policy", args.hidden, args.layers)
+        figures = {tp: measure(root, tp, args.repeats) for tp in (1, 2)}
+    base = figures[1]
+    print(f"\nweight sync, one DP group, policy {size / 2**20:.0f} MB fp32 ({figures[1]['tensors']} tensors), "
+          f"median of {args.repeats}")
+    print("| layout | sync s | vs TP=1 | peak MB above before, per rank | first sync's lasting MB, per rank |")
+    print("| --- | ---: | ---: | --- | --- |")
+    for tp, f in figures.items():
+        ranks, first = (", ".join(f"{mb:.0f}" for mb in f[key]) for key in ("peak_mb", "first_mb"))
+        print(f"| TP={tp} | {f['sync_s']:.3f} | {f['sync_s'] / base['sync_s']:.2f}x | {ranks} | {first} |")
+    rows = [{"figure": "sync s, TP=2 vs TP=1", "yattflow": figures[2]["sync_s"], "baseline": base["sync_s"],
+             "ratio": figures[2]["sync_s"] / base["sync_s"]}]
+    return {"model_mb": size / 2**20, "figures": {str(k): v for k, v in figures.items()}, "rows": rows}
+
+
+if __name__ == "__main__":
+    main()
