@@ -159,9 +159,11 @@ class Curves(LiveArtifact):
     def _keep(self, curves: dict, heldout_after: float | None = None) -> None:
         """The points and the picture to storage, the artifact redrawn."""
         objectstore.write_json(self.uri, curves)
-        objectstore.write_bytes(self.picture, curves_svg(self.run, self.points, self.steps, self.heldout_before, heldout_after).encode())
-        self._draw(heldout_after)
+        svg = curves_svg(self.run, self.points, self.steps, self.heldout_before, heldout_after)
+        objectstore.write_bytes(self.picture, svg.encode())
+        self._draw(heldout_after, svg)
 
-    def _draw(self, heldout_after: float | None = None) -> None:
-        self.show(curves_markdown(self.run, self.points, self.steps, self.heldout_before, heldout_after, self.heldout_metric),
+    def _draw(self, heldout_after: float | None = None, svg: str | None = None) -> None:
+        self.show(curves_markdown(self.run, self.points, self.steps, self.heldout_before, heldout_after, self.heldout_metric,
+                                  svg=svg),
                   f"{self.run}: reward and accuracy per step ({len(self.points)} of {self.steps} steps)")

@@ -116,8 +116,16 @@ def svg_image(svg: str, alt: str) -> str:
     return f"![{alt}](data:image/svg+xml;base64,{base64.b64encode(svg.encode()).decode()})"
 
 
+SERIES = (("reward (mean)", "reward", lambda v: f"{v:.3f}"), ("rollout accuracy", "accuracy", percent),
+          ("held-out", "heldout", percent), ("groups kept", "kept_groups", lambda v: f"{v:g}"),
+          ("loss", "loss", lambda v: f"{v:.4f}"), ("seconds", "seconds", lambda v: f"{v:.2f}"))
+
+
 def curves_markdown(run: str, points: list[dict], steps: int, heldout_before: float | None,
-                    heldout_after: float | None = None, heldout_metric: str | None = None, rows: int = 40) -> str:
+                    heldout_after: float | None = None, heldout_metric: str | None = None, rows: int = 40,
+                    svg: str | None = None) -> str:
+    """The artifact's text: the held-out figures, the picture (``svg``: already drawn by ``curves_svg``), a
+    table per figure and a chart per step."""
     done = len(points)
     heldout = (f"**{percent(heldout_before)} → {percent(heldout_after)}** (before → after RL)" if heldout_after is not None
                else f"**{percent(heldout_before)}** before RL (after RL: measured when the run ends)")
@@ -125,7 +133,8 @@ def curves_markdown(run: str, points: list[dict], steps: int, heldout_before: fl
     lines = [f"# Run `{run}`: reward and accuracy, {done} of {steps} steps", "", heldout, ""]
     if not points:
         return "\n".join(lines + ["No step has finished yet."])
-    lines += [svg_image(curves_svg(run, points, steps, heldout_before, heldout_after), f"{run}: learning curve"), ""]
+    svg = svg or curves_svg(run, points, steps, heldout_before, heldout_after)
+    lines += [svg_image(svg, f"{run}: learning curve"), ""]
     first, last = points[0]["step"], points[-1]["step"]
     lines += [f"| per step | first | latest | min | max | step {first} → {last} |", "|---|---:|---:|---:|---:|---|"]
     for label, key, fmt in SERIES:
@@ -144,11 +153,6 @@ def curves_markdown(run: str, points: list[dict], steps: int, heldout_before: fl
         lines += [f"{p['step']:>6}  {fmt(p[key]) if p.get(key) is not None else 'n/a':>8}  {bar(p.get(key), a, b)}" for p in shown]
         lines.append("```")
     return "\n".join(lines)
-
-
-SERIES = (("reward (mean)", "reward", lambda v: f"{v:.3f}"), ("rollout accuracy", "accuracy", percent),
-          ("held-out", "heldout", percent), ("groups kept", "kept_groups", lambda v: f"{v:g}"),
-          ("loss", "loss", lambda v: f"{v:.4f}"), ("seconds", "seconds", lambda v: f"{v:.2f}"))
 
 
 def curves_text(points: list[dict], heldout_before: float | None = None, heldout_after: float | None = None,

@@ -114,21 +114,18 @@ def failure_cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[-1].strip()}" if lines else type(error).__name__
 
 
-WHERE_RETRY_S = 10.0  # how long the stop line waits for an object store that does not answer
-
-
 def where_it_stopped(config, fix_first: bool = False) -> str:
     """``stopped at step N of S; last checkpoint: step M; …`` from the run's committed state (steps 1-based).
     ``fix_first``: the run stopped on its input, which the same command would meet again.
 
     It reads what may have just failed (a damaged state.json, storage gone): never raises, and waits for an
-    object store that does not answer for ``WHERE_RETRY_S`` at most (a run that failed on it waited long enough)."""
+    object store that does not answer for ``objectstore.ON_THE_WAY_OUT_S`` at most (a run that failed on it waited long enough)."""
     again = "fix that, then run the same command" if fix_first else "run the same command"
     from storage import objectstore
     from storage.runstate import RunState
 
     try:
-        with objectstore.retry_at_most(WHERE_RETRY_S):
+        with objectstore.retry_at_most(objectstore.ON_THE_WAY_OUT_S):
             state = RunState.load(config.run_uri)
     except objectstore.StorageError as e:  # its own message (the errors behind it lead back to the command's own)
         return f"where the run stands is unknown: {' '.join(str(e).split())}"
@@ -138,7 +135,7 @@ def where_it_stopped(config, fix_first: bool = False) -> str:
         return f"stopped before run '{config.name}' took its first step; {again} to start it"
     curves = objectstore.join(config.run_uri, "curves.json")
     try:  # the live curves: the steps trained after the last checkpoint
-        with objectstore.retry_at_most(WHERE_RETRY_S):
+        with objectstore.retry_at_most(objectstore.ON_THE_WAY_OUT_S):
             points = objectstore.read_json(curves).get("points", []) if objectstore.exists(curves) else []
         finished = max((p["step"] + 1 for p in points), default=0)
     except Exception:  # noqa: BLE001 - without them the last checkpoint is still known

@@ -72,7 +72,7 @@ class MetricsLog:
             self._publish()
         else:
             try:
-                with objectstore.retry_at_most(10.0):
+                with objectstore.retry_at_most(objectstore.ON_THE_WAY_OUT_S):
                     self._publish()
             except objectstore.StorageError as e:
                 objectstore.log.warning("%s: TensorBoard's last lines not written (%s)", self.uri, " ".join(str(e).split()))

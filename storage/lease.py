@@ -41,7 +41,6 @@ class LeaseLost(RuntimeError):
 
 
 _held: dict[str, "Lease"] = {}  # run URI -> the lease this process holds on it
-RELEASE_RETRY_S = 10.0  # how long giving the lease back waits for an object store that does not answer
 
 
 class Lease:
@@ -119,10 +118,10 @@ class Lease:
         """Give the lease back (a later run takes it at once); nothing happens if it was lost."""
         self._stop.set()
         if self._renewer is not None:  # (a renewal still waiting on the store finds the lease released, or expires)
-            self._renewer.join(timeout=RELEASE_RETRY_S)
+            self._renewer.join(timeout=objectstore.ON_THE_WAY_OUT_S)
         _held.pop(self.run_uri, None)
         try:  # on the way out, perhaps of a run that failed on storage: a short wait, then it expires by itself
-            with objectstore.retry_at_most(RELEASE_RETRY_S):
+            with objectstore.retry_at_most(objectstore.ON_THE_WAY_OUT_S):
                 objectstore.update_json(self.uri, lambda current: current | {"released": True} if self._mine(current) else None)
         except objectstore.StorageError as e:
             objectstore.log.warning("%s: not released (%s); it expires %gs after its last renewal", self.uri,

@@ -47,6 +47,10 @@ def retry_s() -> float:
     return configured if cap is None else min(configured, cap)
 
 
+ON_THE_WAY_OUT_S = 10.0  # how long a call on the way out of a command (where it stopped, the lease given back,
+# TensorBoard's last lines) waits for a store that does not answer: the command may have failed on it already
+
+
 @contextmanager
 def retry_at_most(seconds: float):
     """Calls in this block (this thread or task) ride out an outage for at most ``seconds``: for reads that

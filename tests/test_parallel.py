@@ -39,7 +39,6 @@ def test_tensor_parallel_needs_megatron_and_is_refused_where_it_is_not_wired_yet
         "train.algorithm": (["train.algorithm.name=ppo", "model.critic=models/critic"], "has a critic"),
         "controllers.groups_per_node": (["controllers.groups_per_node=1"], "node controllers connect one host per group"),
         "hosts.launch": (["hosts.launch=deployment"], "deployed hosts are one flow run per group"),
-        "rollout.max_staleness": (["rollout.max_staleness=1"], "overlapping lanes"),
     }
     for field, (overrides, why) in refused.items():
         with pytest.raises(ConfigError, match=rf"train\.tensor_parallel=2 is not wired with {re.escape(field)}: .*{why}"):
@@ -177,10 +176,11 @@ def test_two_groups_of_two_tensor_parallel_ranks_train_the_step_groups_of_one_ra
 
 
 def test_a_run_whose_follower_rank_is_killed_heals_and_trains_each_step_once(prefect_server, tp_root, tmp_path, monkeypatch):
-    """A real training run (flows/training.py, Prefect) of one group of two ranks: rank dp-0.1 is
-    SIGKILLed as step 1's train step reaches it. Its own channel sees it gone at once (a lost
-    host, not a collective left to time out), the run restarts both ranks, resumes from step 0's
-    checkpoint and ends with every step trained once."""
+    """A real training run (flows/training.py, Prefect) of two groups of two ranks, the next step's
+    rollout overlapping this step's training (rollout.max_staleness=1: the rollout lane is the
+    leaders'): rank dp-0.1 is SIGKILLed as step 2's train step reaches it. Its own channel sees it
+    gone at once (a lost host, not a collective left to time out), the run restarts all four ranks,
+    resumes from the last committed checkpoint and ends with every step trained once."""
     import asyncio
 
     from flows.training import train
@@ -188,15 +188,15 @@ def test_a_run_whose_follower_rank_is_killed_heals_and_trains_each_step_once(pre
 
     site = str(ROOT / "tests" / "megatron_cpu_site")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [site, str(ROOT), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("YATTFLOW_FAULTS", "train_step@1:dp-0.1:kill")
+    monkeypatch.setenv("YATTFLOW_FAULTS", "train_step@2:dp-0.1:kill")
     monkeypatch.setenv("YATTFLOW_FAULTS_FIRED", str(tmp_path))
     overrides = [f"storage.root={tp_root}", "name=tp-healed", "model.policy=models/policy", "data.prompts=data/train",
                  "data.heldout=null", "reward.genrm_weight=0", f"reward.rule={tp_root / 'rule.py'}:score", "reward.rule_weight=1",
-                 "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "sampling.filter_equal_rewards=false", "dp=1",
-                 "steps=3", "checkpoint.every=1", *MEGATRON_TP2]
+                 "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "sampling.filter_equal_rewards=false", "dp=2",
+                 "steps=4", "checkpoint.every=1", "rollout.max_staleness=1", *MEGATRON_TP2]
     summary = asyncio.run(train(overrides=overrides))
-    assert [p.name for p in tmp_path.iterdir()] == ["train_step@1:dp-0.1:kill"]  # the fault fired
-    assert [m["step"] for m in summary["history"]] == [0, 1, 2]  # step 1 redone replaced its first try
+    assert [p.name for p in tmp_path.iterdir()] == ["train_step@2:dp-0.1:kill"]  # the fault fired
+    assert [m["step"] for m in summary["history"]] == [0, 1, 2, 3]  # a step redone replaced its first try
     assert (tp_root / "runs" / "tp-healed" / "final" / "model.safetensors").exists()
     no_engine_hosts_left()
 

@@ -395,7 +395,7 @@ def test_s3_outage_is_ridden_out_then_named(s3_root, s3_server, monkeypatch, cap
         assert "127.0.0.1" not in str(info.value)  # the URI, not the HTTP endpoint
 
         # the stop line of a run that failed on the outage (an engine host's error) reads where the run stands
-        # for WHERE_RETRY_S, not another YATTFLOW_STORAGE_RETRY_S, and names what it could not read
+        # for objectstore.ON_THE_WAY_OUT_S, not another YATTFLOW_STORAGE_RETRY_S, and names what it could not read
         from engines.config import load_config
         from flows import stops
 
@@ -403,7 +403,7 @@ def test_s3_outage_is_ridden_out_then_named(s3_root, s3_server, monkeypatch, cap
             remote = ("StorageError", f"{s3_root}/runs/r/steps/000002/rollouts/group=0/part-000.parquet: write failed")
 
         monkeypatch.setenv("YATTFLOW_STORAGE_RETRY_S", "180")
-        monkeypatch.setattr(stops, "WHERE_RETRY_S", 1.0)
+        monkeypatch.setattr(objectstore, "ON_THE_WAY_OUT_S", 1.0)
         config = load_config(None, [f"storage.root={s3_root}", "name=r"])
         started = time.monotonic()
         try:
@@ -653,12 +653,10 @@ def test_a_lease_outlives_an_outage_longer_than_itself(s3_root, s3_server, monke
 @s3
 def test_giving_a_lease_back_waits_briefly_for_a_store_that_does_not_answer(s3_root, s3_server, monkeypatch, caplog):
     """On the way out of a run that failed on storage (or was stopped during an outage), release waits
-    RELEASE_RETRY_S, not the store's whole retry time, and does not raise over the run's own error: the
+    objectstore.ON_THE_WAY_OUT_S, not the store's whole retry time, and does not raise over the run's own error: the
     lease expires by itself."""
-    from storage import lease as leases
-
     monkeypatch.setenv("YATTFLOW_STORAGE_RETRY_S", "180")
-    monkeypatch.setattr(leases, "RELEASE_RETRY_S", 2.0)
+    monkeypatch.setattr(objectstore, "ON_THE_WAY_OUT_S", 2.0)
     lease = Lease(objectstore.join(s3_root, "runs", "r"), ttl_s=3.0)
     lease.acquire()
     s3_server.stop()
@@ -669,6 +667,6 @@ def test_giving_a_lease_back_waits_briefly_for_a_store_that_does_not_answer(s3_r
         took = time.monotonic() - started
     finally:
         s3_server.start()
-    assert took < 2 * leases.RELEASE_RETRY_S + 3
+    assert took < 2 * objectstore.ON_THE_WAY_OUT_S + 3
     assert any("not released" in r.getMessage() and lease.uri in r.getMessage() for r in caplog.records)
     assert not objectstore.read_json(lease.uri).get("released")  # it expires by itself

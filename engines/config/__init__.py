@@ -109,8 +109,6 @@ class RunConfig(Section):
             "dynamic filter runs it on the group's leader alone while a Megatron critic's forward is a collective of its ranks",
             "controllers.groups_per_node": self.controllers.groups_per_node and "node controllers connect one host per group",
             "hosts.launch": self.hosts.launch == "deployment" and "deployed hosts are one flow run per group",
-            "rollout.max_staleness": self.rollout.max_staleness and "the overlapping lanes are not yet tested with several "
-            "ranks per group",
         }
         named = [f"{field}: {why}" for field, why in reasons.items() if why]
         if named:
