@@ -20,6 +20,7 @@ import threading
 
 from engines.host import faults
 from engines.host.process import _exit_with_parent, advertised_address
+from engines.config.layout import Layout
 from engines.wire.channel import Door, answer, connect, disconnect, progress
 from flows.nodes import NodeConnect, NodeConnectResult, NodeIteration, NodeIterationResult
 
@@ -100,10 +101,11 @@ async def _beat(done: asyncio.Event) -> None:
 def _handle(loop: asyncio.AbstractEventLoop, connected: dict, request):
     if isinstance(request, NodeConnect):
         secret = bytes.fromhex(request.secret)
-        for group, address, port in request.hosts:
-            connect(request.run, group, (address, port), secret, request.timeout_s, request.stage_s)
-        connected["run"], connected["groups"] = request.run, [g for g, _, _ in request.hosts]
-        return NodeConnectResult(groups=connected["groups"])
+        layout = Layout(request.dp, request.tp)
+        for rank, address, port in request.hosts:
+            connect(request.run, rank, (address, port), secret, request.timeout_s, request.stage_s, layout)
+        connected["run"], connected["ranks"] = request.run, [r for r, _, _ in request.hosts]
+        return NodeConnectResult(groups=sorted({layout.group(r) for r in connected["ranks"]}))
     if isinstance(request, NodeIteration):
         faults.inject("node_iteration", request.step, connected["node"])  # a node that dies, for tests (engines/host/faults.py)
 
@@ -139,7 +141,7 @@ def main() -> None:
     # the run said shutdown: end this node's host channels (their shutdown ends only this connection). A
     # connection that dropped instead (SystemExit above) leaves them to drop too: the hosts exit, a lost node.
     if "run" in connected:
-        disconnect(connected["run"], max(connected["groups"]) + 1)
+        disconnect(connected["run"], max(connected["ranks"]) + 1)
 
 
 if __name__ == "__main__":

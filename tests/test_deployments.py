@@ -276,7 +276,8 @@ def test_engine_hosts_run_as_flow_runs_on_their_work_queues(prepared, deployed, 
         logs = client_call(lambda c, i=host.id: c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[i]))))
         assert any(f"dp-{g} listening at" in entry.message and f"CUDA_VISIBLE_DEVICES={g}" in entry.message
                    for entry in logs), [entry.message for entry in logs]
-        assert set(host.parameters) == {"run", "rank", "world", "registry", "secret_block", "controller", "threads", "bind"}
+        assert set(host.parameters) == {"run", "rank", "world", "registry", "secret_block", "controller", "threads", "bind",
+                                        "label"}
         assert host.parameters["controller"] == str(run.id)
 
     # The secret never was a parameter, and its block is gone with the run.

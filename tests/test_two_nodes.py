@@ -1,6 +1,6 @@
 """Two nodes, for real: two network namespaces joined by a veth pair, each with its own address,
-process worker, engine host and node controller bound to that address, train one run across them
-(gloo between the namespaces). Only addresses this test assigns to the pair it made are used;
+process worker, engine hosts and node controller bound to that address, train one run across them,
+each DP group's two ranks on both nodes (gloo between the namespaces; timing-stub engines). Only addresses this test assigns to the pair it made are used;
 both namespaces are removed after. Needs root and ``ip netns``; skips otherwise."""
 
 from __future__ import annotations
@@ -57,10 +57,11 @@ def test_one_run_across_two_namespaces(prepared, tmp_path):
     assert result["steps"] == [0, 1]
     assert result["tree"]["train-twonodes"][0] == "COMPLETED"
     assert_steps_completed(result["tree"], steps=(0, 1), groups=(0, 1))
-    # each group's host flow run was taken by its own node's worker
+    # each rank's host flow run was taken by its own node's worker: each group's two ranks on both nodes
     logs = result["worker_logs"]
-    assert "twonodes-dp-0-host" in logs["a"] and "twonodes-dp-0-host" not in logs["b"]
-    assert "twonodes-dp-1-host" in logs["b"] and "twonodes-dp-1-host" not in logs["a"]
+    for host, node in (("dp-0", "a"), ("dp-0.1", "b"), ("dp-1", "b"), ("dp-1.1", "a")):
+        other = "b" if node == "a" else "a"
+        assert f"twonodes-{host}-host" in logs[node] and f"twonodes-{host}-host" not in logs[other], host
     # node B served its host and its node controller (and gloo) on B's address, and otherwise on its own
     # loopback only (reachable from inside B alone); node A on its address and its loopback (PostgreSQL, ...)
     at = lambda side: {s.split()[0].rsplit(":", 1)[0] for s in result["listening"][side]}  # noqa: E731

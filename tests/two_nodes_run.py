@@ -3,11 +3,13 @@
     ip netns exec A python -m tests.two_nodes_run --store DIR --work DIR --a 169.254.X.1 --b 169.254.X.2 --ns-b B
 
 Node A: PostgreSQL (its loopback), the Prefect server on A's address, a process worker for work
-queue dp-0, and the training run itself. Node B: a process worker for dp-1, started in namespace
-B. The run (hosts.launch=deployment, controllers.groups_per_node=1) starts each group's engine
-host, and beside it that node's controller, as a flow run its node's worker takes, bound to the
-node's address (the worker's YATTFLOW_HOST_BIND). While it trains, every listening TCP socket of
-both namespaces is recorded. Writes what it saw to --work/result.json.
+queues q-0 and q-3, and the training run itself. Node B: a process worker for q-1 and q-2, started in
+namespace B. The run (dp=2 groups of train.tensor_parallel=2 ranks, hosts.launch=deployment,
+hosts.work_queue=q-{rank}, controllers.groups_per_node=1) starts each rank's engine host, and beside
+each group's leader that node's controller, as a flow run its node's worker takes, bound to the
+node's address (the worker's YATTFLOW_HOST_BIND): group 0 is ranks 0 (A) and 1 (B), group 1 ranks 2
+(B) and 3 (A), so each group spans both nodes. While it trains, every listening TCP socket of both
+namespaces is recorded. Writes what it saw to --work/result.json.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ def listeners(prefix: list[str]) -> set[str]:
     return found
 
 
-def worker(prefix: list[str], name: str, queue: str, bind: str, env: dict, log: Path) -> subprocess.Popen:
+def worker(prefix: list[str], name: str, queues: list[str], bind: str, env: dict, log: Path) -> subprocess.Popen:
     cmd = [*prefix, sys.executable, "-m", "prefect", "worker", "start", "--pool", "yattflow-process", "--type", "process",
-           "--name", name, "--work-queue", queue]
+           "--name", name, *(arg for q in queues for arg in ("--work-queue", q))]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                                 env=env | {"YATTFLOW_HOST_BIND": bind, "PREFECT_WORKER_QUERY_SECONDS": "1"})
@@ -76,8 +78,8 @@ def main() -> None:
                        capture_output=True)
         subprocess.run([*prefect, "deploy", "--prefect-file", str(ROOT / "deployments" / "prefect.yaml"), "--name",
                         "yattflow-host"], cwd=ROOT, env=env, check=True, capture_output=True)
-        workers = [worker([], "node-a", "dp-0", args.a, env, work / "worker-a.log"),
-                   worker(in_b, "node-b", "dp-1", args.b, env, work / "worker-b.log")]
+        workers = [worker([], "node-a", ["q-0", "q-3"], args.a, env, work / "worker-a.log"),
+                   worker(in_b, "node-b", ["q-1", "q-2"], args.b, env, work / "worker-b.log")]
         done = threading.Event()
 
         def watch():
@@ -92,8 +94,9 @@ def main() -> None:
         try:
             summary = run_flow_subprocess(server.url, "flows.training:train", timeout=420, log_path=work / "train.log",
                                           overrides=TINY + STUBS + [
-                f"storage.root={args.store}", "name=twonodes", "steps=2", "dp=2", "checkpoint.every=1",
-                "hosts.launch=deployment", "controllers.groups_per_node=1", "rollout.stub_seconds_per_token=0",
+                f"storage.root={args.store}", "name=twonodes", "steps=2", "dp=2", "train.tensor_parallel=2", "checkpoint.every=1",
+                "hosts.launch=deployment", "hosts.work_queue=q-{rank}", "controllers.groups_per_node=1",
+                "rollout.stub_seconds_per_token=0",
                 "train.stub_seconds_per_token=0"])
             result["steps"] = [m["step"] for m in summary["history"]]
             result["tree"] = asyncio.run(read_run_tree("twonodes", api_url=server.url))

@@ -73,6 +73,11 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _devices_per_group(self):
         world = self.layout.world
+        try:
+            self.hosts.work_queue.format(group=0, rank=0, local=0)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"hosts.work_queue={self.hosts.work_queue!r}: {type(e).__name__}: {e} (its fields: {{group}}, the "
+                             "DP group; {rank}, the host's rank in the run; {local}, its rank in its group)") from None
         if self.hosts.devices is not None and len(self.hosts.devices) != world:
             per = "one per group" if world == self.dp else f"one per rank: dp={self.dp} x train.tensor_parallel={self.train.tensor_parallel}"
             raise ValueError(f"hosts.devices has {len(self.hosts.devices)} entries for {world} engine hosts ({per})")
@@ -100,20 +105,11 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _tensor_parallel_runs_where_wired(self):
-        # the paths a group of several ranks is wired through so far: each refusal says what is missing
         tp = self.train.tensor_parallel
-        if tp == 1:
-            return self
-        reasons = {
-            "train.algorithm": self.train.algorithm.needs.critic and f"name={self.train.algorithm.name} has a critic, and the "
-            "dynamic filter runs it on the group's leader alone while a Megatron critic's forward is a collective of its ranks",
-            "controllers.groups_per_node": self.controllers.groups_per_node and "node controllers connect one host per group",
-            "hosts.launch": self.hosts.launch == "deployment" and "deployed hosts are one flow run per group",
-        }
-        named = [f"{field}: {why}" for field, why in reasons.items() if why]
-        if named:
-            raise ValueError(f"train.tensor_parallel={tp} is not wired with " + "; ".join(named)
-                             + " (docs/parallelism.md); use train.tensor_parallel=1 there")
+        if tp > 1 and self.train.algorithm.needs.critic:
+            raise ValueError(f"train.tensor_parallel={tp} is not wired with train.algorithm: name={self.train.algorithm.name} "
+                             "has a critic, and the dynamic filter runs it on the group's leader alone while a Megatron "
+                             "critic's forward is a collective of its ranks (docs/parallelism.md); use train.tensor_parallel=1 there")
         return self
 
     @model_validator(mode="after")

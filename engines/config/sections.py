@@ -418,7 +418,7 @@ class GuardConfig(Section):
 
 
 class HostsConfig(Section):
-    """Where the engine hosts (one process per DP group, engines resident for the whole run) run."""
+    """Where the engine hosts (one process per rank of each DP group, engines resident for the whole run) run."""
 
     launch: Literal["local", "deployment"] = Field(
         "local",
@@ -427,11 +427,14 @@ class HostsConfig(Section):
     )
     deployment: str = Field("engine-host/yattflow-host", description="The engine-host deployment ('flow/deployment').")
     work_queue: str = Field(
-        "dp-{group}", description="Work queue of DP group {group}'s host: one queue per group (or per node) on the GPU pool."
+        "dp-{group}", description="Work queue of DP group {group}'s hosts: one queue per group (or per node) on the GPU pool; "
+        "{rank} (the host's rank in the run) and {local} (its rank in its group, train.tensor_parallel > 1) place a "
+        "group's ranks on several nodes.",
     )
     devices: list[str] | None = Field(
         None,
-        description="CUDA_VISIBLE_DEVICES of each DP group's host, one entry per group (e.g. ['0', '1']). Deployed "
+        description="CUDA_VISIBLE_DEVICES of each engine host, one entry per host: per DP group, or per rank with "
+        "train.tensor_parallel > 1 (e.g. ['0', '1']). Deployed "
         "hosts get it as the host flow run's `env` job variable (None: the worker's own); local hosts as their "
         "environment (None: one GPU each, in order, when dp > 1).",
     )

@@ -148,8 +148,9 @@ class Worker:
             self.sync_weights(SyncWeights())
             log.info("%s: resumed from %s (policy version %d, parameters %s)", self.name, request.resume,
                      self.trainer.version, self.params_sha())
-        log.info("%s: engines (rollout=%s judge=%s train=%s) loaded in %.2fs, policy version %d", self.name,
-                 cfg.rollout.backend if self.leader else "-", cfg.judge.backend if self.leader else "-", cfg.train.backend, time.perf_counter() - start, self.trainer.version)
+        rollout, judge = (cfg.rollout.backend, cfg.judge.backend) if self.leader else ("-", "-")
+        log.info("%s: engines (rollout=%s judge=%s train=%s) loaded in %.2fs, policy version %d", self.name, rollout, judge,
+                 cfg.train.backend, time.perf_counter() - start, self.trainer.version)
         return SetupEnginesResult(seconds=time.perf_counter() - start, policy_version=self.trainer.version,
                                   stream_length=len(self.prompts))
 
