@@ -54,7 +54,7 @@ vision-demo: install
 	$(VENV)/bin/yattflow demo -c deployments/vision-demo.yaml
 
 test: engines system
-	$(PY) -m pytest -q -rs --durations=20
+	$(PY) -m pytest -q -rs --durations=60
 
 # The one command of a GPU lease (docs/engines.md#the-gpu-check), on the GPU machine: its own torch, the
 # project's other packages carried as wheels into .site. `make test` runs its CPU rehearsal.

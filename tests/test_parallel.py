@@ -242,3 +242,8 @@ def test_a_checkpoint_resumes_under_another_layout_only_where_megatron_reshards_
     with pytest.raises(ValueError, match=r"written with train\.distributed_optimizer=false, .*resume with "
                                          r"train\.distributed_optimizer=false"):
         resuming(2, True).check_layout(str(tmp_path / "tp2-False"))
+    # each rank takes the RNG states of its group's rank at the same position then (its leader's, at most)
+    assert [Checkpoints(r, "megatron", [], layout={"dp": 2, "tensor_parallel": 1, "distributed_optimizer": False})
+            ._rank_then(written(2, False)) for r in range(2)] == [0, 2]
+    assert [Checkpoints(r, "megatron", [], layout={"dp": 2, "tensor_parallel": 4, "distributed_optimizer": False})
+            ._rank_then(written(2, False)) for r in range(8)] == [0, 1, 1, 1, 2, 3, 3, 3]

@@ -154,9 +154,19 @@ class Checkpoints:
                 raise ValueError(f"{uri}: no {folder.name}/ to resume the critic from: the checkpoint was written by a "
                                  "run whose train.algorithm has no critic; resume it with that algorithm")
             critic.load_checkpoint(str(folder))
-        rng = from_bytes(objectstore.read_bytes(objectstore.join(uri, f"rng-{self.rank}.pt")))
+        rng = from_bytes(objectstore.read_bytes(objectstore.join(uri, f"rng-{self._rank_then(uri)}.pt")))
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
+
+    def _rank_then(self, uri: str) -> int:
+        """The rank whose RNG states this rank takes: its own, or under another ``train.tensor_parallel``
+        the same position of its group then (a group's leader continues its leader's sampling)."""
+        recorded = objectstore.join(uri, "layout.json")
+        if not self.layout or not objectstore.exists(recorded):
+            return self.rank
+        then, now = objectstore.read_json(recorded).get("tensor_parallel", 1), self.layout["tensor_parallel"]
+        group, local = divmod(self.rank, now)
+        return group * then + min(local, then - 1)
 
     def check_prompt_files(self, prompts_uri: str, checkpoint: str, field: str = "data.prompts") -> None:
         """The prompts a checkpoint was trained on must still be the first files of the dataset
