@@ -55,6 +55,13 @@ def test_tensor_parallel_needs_megatron_and_is_refused_where_it_is_not_wired_yet
 
 
 RUN = "tp-hosts"
+
+
+def task(root: Path) -> list[str]:
+    """The task on ``tp_root``'s policy, prompts and rule (rewards that differ, no judge)."""
+    return [f"storage.root={root}", "model.policy=models/policy", "data.prompts=data/train", "data.heldout=null",
+            "reward.genrm_weight=0", f"reward.rule={root / 'rule.py'}:score", "reward.rule_weight=1",
+            "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "sampling.filter_equal_rewards=false"]
 RULE = '''
 def score(prompt, response, answer):
     return float(len(response) % 3)  # rewards that differ inside a prompt's group, whatever a random policy says
@@ -73,10 +80,8 @@ def one_step(root: Path, tp: int, resume: Path | None = None) -> dict:
     from engines.wire.launch import LocalHosts
 
     run, out_dir = f"{RUN}-{tp}", root / f"tp{tp}"
-    overrides = [f"name={run}", "dp=2", f"storage.root={root}", "model.policy=models/policy", "data.prompts=data/train",
-                 "data.heldout=null", "reward.genrm_weight=0", f"reward.rule={root / 'rule.py'}:score", "reward.rule_weight=1",
-                 "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "train.minibatches=2", "host_timeout_s=300",
-                 "sampling.filter_equal_rewards=false", "train.backend=megatron", f"train.tensor_parallel={tp}"]
+    overrides = [f"name={run}", "dp=2", *task(root), "train.minibatches=2", "host_timeout_s=300", "train.backend=megatron",
+                 f"train.tensor_parallel={tp}"]
     config = load_config(None, overrides)
     site = str(ROOT / "tests" / "megatron_cpu_site")  # Megatron-Core's CPU shim, in the hosts (tests only)
     step: dict = {"config": config}
@@ -188,10 +193,8 @@ def test_a_run_whose_follower_rank_is_killed_heals_and_trains_each_step_once(pre
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [site, str(ROOT), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("YATTFLOW_FAULTS", "train_step@2:dp-0.1:kill")
     monkeypatch.setenv("YATTFLOW_FAULTS_FIRED", str(tmp_path))
-    overrides = [f"storage.root={tp_root}", "name=tp-healed", "model.policy=models/policy", "data.prompts=data/train",
-                 "data.heldout=null", "reward.genrm_weight=0", f"reward.rule={tp_root / 'rule.py'}:score", "reward.rule_weight=1",
-                 "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "sampling.filter_equal_rewards=false", "dp=2",
-                 "steps=4", "checkpoint.every=1", "rollout.max_staleness=1", *MEGATRON_TP2]
+    overrides = [*task(tp_root), "name=tp-healed", "dp=2", "steps=4", "checkpoint.every=1", "rollout.max_staleness=1",
+                 *MEGATRON_TP2]
     summary = asyncio.run(train(overrides=overrides))
     assert [p.name for p in tmp_path.iterdir()] == ["train_step@2:dp-0.1:kill"]  # the fault fired
     assert [m["step"] for m in summary["history"]] == [0, 1, 2, 3]  # a step redone replaced its first try
@@ -231,8 +234,8 @@ def test_a_checkpoint_resumes_under_another_layout_only_where_megatron_reshards_
         (folder / "layout.json").write_text(json.dumps({"dp": 2, "tensor_parallel": tp, "distributed_optimizer": distributed}))
         return str(folder)
 
-    def resuming(tp: int, distributed: bool) -> Checkpoints:
-        return Checkpoints(0, "megatron", [], layout={"dp": 4, "tensor_parallel": tp, "distributed_optimizer": distributed})
+    def resuming(tp: int, distributed: bool, rank: int = 0) -> Checkpoints:
+        return Checkpoints(rank, "megatron", [], Layout(4, tp), distributed_optimizer=distributed)
 
     resuming(1, False).check_layout(written(2, False))  # the plain optimizer reshards over TP and DP
     resuming(2, True).check_layout(written(2, True))  # the distributed one over DP
@@ -243,7 +246,5 @@ def test_a_checkpoint_resumes_under_another_layout_only_where_megatron_reshards_
                                          r"train\.distributed_optimizer=false"):
         resuming(2, True).check_layout(str(tmp_path / "tp2-False"))
     # each rank takes the RNG states of its group's rank at the same position then (its leader's, at most)
-    assert [Checkpoints(r, "megatron", [], layout={"dp": 2, "tensor_parallel": 1, "distributed_optimizer": False})
-            ._rank_then(written(2, False)) for r in range(2)] == [0, 2]
-    assert [Checkpoints(r, "megatron", [], layout={"dp": 2, "tensor_parallel": 4, "distributed_optimizer": False})
-            ._rank_then(written(2, False)) for r in range(8)] == [0, 1, 1, 1, 2, 3, 3, 3]
+    assert [resuming(1, False, r)._rank_then(written(2, False)) for r in range(2)] == [0, 2]
+    assert [resuming(4, False, r)._rank_then(written(2, False)) for r in range(8)] == [0, 1, 1, 1, 2, 3, 3, 3]

@@ -198,9 +198,9 @@ def to_batch(rows: list[dict]) -> TrainBatch:
                       prompt_rows=[r.get("prompt_row") for r in rows], returns=column("returns"), values=column("values"))
 
 
-def balanced_batch(rank: int, layout: Layout | int, experience: str, rows: list[dict], minibatches: int,
+def balanced_batch(group: int, layout: Layout | int, experience: str, rows: list[dict], minibatches: int,
                    enabled: bool, unit: int = 1) -> tuple[TrainBatch, dict]:
-    """DP group ``rank``'s train batch, spread over the ``layout``'s groups (a number: that many
+    """DP group ``group``'s train batch, spread over the ``layout``'s groups (a number: that many
     groups of one rank) by token count (collective over every rank).
 
     The hosts all-gather (experience URI, tokens per row) — small integers, as tensors over the
@@ -225,20 +225,20 @@ def balanced_batch(rank: int, layout: Layout | int, experience: str, rows: list[
         return to_batch(rows), info | {"balance_s": time.perf_counter() - start}
     uri = list(experience.encode())
     gathered = all_gather_ints([len(uri), *uri, *tokens])
-    gathered = [gathered[layout.leader(group)] for group in range(layout.dp)]
+    gathered = [gathered[layout.leader(g)] for g in range(layout.dp)]  # a group's ranks send the same
     uris = [bytes(g[1 : 1 + g[0]]).decode() for g in gathered]
     counts = [g[1 + g[0] :] for g in gathered]
     info["balance_ratio"] = info["balance_ratio_before"] = imbalance([sum(c) for c in counts])
     if not enabled:
         return to_batch(rows), info | {"balance_s": time.perf_counter() - start}
     per_unit = [[sum(c[u : u + unit]) for u in range(0, len(c), unit)] for c in counts]
-    layout = [[[(src, u * unit + k) for src, u in mb for k in range(unit) if u * unit + k < len(counts[src])] for mb in r]
-              for r in plan(per_unit, minibatches)]
+    parts = [[[(src, u * unit + k) for src, u in mb for k in range(unit) if u * unit + k < len(counts[src])] for mb in r]
+             for r in plan(per_unit, minibatches)]
     wanted: dict[int, set[int]] = defaultdict(set)
-    for minibatch in layout[rank]:
+    for minibatch in parts[group]:
         for src, i in minibatch:
             wanted[src].add(i)
-    fetched = {(rank, i): rows[i] for i in wanted.pop(rank, ())}
+    fetched = {(group, i): rows[i] for i in wanted.pop(group, ())}
     for src, indices in sorted(wanted.items()):
         table = datasets.read_table(uris[src], datasets.EXPERIENCE)
         if table.num_rows != len(counts[src]):
@@ -248,7 +248,7 @@ def balanced_batch(rank: int, layout: Layout | int, experience: str, rows: list[
     for (src, i), r in fetched.items():
         if len(r["prompt_ids"]) + len(r["response_ids"]) != counts[src][i]:
             raise RuntimeError(f"{uris[src]} row {i}: not the row dp-{src} announced (token count differs)")
-    batch = presplit([to_batch([fetched[x] for x in minibatch]) for minibatch in layout[rank]])
-    info.update(rows_received=sum(src != rank for src, _ in fetched),
-                balance_ratio=imbalance(plan_totals(counts, layout)), balance_s=time.perf_counter() - start)
+    batch = presplit([to_batch([fetched[x] for x in minibatch]) for minibatch in parts[group]])
+    info.update(rows_received=sum(src != group for src, _ in fetched),
+                balance_ratio=imbalance(plan_totals(counts, parts)), balance_s=time.perf_counter() - start)
     return batch, info

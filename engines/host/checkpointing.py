@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from engines.config.layout import Layout
 from engines.host import faults
 from engines.wire.commands import CheckpointResult, CheckpointWaitResult
 from engines.backends.base import Trainer
@@ -52,12 +53,14 @@ class Checkpoints:
     (``storage.datasets.part_files``): a checkpoint records them, and a resume refuses a dataset
     whose first files changed, since the data cursors are positions in them."""
 
-    def __init__(self, rank: int, backend: str, prompt_files: list[list], name: str | None = None, exports: bool | None = None,
-                 layout: dict | None = None):
+    def __init__(self, rank: int, backend: str, prompt_files: list[list], layout: Layout | None = None,
+                 distributed_optimizer: bool = False):
         self.rank, self.backend, self.prompt_files = rank, backend, prompt_files
-        self.layout = layout or {}  # what layout.json records (``recorded_layout``)
-        self.name = name or f"dp-{rank}"  # in logs and faults (engines/config/layout.py)
-        self.exports = rank == 0 if exports is None else exports  # takes part in writing model/ (DP group 0's ranks)
+        # the ranks it is one of (None: not known, nothing recorded) and what layout.json records of them
+        self.layout, self.distributed_optimizer = layout, distributed_optimizer
+        known = layout or Layout(rank + 1)
+        self.name = known.name(rank)  # in logs and faults: dp-1, dp-1.1
+        self.exports = known.group(rank) == 0  # takes part in writing model/ (DP group 0's ranks)
         self._write: BackgroundWrite | None = None  # in flight, or finished and not yet collected
 
     def save(self, trainer: Trainer, uri: str, asynchronous: bool, critic=None) -> CheckpointResult:
@@ -107,7 +110,7 @@ class Checkpoints:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         rank, name, exports, backend, prompt_files = self.rank, self.name, self.exports, self.backend, list(self.prompt_files)
-        layout = dict(self.layout)
+        layout = self._recorded()
 
         def write() -> list[str]:
             try:
@@ -164,9 +167,14 @@ class Checkpoints:
         recorded = objectstore.join(uri, "layout.json")
         if not self.layout or not objectstore.exists(recorded):
             return self.rank
-        then, now = objectstore.read_json(recorded).get("tensor_parallel", 1), self.layout["tensor_parallel"]
-        group, local = divmod(self.rank, now)
-        return group * then + min(local, then - 1)
+        then = objectstore.read_json(recorded).get("tensor_parallel", 1)
+        return self.layout.group(self.rank) * then + min(self.layout.tp_rank(self.rank), then - 1)
+
+    def _recorded(self) -> dict:
+        """What layout.json records of the ranks that write the checkpoint ({}: not known)."""
+        if self.layout is None:
+            return {}
+        return {"dp": self.layout.dp, "tensor_parallel": self.layout.tp, "distributed_optimizer": self.distributed_optimizer}
 
     def check_prompt_files(self, prompts_uri: str, checkpoint: str, field: str = "data.prompts") -> None:
         """The prompts a checkpoint was trained on must still be the first files of the dataset
@@ -193,7 +201,7 @@ class Checkpoints:
         recorded = objectstore.join(checkpoint, "layout.json")
         if self.backend != "megatron" or not objectstore.exists(recorded):
             return  # one file per rank that any layout reads; or written before this record existed
-        was, now = objectstore.read_json(recorded), self.layout
+        was, now = objectstore.read_json(recorded), self._recorded()
         if not was or not now:
             return  # written or read without a layout (a test's own Checkpoints)
         if was["distributed_optimizer"] != now["distributed_optimizer"]:
@@ -204,11 +212,6 @@ class Checkpoints:
             raise ValueError(f"checkpoint {checkpoint} was written with train.tensor_parallel={was['tensor_parallel']} and the "
                              "distributed optimizer, whose state Megatron-Core 0.16 saves reshardable over the DP size only: "
                              f"resume with train.tensor_parallel={was['tensor_parallel']} (any dp)")
-
-
-def recorded_layout(config, dp: int) -> dict:
-    """What a checkpoint records of the ranks that wrote it (``layout.json``)."""
-    return {"dp": dp, "tensor_parallel": config.train.tensor_parallel, "distributed_optimizer": config.train.distributed_optimizer}
 
 
 class BackgroundWrite:

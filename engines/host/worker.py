@@ -33,7 +33,7 @@ from engines.host.prompts import PromptStream
 
 from engines.backends import chat, distributed, build, multimodal
 from engines.wire.channel import progress
-from engines.host.checkpointing import Checkpoints, recorded_layout
+from engines.host.checkpointing import Checkpoints
 from engines.wire.commands import (Checkpoint, CheckpointResult, CheckpointWait, CheckpointWaitResult, DynamicFilter,
                               DynamicFilterResult, Evaluate, EvaluateResult, ExportPolicy, ExportPolicyResult, GenRMScore,
                               GenRMScoreResult, Ping, PingResult, Request, Result, Rollout, RolloutAndScore,
@@ -61,9 +61,7 @@ class Worker:
 
     def __init__(self, rank: int, world: int, threads: int, rendezvous: socket.socket | None = None):
         self.rank, self.world, self.threads = rank, world, threads
-        self.group, self.dp, self.leader = rank, world, True  # one rank per group until the run's layout says more
-        self.name = f"dp-{rank}"  # in logs and faults: dp-1, its second rank dp-1.1
-        self.layout = Layout(world)
+        self.layout = Layout(world)  # one rank per group until the run's config says more
         self.rendezvous = rendezvous  # rank 0 of a DP run: the listening socket its rendezvous store serves on
         self.config: RunConfig | None = None
         self.policy: Generator | None = None  # the rollout engine
@@ -82,6 +80,10 @@ class Worker:
         self.engine_loads = 0  # times this host loaded its models: once per run is the point of a host
         self.awake: set[str] = set()  # the engines holding the group's devices (see ``take``)
         self.rollout_weights = offpolicy.RolloutWeights()  # the rollout engine, between an overlapping host's two lanes
+
+    group = property(lambda self: self.layout.group(self.rank))  # this rank's DP group
+    leader = property(lambda self: self.layout.tp_rank(self.rank) == 0)  # it holds the group's rollout engine and judge
+    name = property(lambda self: self.layout.name(self.rank))  # in logs and faults: dp-1, its second rank dp-1.1
 
     @functools.singledispatchmethod
     def handle(self, request: Request) -> Result:
@@ -102,12 +104,10 @@ class Worker:
         tp = cfg.train.tensor_parallel
         if self.world % tp:
             raise ValueError(f"this host is rank {self.rank} of {self.world}: not groups of train.tensor_parallel={tp} ranks")
-        layout = self.layout = Layout(self.world // tp, tp)  # the hosts started: dp groups (config.layout), or fewer to evaluate
-        self.group, self.dp, self.leader, self.name = (layout.group(self.rank), layout.dp, layout.tp_rank(self.rank) == 0,
-                                                       layout.name(self.rank))
+        self.layout = Layout(self.world // tp, tp)  # the hosts started: dp groups (config.layout), or fewer to evaluate
         prompts_uri = cfg.uri(cfg.data.preferences or cfg.data.prompts)  # a preference dataset is the stream instead
-        self.checkpoints = Checkpoints(self.rank, cfg.train.backend, datasets.part_files(prompts_uri), self.name,
-                                       exports=self.group == 0, layout=recorded_layout(cfg, layout.dp))
+        self.checkpoints = Checkpoints(self.rank, cfg.train.backend, datasets.part_files(prompts_uri), self.layout,
+                                       cfg.train.distributed_optimizer)
         if request.resume:  # before any engine loads
             self.checkpoints.check_prompt_files(prompts_uri, request.resume,
                                                 "data.preferences" if cfg.data.preferences else "data.prompts")
@@ -139,7 +139,7 @@ class Worker:
         self.format_rule = rewards.load_rule(cfg.reward.format_rule, "reward.format_rule") if cfg.reward.format_rule else None
         self.awake = {"policy", "judge", "trainer", "critic"}  # all loaded, all on the devices
         self.engine_loads += 1
-        self.prompts = PromptStream(prompts_uri, self.group, self.dp, cfg.data.max_image_bytes,
+        self.prompts = PromptStream(prompts_uri, self.group, self.layout.dp, cfg.data.max_image_bytes,
                                     datasets.PREFERENCES if cfg.data.preferences else datasets.PROMPTS)
         self.preferences = PreferenceRows(policy_dir, cfg, self.vision) if cfg.data.preferences else None
         self.rollout_weights.reset(self.trainer.version)  # both engines loaded the same folder
@@ -360,7 +360,7 @@ class Worker:
         """Greedy decoding of this rank's share of held-out prompts, scored by the reward rule, or
         by the judge's verdict when there is no rule (``flows.training.heldout_metric`` names it)."""
         reader = datasets.PromptReader(request.uri)  # this rank's share only, images included
-        indices = list(range(self.group, min(request.limit, len(reader)), self.dp))
+        indices = list(range(self.group, min(request.limit, len(reader)), self.layout.dp))
         rows = [r | {"prompt_row": i, "prompt": chat.question(r)} for r, i in zip(reader.rows(indices), indices)]
         if not rows:
             return EvaluateResult(score_sum=0.0, total=0)
