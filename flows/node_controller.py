@@ -19,7 +19,8 @@ import os
 import threading
 
 from engines.host import faults
-from engines.host.process import _exit_with_parent, advertised_address
+from engines.host.lifeline import exit_with_parent
+from engines.host.process import advertised_address
 from engines.config.layout import Layout
 from engines.wire.channel import Door, answer, connect, disconnect, progress
 from flows.nodes import NodeConnect, NodeConnectResult, NodeIteration, NodeIterationResult
@@ -129,7 +130,7 @@ def main() -> None:
     parser.add_argument("--bind", default="127.0.0.1")
     args = parser.parse_args()
     secret = bytes.fromhex(os.environ.pop("YATTFLOW_HOST_SECRET"))
-    _exit_with_parent()
+    exit_with_parent()
     loop = asyncio.new_event_loop()  # one loop for the run: Prefect's clients and the host calls live on it
     threading.Thread(target=loop.run_forever, name="node-loop", daemon=True).start()
     connected: dict = {"node": args.rank}

@@ -1,12 +1,16 @@
 """The fork server (``hosts.fork``, engines/wire/forkserver.py): hosts forked from one process that
 imported the engines share those pages, start as an unforked host does (READY line, own session,
-its title), and a child that dies before READY fails its start instead of hanging it."""
+its title), and a child that dies before READY fails its start instead of hanging it; a host, forked
+or not, never outlives the process that started it."""
 
 from __future__ import annotations
 
 import os
 import secrets
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -14,6 +18,8 @@ import pytest
 from engines.wire.channel import HostError
 from engines.wire.forkserver import ForkServer
 from engines.wire.launch import HostProcess
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_forked_hosts_share_the_imports_and_start_like_started_ones():
@@ -42,3 +48,19 @@ def test_forked_hosts_share_the_imports_and_start_like_started_ones():
         for h in hosts:
             h.stop(grace_s=0)
         server.stop()
+
+
+def test_a_host_whose_starter_died_during_its_start_goes_too():
+    """A run killed while its host still imports torch (the GPU check's part limit does this) has
+    already left the host to init when the host would look at its parent: the host is killed by its
+    lifeline anyway (engines/host/lifeline.py), its own session notwithstanding, rather than live on
+    until it fails to print READY into a closed pipe, or, past READY, forever."""
+    starter = ("import secrets; from engines.wire.launch import HostProcess; "
+               "print(HostProcess(0, 1, 1, secrets.token_bytes(32)).proc.pid, flush=True)")  # and exits at once
+    adopter = ("import ctypes, os, subprocess, sys\n"
+               "ctypes.CDLL('libc.so.6').prctl(36, 1)\n"  # PR_SET_CHILD_SUBREAPER: the orphaned host is ours to wait for
+               f"pid = int(subprocess.run([sys.executable, '-c', {starter!r}], capture_output=True, text=True).stdout)\n"
+               "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))")
+    out = subprocess.run([sys.executable, "-c", adopter], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.stdout.strip() == str(-signal.SIGKILL), (out.stdout, out.stderr[-2000:])

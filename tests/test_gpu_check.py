@@ -45,13 +45,19 @@ def test_a_part_past_its_limit_is_killed_with_what_it_started(tmp_path, monkeypa
     parts = json.loads((tmp_path / "gpu-report.json").read_text())["parts"]
     assert parts["demo"]["status"] == "timed out"
     assert "flows.cli demo" in (tmp_path / "gpu-check.log").read_text()  # it had started
-    time.sleep(1)
-    leaked = []
-    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
-        if proc.info["pid"] not in before and proc.info["status"] != psutil.STATUS_ZOMBIE:
-            leaked.append(proc.info["cmdline"])
-    assert not [c for c in leaked if c and any("flows.cli" in a or "prefect" in a or "engines.host" in a for a in c)], leaked
+    # the server and the engine host are in sessions of their own: each goes as its parent does (a host still
+    # importing torch when the part was killed too: engines/host/lifeline.py), within a few seconds, not never
+    deadline, leaked = time.time() + 10, ["?"]
+    while leaked and time.time() < deadline:
+        time.sleep(0.5)
+        leaked = [c for c in _new_cmdlines(before) if any("flows.cli" in a or "prefect" in a or "engines.host" in a for a in c)]
+    assert not leaked, leaked
     assert "| demo | timed out |" in (tmp_path / "gpu-report.md").read_text()
+
+
+def _new_cmdlines(before: set[int]) -> list[list[str]]:
+    return [p.info["cmdline"] for p in psutil.process_iter(["pid", "cmdline", "status"])
+            if p.info["pid"] not in before and p.info["status"] != psutil.STATUS_ZOMBIE and p.info["cmdline"]]
 
 
 def test_the_gpu_wheel_list_covers_the_projects_runtime_requirements():

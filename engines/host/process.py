@@ -18,24 +18,11 @@ import os
 import signal
 import socket
 import threading
-import time
 
 import psutil
 
 from engines.host import faults
 from engines.wire.channel import Door, HostError, answer, progress
-
-
-def _exit_with_parent() -> None:
-    """A host never outlives the run that started it (no orphaned engines holding devices)."""
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os.killpg(0, signal.SIGKILL)  # this host and every process its engines started
-
-    threading.Thread(target=watch, daemon=True).start()
 
 
 EVERY_INTERFACE = ("0.0.0.0", "::", "")
@@ -80,7 +67,6 @@ def serve(rank: int, world: int, threads: int, bind: str = "127.0.0.1") -> None:
 
     secret = bytes.fromhex(os.environ.pop("YATTFLOW_HOST_SECRET"))
     on_progress(progress)  # the engines' progress beats the channel's heartbeat
-    _exit_with_parent()
     pin_interface(bind)
     # Rank 0 serves the DP group's rendezvous. Its socket is bound and listening from now on, so
     # the port READY announces stays ours until the setup hands the socket to the store.
@@ -119,7 +105,7 @@ def _answer_more(conn, worker, handle, rank: int) -> None:
         answer(conn, handle, rank)
     except SystemExit:
         if worker.config is not None and worker.config.controllers.groups_per_node:
-            os.killpg(0, signal.SIGKILL)  # this host and its engines' processes, as ``_exit_with_parent`` does
+            os.killpg(0, signal.SIGKILL)  # this host and its engines' processes, as ``lifeline.exit_with_parent`` does
 
 
 def _handle(worker, seen: dict, lock: threading.Lock, request):

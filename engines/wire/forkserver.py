@@ -90,7 +90,7 @@ class ForkServer:
 
     def __init__(self, env: dict[str, str]):
         self.folder = Path(tempfile.mkdtemp(prefix="yattflow-fork-"))
-        env = dict(env, ARROW_DEFAULT_MEMORY_POOL="system")
+        env = dict(env, ARROW_DEFAULT_MEMORY_POOL="system", YATTFLOW_PARENT_PID=str(os.getpid()))
         self.proc = subprocess.Popen([sys.executable, "-m", "engines.wire.forkserver"], env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, start_new_session=True)
         self.lock = threading.Lock()
@@ -167,7 +167,7 @@ def _child(request: dict) -> None:
 
 
 def main() -> None:
-    from engines.host.process import _exit_with_parent
+    from engines.host.lifeline import exit_with_parent
 
     for module in PRELOAD:
         importlib.import_module(module)
@@ -180,7 +180,7 @@ def main() -> None:
     gc.collect()
     gc.freeze()  # what is imported now stays untouched by the collector: its pages stay shared with the children
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children: no zombies
-    _exit_with_parent()  # a thread, but one that holds no lock a child needs (it only sleeps and reads its ppid)
+    exit_with_parent()  # a thread, but one that holds no lock a child needs (it only sleeps and reads /proc)
     print("READY", flush=True)
     for line in sys.stdin:
         request = json.loads(line)

@@ -26,7 +26,8 @@ class HostProcess:
 
     def __init__(self, rank: int, world: int, threads: int, secret: bytes, bind: str = "127.0.0.1",
                  devices: str | None = None, module: str = "engines.host", forkserver=None):
-        env = dict(os.environ, YATTFLOW_HOST_SECRET=secret.hex(), OMP_NUM_THREADS=str(threads))
+        env = dict(os.environ, YATTFLOW_HOST_SECRET=secret.hex(), OMP_NUM_THREADS=str(threads),
+                   YATTFLOW_PARENT_PID=str(os.getpid()))  # engines/host/lifeline.py: the host goes when we do
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = devices
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines flood the run's output
