@@ -1,14 +1,16 @@
-"""Weight-sync benchmark: trainer → rollout engine in real engine hosts, one DP group of TP=1 and of TP=2.
+"""Weight-sync benchmark: trainer → rollout engine in real engine hosts, one DP group of one rank, of
+two tensor-parallel ranks and of two pipeline stages.
 
     python -m bench.sync                        # a ~560 MB (fp32) Llama, ~2 min on 2 CPU cores
     python -m bench.sync --hidden 512 --layers 4 --repeats 3
 
-One DP group of ``train.tensor_parallel`` Megatron ranks (engine-host processes, gloo; on a CPU
-Megatron-Core runs under the tests' shim), the torch rollout engine on the group's leader
-(docs/parallelism.md). After setup, ``SyncWeights`` is sent ``--repeats`` times through the
-group's client, as the flow sends it: each rank gathers its shards of each parameter in turn
-(Megatron's ``export_weights``: one full Hugging Face-named tensor at a time), the leader copies
-them into its rollout engine, the other ranks drop theirs.
+One DP group of ``train.tensor_parallel x train.pipeline_parallel`` Megatron ranks (engine-host
+processes, gloo; on a CPU Megatron-Core runs under the tests' shim), the torch rollout engine on
+the group's leader (docs/parallelism.md). After setup, ``SyncWeights`` is sent ``--repeats`` times
+through the group's client, as the flow sends it: the ranks gather each parameter in turn (TP
+shards all-gathered within a stage, the stage's tensor broadcast to the other stages:
+``engines/backends/megatron/pipeline.py``; one full Hugging Face-named tensor at a time), the
+leader copies them into its rollout engine, the other ranks drop theirs.
 
 - **sync s**: the host's time for the command (the slowest rank's), median.
 - **peak MB**: each rank's resident memory while the sync runs (sampled every 20 ms, its
@@ -19,7 +21,7 @@ them into its rollout engine, the other ranks drop theirs.
   model's size more for good: the rollout engine's weights, loaded as a memory map of the
   policy's file, become its own pages as they are written (once per run, not per sync).
 
-The baseline is TP=1, measured in the same run. Prints a markdown table and returns the figures.
+The baseline is the group of one rank, measured in the same run. Prints a markdown table and returns the figures.
 """
 
 from __future__ import annotations
@@ -57,7 +59,10 @@ def _rss(pid: int) -> int:
         return 0
 
 
-def measure(root: Path, tp: int, repeats: int) -> dict:
+LAYOUTS = {"TP=1": (1, 1), "TP=2": (2, 1), "PP=2": (1, 2)}  # (tensor_parallel, pipeline_parallel)
+
+
+def measure(root: Path, tp: int, pp: int, repeats: int) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     import pyarrow as pa
@@ -72,11 +77,12 @@ def measure(root: Path, tp: int, repeats: int) -> dict:
     if not prompts.exists():
         datasets.write_table(str(prompts), pa.table({"prompt_id": [0, 1], "prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}),
                              datasets.PROMPTS)
-    run = f"bench-sync-tp{tp}"
+    run = f"bench-sync-tp{tp}-pp{pp}"
     config = load_config(None, [f"name={run}", "dp=1", f"storage.root={root}", "model.policy=models/policy",
                                 "data.prompts=data/train", "data.heldout=null", "reward.genrm_weight=0",
                                 "reward.rule=engines.demo.arithmetic:exact_match", "reward.rule_weight=1", "host_timeout_s=1200",
-                                "train.backend=megatron", f"train.tensor_parallel={tp}"])
+                                "train.backend=megatron", f"train.tensor_parallel={tp}",
+                                f"train.pipeline_parallel={pp}"])
     seconds, peaks = [], []
     with LocalHosts(run, config.layout, 1, config.host_timeout_s) as hosts:
         group = client(run, 0)
@@ -106,7 +112,7 @@ def measure(root: Path, tp: int, repeats: int) -> dict:
             sampler.join()
             seconds.append(result.host_s)
             peaks.append([(p - b) / 2**20 for p, b in zip(peak, before)])
-    return {"tp": tp, "sync_s": statistics.median(seconds), "tensors": result.tensors, "first_mb": first,
+    return {"tp": tp, "pp": pp, "sync_s": statistics.median(seconds), "tensors": result.tensors, "first_mb": first,
             "peak_mb": [max(run[i] for run in peaks) for i in range(len(pids))]}
 
 
@@ -121,18 +127,18 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="yattflow-bench-sync-") as tmp:
         root = Path(tmp)
         _, size = _policy(root / "models" / "policy", args.hidden, args.layers)
-        figures = {tp: measure(root, tp, args.repeats) for tp in (1, 2)}
-    base = figures[1]
-    print(f"\nweight sync, one DP group, policy {size / 2**20:.0f} MB fp32 ({figures[1]['tensors']} tensors), "
+        figures = {name: measure(root, tp, pp, args.repeats) for name, (tp, pp) in LAYOUTS.items()}
+    base = figures["TP=1"]
+    print(f"\nweight sync, one DP group, policy {size / 2**20:.0f} MB fp32 ({base['tensors']} tensors), "
           f"median of {args.repeats}")
     print("| layout | sync s | vs TP=1 | peak MB above before, per rank | first sync's lasting MB, per rank |")
     print("| --- | ---: | ---: | --- | --- |")
-    for tp, f in figures.items():
+    for name, f in figures.items():
         ranks, first = (", ".join(f"{mb:.0f}" for mb in f[key]) for key in ("peak_mb", "first_mb"))
-        print(f"| TP={tp} | {f['sync_s']:.3f} | {f['sync_s'] / base['sync_s']:.2f}x | {ranks} | {first} |")
-    rows = [{"figure": "sync s, TP=2 vs TP=1", "yattflow": figures[2]["sync_s"], "baseline": base["sync_s"],
-             "ratio": figures[2]["sync_s"] / base["sync_s"]}]
-    return {"model_mb": size / 2**20, "figures": {str(k): v for k, v in figures.items()}, "rows": rows}
+        print(f"| {name} | {f['sync_s']:.3f} | {f['sync_s'] / base['sync_s']:.2f}x | {ranks} | {first} |")
+    rows = [{"figure": f"sync s, {name} vs TP=1", "yattflow": f["sync_s"], "baseline": base["sync_s"],
+             "ratio": f["sync_s"] / base["sync_s"]} for name, f in figures.items() if name != "TP=1"]
+    return {"model_mb": size / 2**20, "figures": figures, "rows": rows}
 
 
 if __name__ == "__main__":

@@ -128,12 +128,12 @@ class DeployedHosts:
         return self
 
     def _queue(self, rank: int) -> str:
-        return self.config.hosts.work_queue.format(group=self.layout.group(rank), rank=rank, local=self.layout.tp_rank(rank))
+        return self.config.hosts.work_queue.format(group=self.layout.group(rank), rank=rank, local=self.layout.local(rank))
 
     def _node_of(self, rank: int) -> dict:
         """The node controller a host flow run starts beside it: the leader's of each node's first group."""
         per, group = self.config.controllers.groups_per_node, self.layout.group(rank)
-        if not per or group % per or self.layout.tp_rank(rank):
+        if not per or group % per or self.layout.local(rank):
             return {}
         return {"node": group // per, "nodes": len(self.config.controllers.nodes(self.config.dp))}
 

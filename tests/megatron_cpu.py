@@ -2,8 +2,8 @@
 
 Megatron-Core 0.16 calls CUDA directly where a CPU run needs none: ``torch.cuda.current_device()``
 as the device of the rotary table and the DDP grad buffers, ``device='cuda'`` literals in the
-optimizer, gradient clipping and checkpoint code, ``torch.cuda.synchronize()``, and a CUDA RNG
-tracker forked around every attention dropout. The shim below makes each Megatron module see a
+optimizer, gradient clipping and checkpoint code, ``torch.cuda.synchronize()``, a CUDA RNG
+tracker forked around every attention dropout, and ``Tensor.cuda()`` on a pipeline's tied output layer. The shim below makes each Megatron module see a
 ``torch`` whose CUDA is the CPU, and replaces the two things that cannot be redirected that way:
 the RNG tracker (and the CUDA RNG state that activation recomputation saves and restores), and the
 ``tensor.type() == 'torch.cuda.FloatTensor'`` checks in gradient clipping and the distributed
@@ -105,6 +105,11 @@ def _patch(module) -> None:
         module.Float16OptimizerWithFloat16Params.__init__ = _cuda_type_names(module.Float16OptimizerWithFloat16Params.__init__)
     if name == "megatron.core.optimizer.distrib_optimizer":
         module.DistributedOptimizer.__init__ = _cuda_type_names(module.DistributedOptimizer.__init__)
+    if name == "megatron.core.models.common.language_module.language_module":
+        # a tied output layer on the last pipeline stage: its copy of the embedding goes ``.cuda()``
+        # before the first and last stages all-reduce it
+        setup = module.LanguageModule.setup_embeddings_and_output_layer
+        module.LanguageModule.setup_embeddings_and_output_layer = _tensor_cuda_stays(setup)
 
 
 def _torch_on_cpu():
@@ -162,6 +167,28 @@ def _tracker_fork(self, name="model-parallel-rng"):
 
 def _no_cuda_rng_state(*args, **kwargs):
     return None
+
+
+def _tensor_cuda_stays(function):
+    """``function`` with ``Tensor.cuda()`` leaving a tensor where it is, for the duration of the call."""
+    import functools
+
+    import torch
+
+    if getattr(function, "_cpu_shim", False):
+        return function
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *a, **k: tensor
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    call._cpu_shim = True
+    return call
 
 
 # --- Megatron tells fp32 from bf16 parameters (and asserts that grads are on the GPU) by comparing

@@ -247,7 +247,7 @@ def test_validation_refuses_an_unmapped_policy_before_engines_load(folders, tmp_
         assert validation.validate_inputs(config(arch, backend)) == {"data.prompts": 1}
 
 
-# --- Qwen3 at TP = 2 over two gloo processes --------------------------------------------------
+# --- Qwen3 at TP = 2 and at PP = 2 over two gloo processes -------------------------------------
 
 
 def _tp_worker(rank: int, port: int, folder: str, batch: TrainBatch, out: str) -> None:
@@ -257,25 +257,33 @@ def _tp_worker(rank: int, port: int, folder: str, batch: TrainBatch, out: str) -
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
     try:
-        trainer = MegatronTrainer(folder, **TP_HYPER, tensor_parallel=2)
-        result = {"logprobs": trainer.logprobs(batch), "initial": dict(trainer.export_weights()),
-                  "stats": trainer.train_step(batch), "after": dict(trainer.export_weights())}
-        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        results = {}
+        for layout in LAYOUTS:
+            trainer = MegatronTrainer(folder, **TP_HYPER, **{layout: 2})
+            results[layout] = {"logprobs": trainer.logprobs(batch), "initial": dict(trainer.export_weights()),
+                               "stats": trainer.train_step(batch), "after": dict(trainer.export_weights())}
+            del trainer
+            parallel_state.destroy_model_parallel()
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
 
-def test_qwen3_tp2_matches_tp1_and_torch(folders, tmp_path):
+LAYOUTS = ("tensor_parallel", "pipeline_parallel")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_qwen3_over_two_ranks_matches_one_rank_and_torch(folders, qwen3_two_ranks, layout):
     """Qwen3 over two TP ranks: each rank holds one of the two key/value groups (and its query heads);
     the q/k norms are replicated, their gradients summed over TP (Megatron's finalize_model_grads
-    does so when ``qk_layernorm`` is set): the ranks' copies stay identical after a step."""
+    does so when ``qk_layernorm`` is set): the ranks' copies stay identical after a step. Over two
+    pipeline stages: its tied embedding is the first stage's input and, as a copy, the last stage's
+    output layer, their gradients summed over the two (the embedding group)."""
+    ranks, batch = qwen3_two_ranks
+    ranks = [r[layout] for r in ranks]
     folder = folders["qwen3"]
     torch_trainer = TorchTrainer(folder, **TP_HYPER)
-    batch = probe_batch(folder, n=6, seed=3)
-    batch = TrainBatch(batch.prompt_ids, batch.response_ids, [[x + 0.1 for x in r] for r in torch_trainer.logprobs(batch)], batch.advantages)
-    mp.spawn(_tp_worker, args=(free_port(), folder, batch, str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     single = MegatronTrainer(folder, **TP_HYPER)
     hf = load_hf_state(folder)
     for result in ranks:
@@ -289,8 +297,22 @@ def test_qwen3_tp2_matches_tp1_and_torch(folders, tmp_path):
     assert all(torch.equal(ranks[0]["after"][k], ranks[1]["after"][k]) for k in hf)  # q/k norms included
     assert ranks[0]["stats"]["grad_norm"] == pytest.approx(stats["grad_norm"], rel=1e-5)
     # the weights after the step: the step as a whole (tests/helpers.py, STEP_RTOL), against one rank and torch
-    for what, reference in (("tp=1", after), ("torch trainer", dict(torch_trainer.export_weights()))):
-        assert parity(f"qwen3 megatron tp=2 vs {what}, step", step_gap(ranks[0]["after"], reference, hf)) <= STEP_RTOL
+    for what, reference in (("one rank", after), ("torch trainer", dict(torch_trainer.export_weights()))):
+        assert parity(f"qwen3 megatron {layout}=2 vs {what}, step", step_gap(ranks[0]["after"], reference, hf)) <= STEP_RTOL
+
+
+@pytest.fixture(scope="module")
+def qwen3_two_ranks(folders, tmp_path_factory):
+    """Both layouts' runs in one spawn of two processes (their imports are the slow part): each
+    rank's results per layout, and the batch they stepped on."""
+    folder = folders["qwen3"]
+    torch_trainer = TorchTrainer(folder, **TP_HYPER)
+    batch = probe_batch(folder, n=6, seed=3)
+    batch = TrainBatch(batch.prompt_ids, batch.response_ids, [[x + 0.1 for x in r] for r in torch_trainer.logprobs(batch)],
+                       batch.advantages)
+    out = tmp_path_factory.mktemp("qwen3-two-ranks")
+    mp.spawn(_tp_worker, args=(free_port(), folder, batch, str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], batch
 
 
 # --- vLLM: parity with the trainers, greedy output, weight sync ---------------------------------

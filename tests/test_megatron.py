@@ -574,6 +574,19 @@ def _worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) -> 
         del trainer
         parallel_state.destroy_model_parallel()
 
+        # PP=2: one replica's layers over both processes, Megatron's 1F1B schedule over several
+        # token-cut micro-batches, the reference pipelined too; the stats come from the last stage
+        pp = cases["pp"]
+        trainer = MegatronTrainer(model_dir, **HYPER, pipeline_parallel=2, **pp["trainer"])
+        results["pp"] = {
+            "logprobs": trainer.logprobs(pp["batch"]),
+            "initial": dict(trainer.export_weights()),
+            "stats": trainer.train_step(pp["batch"], **pp["kwargs"]),
+            "after": dict(trainer.export_weights()),
+        }
+        del trainer
+        parallel_state.destroy_model_parallel()
+
         # DP=2: each rank steps on its own shard
         for name, case in cases["dp"].items():
             trainer = MegatronTrainer(model_dir, **HYPER, **case["trainer"])
@@ -616,6 +629,8 @@ def two_processes(model_dir, tmp_path_factory):
     steps_of = lambda sizes, seed: [batch_near(probe, n, seed + rank) for rank, n in enumerate(sizes)]  # noqa: E731
     cases = {
         "tp": {"batch": batch_near(probe, 8, seed=11), "kwargs": {"minibatches": MINIBATCHES}},
+        "pp": {"batch": batch_near(probe, 8, seed=12), "trainer": {"reference": True},
+               "kwargs": {"minibatches": MINIBATCHES, "micro_batch_tokens": 16, **DP_CASES["token-kl-3-5"][1]}},
         "dp": {
             name: {
                 "steps": [steps_of(sizes, 100 * i), steps_of(sizes, 100 * i + 50)],
@@ -656,6 +671,26 @@ def test_tp2_matches_tp1(model_dir, two_processes):
     assert max_diff(two_processes["results"][0]["tp"]["after"], two_processes["results"][1]["tp"]["after"]) == 0.0
     # the grad norm counts each TP shard once (norm and vocab shards included)
     assert two_processes["results"][0]["tp"]["stats"]["grad_norm"] == pytest.approx(single_stats["grad_norm"], rel=1e-5)
+
+
+def test_pp2_matches_pp1(model_dir, two_processes):
+    """Two pipeline stages, one layer each, train what one process trains: log-probs, the exported
+    weights before and after a step of several micro-batches per minibatch (1F1B) with a KL to the
+    pipelined reference, and the step's statistics on both stages."""
+    pp = two_processes["cases"]["pp"]
+    single = MegatronTrainer(model_dir, **HYPER, **pp["trainer"])
+    single_lp = single.logprobs(pp["batch"])
+    initial = load_hf_state(model_dir)
+    rank0, rank1 = (r["pp"] for r in two_processes["results"])
+    for result in (rank0, rank1):
+        assert parity("megatron: pp=2 vs pp=1, log-probs", lp_diff(result["logprobs"], single_lp)) <= ATOL
+        assert result["initial"].keys() == initial.keys() and all(torch.equal(result["initial"][k], initial[k]) for k in initial)
+    single_stats = single.train_step(pp["batch"], **pp["kwargs"])
+    assert parity("megatron: pp=2 vs pp=1, step", step_gap(rank0["after"], dict(single.export_weights()), initial)) <= STEP_RTOL
+    assert max_diff(rank0["after"], rank1["after"]) == 0.0
+    assert rank0["stats"] == rank1["stats"]  # the last stage's, on the first stage too
+    for name in ("loss", "grad_norm", "kl_reference", "tokens"):
+        assert rank0["stats"][name] == pytest.approx(single_stats[name], rel=1e-5, abs=1e-7), name
 
 
 @pytest.mark.parametrize("name", list(DP_CASES))

@@ -25,6 +25,22 @@ def test_ranks_are_laid_out_in_megatron_order_with_each_groups_leader_first():
     assert [layout.ranks(g) for g in range(2)] == [[0, 1], [2, 3]] and [layout.leader(g) for g in range(2)] == [0, 2]
     one = Layout(3)  # the default: a group is one rank, named as before
     assert [one.ranks(g) for g in range(3)] == [[0], [1], [2]] and one.name(2) == "dp-2"
+    big = Layout(dp=2, tp=2, pp=2)  # a group: two stages of two TP ranks, consecutive
+    assert [(big.group(r), big.stage(r), big.tp_rank(r)) for r in range(8)] == [
+        (g, s, t) for g in range(2) for s in range(2) for t in range(2)]
+    assert big.ranks(1) == [4, 5, 6, 7] and big.name(6) == "dp-1.2"
+    # the groups Megatron-Core's parallel_state forms from the order the trainer gives it are these
+    pytest.importorskip("megatron.core", reason="Megatron-Core is optional (make engines installs it)")
+    from megatron.core.parallel_state import RankGenerator
+
+    from engines.backends.megatron.model import ORDER
+
+    megatron = RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order=ORDER)
+    ours = {"tp": [[r for r in big.ranks(g) if big.stage(r) == s] for g in range(2) for s in range(2)],
+            "pp": [[r for r in big.ranks(g) if big.tp_rank(r) == t] for g in range(2) for t in range(2)],
+            "tp-pp": [big.ranks(g) for g in range(2)],  # Megatron's model-parallel group: our DP group
+            "dp": [[big.ranks(g)[i] for g in range(2)] for i in range(4)]}
+    assert {kind: sorted(megatron.get_ranks(kind)) for kind in ours} == {kind: sorted(g) for kind, g in ours.items()}
 
 
 MEGATRON_TP2 = ["train.backend=megatron", "train.tensor_parallel=2"]
@@ -34,11 +50,16 @@ def test_tensor_parallel_needs_megatron_and_is_refused_where_it_is_not_wired_yet
     config = load_config(None, MEGATRON_TP2 + ["dp=2", "hosts.launch=deployment", "controllers.groups_per_node=1",
                                                "hosts.work_queue=gpu-{group}-{local}"])
     assert config.layout == Layout(2, 2)
+    assert load_config(None, MEGATRON_TP2 + ["train.pipeline_parallel=2"]).layout == Layout(2, 2, 2)
     assert load_config(None, ["train.backend=stub", "train.tensor_parallel=2"]).layout.world == 4  # the timing stub's layout
     with pytest.raises(ConfigError, match=r"field 'train\.tensor_parallel': .*needs train\.backend: megatron"):
         load_config(None, ["train.tensor_parallel=2"])
-    with pytest.raises(ConfigError, match=r"train\.tensor_parallel=2 is not wired with train\.algorithm: name=ppo has a critic"):
-        load_config(None, MEGATRON_TP2 + ["train.algorithm.name=ppo", "model.critic=models/critic"])
+    with pytest.raises(ConfigError, match=r"field 'train\.pipeline_parallel': .*needs train\.backend: megatron"):
+        load_config(None, ["train.pipeline_parallel=2"])
+    with pytest.raises(ConfigError, match=r"train\.tensor_parallel=1 x train\.pipeline_parallel=2 is not wired with "
+                                          r"train\.algorithm: name=ppo has a critic"):
+        load_config(None, ["train.backend=megatron", "train.pipeline_parallel=2", "train.algorithm.name=ppo",
+                           "model.critic=models/critic"])
     with pytest.raises(ConfigError, match=r"hosts\.work_queue='dp-\{node\}': KeyError: 'node' \(its fields: \{group\}"):
         load_config(None, ["hosts.work_queue=dp-{node}"])
     from engines.host.validation import InputError, check_megatron_architecture
@@ -49,9 +70,12 @@ def test_tensor_parallel_needs_megatron_and_is_refused_where_it_is_not_wired_yet
     with pytest.raises(InputError, match=r"model\.policy: \S+/config\.json: num_attention_heads=4 and num_key_value_heads=2 do "
                                          r"not split over train\.tensor_parallel=4 ranks"):  # before any engine loads
         check_megatron_architecture(load_config(None, ["train.backend=megatron", "train.tensor_parallel=4", "dp=1"]), model)
-    with pytest.raises(ConfigError, match=r"hosts\.devices has 2 entries for 4 engine hosts \(one per rank: dp=2 x "
-                                          r"train\.tensor_parallel=2\)"):
-        load_config(None, MEGATRON_TP2 + ["dp=2", 'hosts.devices=["0","1"]'])
+    with pytest.raises(InputError, match=r"model\.policy: \S+/config\.json: num_hidden_layers=1 do not split into "
+                                         r"train\.pipeline_parallel=2 stages"):
+        check_megatron_architecture(load_config(None, ["train.backend=megatron", "train.pipeline_parallel=2", "dp=1"]), model)
+    with pytest.raises(ConfigError, match=r"hosts\.devices has 2 entries for 8 engine hosts \(one per rank: dp=2 x "
+                                          r"train\.tensor_parallel=2 x train\.pipeline_parallel=2\)"):
+        load_config(None, MEGATRON_TP2 + ["dp=2", "train.pipeline_parallel=2", 'hosts.devices=["0","1"]'])
 
 
 RUN = "tp-hosts"
@@ -68,8 +92,8 @@ def score(prompt, response, answer):
 '''
 
 
-def one_step(root: Path, tp: int, resume: Path | None = None) -> dict:
-    """Engine hosts of dp=2 groups of ``tp`` Megatron ranks: setup, then one RL step through each
+def one_step(root: Path, tp: int, pp: int = 1, resume: Path | None = None) -> dict:
+    """Engine hosts of dp=2 groups of ``tp x pp`` Megatron ranks: setup, then one RL step through each
     group's client (rollout, scoring and the filter on the leaders; the train step, the weight sync,
     a checkpoint and the export on every rank), as the flow sends them. Then a second train step
     on the same experience: continuing (no ``resume``), or after loading the checkpoint ``resume``
@@ -79,9 +103,9 @@ def one_step(root: Path, tp: int, resume: Path | None = None) -> dict:
                                        SetupEngines, SyncWeights, TrainStep)
     from engines.wire.launch import LocalHosts
 
-    run, out_dir = f"{RUN}-{tp}", root / f"tp{tp}"
+    run, out_dir = f"{RUN}-{tp}x{pp}", root / f"tp{tp}-pp{pp}"
     overrides = [f"name={run}", "dp=2", *task(root), "train.minibatches=2", "host_timeout_s=300", "train.backend=megatron",
-                 f"train.tensor_parallel={tp}"]
+                 f"train.tensor_parallel={tp}", f"train.pipeline_parallel={pp}", "train.micro_batch_tokens=48"]
     config = load_config(None, overrides)
     site = str(ROOT / "tests" / "megatron_cpu_site")  # Megatron-Core's CPU shim, in the hosts (tests only)
     step: dict = {"config": config}
@@ -137,40 +161,43 @@ def tp_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def steps(tp_root):
-    """The same step by groups of two ranks and by groups of one, from the same policy and prompts;
-    then the second step, the groups of one rank resuming from the two-rank groups' checkpoint."""
-    tp2 = one_step(tp_root, 2)
-    return {2: tp2, 1: one_step(tp_root, 1, resume=tp2["checkpoint_dir"])}
+    """The same step by groups of two tensor-parallel ranks and by groups of two pipeline stages,
+    from the same policy and prompts; then the second step, the pipelined groups resuming from the
+    tensor-parallel groups' checkpoint."""
+    tp2 = one_step(tp_root, tp=2)
+    return {"tp2": tp2, "pp2": one_step(tp_root, tp=1, pp=2, resume=tp2["checkpoint_dir"])}
 
 
-def test_two_groups_of_two_tensor_parallel_ranks_train_the_step_groups_of_one_rank_train(steps):
-    """dp=2 x tp=2, four processes, against dp=2 x tp=1: the followers load no rollout engine; the
-    leaders sample and score the same experience; the update (layers split over the TP ranks,
-    gradients all-reduced over the DP ranks) is the one the groups of one rank make, within the
-    step tolerance every parity test here uses; every rank holds the same full weights after it;
-    the checkpoint is every rank's shards and RNG state with the policy's Hugging Face folder."""
+def test_two_groups_split_by_tensor_or_by_pipeline_train_the_same_step(steps):
+    """dp=2 x tp=2 against dp=2 x pp=2, four processes each: the followers load no rollout engine;
+    the leaders sample and score the same experience; the update (layers split over the TP ranks,
+    or into two stages on Megatron's 1F1B schedule over token-cut micro-batches; gradients
+    all-reduced over the DP ranks) is the same within the step tolerance every parity test here
+    uses; every rank holds the same full weights after it; the checkpoint is every rank's shards
+    and RNG state with the policy's Hugging Face folder."""
     from safetensors.torch import load_file
 
     from helpers import STEP_RTOL, parity, step_gap
     from storage import datasets
 
-    tp2, tp1 = steps[2], steps[1]
-    assert (tp2["hosts"], tp1["hosts"]) == (4, 2)
-    setup = "\n".join(line for lines in tp2["setup"] for line in lines)
-    for follower in ("dp-0.1", "dp-1.1"):
-        assert re.search(rf"{follower}: engines \(rollout=- judge=- train=megatron\) loaded", setup), setup
-    for leader in ("dp-0", "dp-1"):
-        assert re.search(rf"{leader}: engines \(rollout=torch judge=\w+ train=megatron\) loaded", setup), setup
+    tp2, pp2 = steps["tp2"], steps["pp2"]
+    assert (tp2["hosts"], pp2["hosts"]) == (4, 4)
+    for layout in (tp2, pp2):
+        setup = "\n".join(line for lines in layout["setup"] for line in lines)
+        for follower in ("dp-0.1", "dp-1.1"):
+            assert re.search(rf"{follower}: engines \(rollout=- judge=- train=megatron\) loaded", setup), setup
+        for leader in ("dp-0", "dp-1"):
+            assert re.search(rf"{leader}: engines \(rollout=torch judge=\w+ train=megatron\) loaded", setup), setup
+        train = layout["train"]
+        assert train[0].params_sha == train[1].params_sha  # and each group's two ranks agreed (GroupClient checks it)
+        assert [t.policy_version for t in train] == [1, 1] and len({s.tensors for s in layout["sync"]}) == 1
     assert [r.samples for r in tp2["rollout"]] == [8, 8] and [f.kept for f in tp2["filter"]] == [2, 2]
-    for a, b in zip(tp2["experience"], tp1["experience"]):
+    for a, b in zip(tp2["experience"], pp2["experience"]):
         assert datasets.read_table(a, datasets.EXPERIENCE).equals(datasets.read_table(b, datasets.EXPERIENCE))
-    train = tp2["train"]
-    assert train[0].params_sha == train[1].params_sha  # and each group's two ranks agreed (GroupClient checks it)
-    assert [t.policy_version for t in train] == [1, 1] and len({s.tensors for s in tp2["sync"]}) == 1
-    assert train[0].statistics["loss"] == pytest.approx(tp1["train"][0].statistics["loss"], abs=1e-5)
+    assert tp2["train"][0].statistics["loss"] == pytest.approx(pp2["train"][0].statistics["loss"], abs=1e-5)
     before = load_file(str(tp2["config"].uri("models/policy")).removeprefix("file://") + "/model.safetensors")
-    exported = {tp: load_file(str(steps[tp]["export"] / "model.safetensors")) for tp in (2, 1)}
-    assert parity("hosts dp=2: tp=2 vs tp=1 step", step_gap(exported[2], exported[1], before)) <= STEP_RTOL
+    exported = {name: load_file(str(steps[name]["export"] / "model.safetensors")) for name in steps}
+    assert parity("hosts dp=2: tp=2 vs pp=2 step", step_gap(exported["tp2"], exported["pp2"], before)) <= STEP_RTOL
 
     files = set(tp2["written"][0].files) | set(tp2["written"][1].files)  # group 0's ranks' files, group 1's
     assert {f"rng-{r}.pt" for r in range(4)} | {"model/model.safetensors", "layout.json", "prompts.json"} <= files
@@ -179,11 +206,12 @@ def test_two_groups_of_two_tensor_parallel_ranks_train_the_step_groups_of_one_ra
 
 
 def test_a_run_whose_follower_rank_is_killed_heals_and_trains_each_step_once(prefect_server, tp_root, tmp_path, monkeypatch):
-    """A real training run (flows/training.py, Prefect) of two groups of two ranks, the next step's
-    rollout overlapping this step's training (rollout.max_staleness=1: the rollout lane is the
-    leaders'): rank dp-0.1 is SIGKILLed as step 2's train step reaches it. Its own channel sees it
-    gone at once (a lost host, not a collective left to time out), the run restarts all four ranks,
-    resumes from the last committed checkpoint and ends with every step trained once."""
+    """A real training run (flows/training.py, Prefect) of two groups of two pipeline stages, the
+    next step's rollout overlapping this step's training (rollout.max_staleness=1: the rollout lane
+    is the leaders'): rank dp-0.1, group 0's last stage, is SIGKILLed as step 2's train step reaches
+    it, its first stage waiting on it. Its own channel sees it gone at once (a lost host, not a
+    point-to-point receive left to time out), the run restarts all four ranks, resumes from the last
+    committed checkpoint and ends with every step trained once."""
     import asyncio
 
     from flows.training import train
@@ -194,7 +222,7 @@ def test_a_run_whose_follower_rank_is_killed_heals_and_trains_each_step_once(pre
     monkeypatch.setenv("YATTFLOW_FAULTS", "train_step@2:dp-0.1:kill")
     monkeypatch.setenv("YATTFLOW_FAULTS_FIRED", str(tmp_path))
     overrides = [*task(tp_root), "name=tp-healed", "dp=2", "steps=4", "checkpoint.every=1", "rollout.max_staleness=1",
-                 *MEGATRON_TP2]
+                 "train.backend=megatron", "train.pipeline_parallel=2", "train.micro_batch_tokens=48"]
     summary = asyncio.run(train(overrides=overrides))
     assert [p.name for p in tmp_path.iterdir()] == ["train_step@2:dp-0.1:kill"]  # the fault fired
     assert [m["step"] for m in summary["history"]] == [0, 1, 2, 3]  # a step redone replaced its first try
@@ -202,22 +230,22 @@ def test_a_run_whose_follower_rank_is_killed_heals_and_trains_each_step_once(pre
     no_engine_hosts_left()
 
 
-def test_a_checkpoint_of_two_rank_groups_resumes_in_groups_of_one_and_trains_on_alike(steps):
-    """dist_checkpointing reshards the model and the Adam state from TP=2 to TP=1: the groups of
-    one rank, set up again from the four ranks' checkpoint, hold exactly the weights the two-rank
-    groups checkpointed, and their next step on the same experience is the two-rank groups' next
-    step (a fresh optimizer's would not be: Adam's first step differs from its second)."""
+def test_a_tensor_parallel_checkpoint_resumes_pipelined_and_trains_on_alike(steps):
+    """dist_checkpointing reshards the model and the Adam state from two TP ranks of one stage to
+    two stages of one rank: the pipelined groups, set up again from the tensor-parallel groups'
+    checkpoint, take its weights, and their next step on the same experience is the tensor-parallel
+    groups' next step (a fresh optimizer's would not be: Adam's first step differs from its second)."""
     from safetensors.torch import load_file
 
     from helpers import STEP_RTOL, parity, step_gap
 
-    tp2, tp1 = steps[2], steps[1]
-    resumed = "\n".join(line for lines in tp1["resumed"] for line in lines)
+    tp2, pp2 = steps["tp2"], steps["pp2"]
+    resumed = "\n".join(line for lines in pp2["resumed"] for line in lines)
     assert re.search(rf"dp-0: resumed from \S*{tp2['checkpoint_dir'].name}", resumed), resumed
     checkpointed = load_file(str(tp2["export"] / "model.safetensors"))
-    after = {tp: load_file(str(steps[tp]["export-2"] / "model.safetensors")) for tp in (2, 1)}
-    assert parity("hosts dp=2: tp=2 second step vs tp=1 resumed from its checkpoint", step_gap(after[1], after[2], checkpointed)) \
-        <= STEP_RTOL
+    after = {name: load_file(str(steps[name]["export-2"] / "model.safetensors")) for name in steps}
+    assert parity("hosts dp=2: tp=2 second step vs pp=2 resumed from its checkpoint",
+                  step_gap(after["pp2"], after["tp2"], checkpointed)) <= STEP_RTOL
 
 
 def test_a_checkpoint_resumes_under_another_layout_only_where_megatron_reshards_it(tmp_path):
@@ -239,8 +267,9 @@ def test_a_checkpoint_resumes_under_another_layout_only_where_megatron_reshards_
 
     resuming(1, False).check_layout(written(2, False))  # the plain optimizer reshards over TP and DP
     resuming(2, True).check_layout(written(2, True))  # the distributed one over DP
-    with pytest.raises(ValueError, match=r"written with train\.tensor_parallel=2 and the distributed optimizer, whose state "
-                                         r".*resume with train\.tensor_parallel=2 \(any dp\)"):
+    with pytest.raises(ValueError, match=r"written with train\.tensor_parallel=2 and train\.pipeline_parallel=1 and the "
+                                         r"distributed optimizer, whose state .*resume with train\.tensor_parallel=2 and "
+                                         r"train\.pipeline_parallel=1 \(any dp\)"):
         resuming(1, True).check_layout(written(2, True))
     with pytest.raises(ValueError, match=r"written with train\.distributed_optimizer=false, .*resume with "
                                          r"train\.distributed_optimizer=false"):

@@ -32,7 +32,8 @@ def make_trainer(cfg: RunConfig, model_dir: str, device=None) -> Trainer:
     if t.backend == "megatron":
         from engines.backends.megatron.trainer import MegatronTrainer
 
-        return MegatronTrainer(model_dir, tensor_parallel=t.tensor_parallel, distributed_optimizer=t.distributed_optimizer,
+        return MegatronTrainer(model_dir, tensor_parallel=t.tensor_parallel, pipeline_parallel=t.pipeline_parallel,
+                               distributed_optimizer=t.distributed_optimizer,
                                recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
                                recompute_num_layers=t.recompute_num_layers, recompute_modules=t.recompute_modules,
                                device=device, freeze_vision=t.freeze_vision, **kwargs)

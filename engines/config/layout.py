@@ -1,11 +1,14 @@
 """Where each engine-host process sits: the ranks of a run laid out in DP groups.
 
-A DP group is ``tp`` ranks, one process and one device each, that hold one copy of the policy
-between them: Megatron-Core's tensor-parallel group. The run's ``dp * tp`` ranks are numbered
-in Megatron-Core's order (``parallel_state``'s "tp-cp-ep-dp-pp": the tensor-parallel ranks of a
-group are consecutive), so the controller, which reaches each rank over its own channel, and the
-trainer's ``initialize_model_parallel`` agree on who is who. The group's first rank is its
-leader: it holds the group's rollout engine and judge and answers the stages that need no
+A DP group is ``tp x pp`` ranks, one process and one device each, that hold one copy of the
+policy between them: ``pp`` pipeline stages, each a run of its layers (the first the embedding,
+the last the output layer), each stage's layers split over ``tp`` tensor-parallel ranks. The
+run's ``dp * tp * pp`` ranks are numbered in the order Megatron-Core's ``parallel_state`` is told
+to use ("tp-cp-ep-pp-dp", engines/backends/megatron/model.py): a group's ranks are consecutive,
+tensor-parallel ranks innermost, then stages. So the controller, which reaches each rank over its
+own channel, and the trainer agree on who is who, and a group placed on consecutive devices keeps
+its TP traffic, the heaviest, on the nearest ones. The group's first rank (stage 0, TP rank 0) is
+its leader: it holds the group's rollout engine and judge and answers the stages that need no
 trainer (docs/parallelism.md). Pure arithmetic: the controller imports it without torch.
 """
 
@@ -17,27 +20,40 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Layout:
     dp: int  # data-parallel groups
-    tp: int = 1  # tensor-parallel ranks in each group
+    tp: int = 1  # tensor-parallel ranks in each pipeline stage
+    pp: int = 1  # pipeline stages in each group
+
+    @property
+    def size(self) -> int:
+        """Ranks in each group."""
+        return self.tp * self.pp
 
     @property
     def world(self) -> int:
         """Engine-host processes of the run."""
-        return self.dp * self.tp
+        return self.dp * self.size
 
     def group(self, rank: int) -> int:
-        return rank // self.tp
+        return rank // self.size
+
+    def local(self, rank: int) -> int:
+        """The rank's place in its group (0: the leader)."""
+        return rank % self.size
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 
+    def stage(self, rank: int) -> int:
+        return self.local(rank) // self.tp
+
     def ranks(self, group: int) -> list[int]:
         """The group's ranks, its leader first."""
-        return list(range(group * self.tp, (group + 1) * self.tp))
+        return list(range(group * self.size, (group + 1) * self.size))
 
     def leader(self, group: int) -> int:
-        return group * self.tp
+        return group * self.size
 
     def name(self, rank: int) -> str:
         """``dp-1`` for a group's leader, ``dp-1.1`` for its second rank: in logs, faults and errors."""
-        group, local = self.group(rank), self.tp_rank(rank)
+        group, local = self.group(rank), self.local(rank)
         return f"dp-{group}" if local == 0 else f"dp-{group}.{local}"

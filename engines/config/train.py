@@ -53,6 +53,11 @@ class TrainConfig(Section):
         "device each, that split the policy's layers between them (docs/parallelism.md); backend=stub takes it as the "
         "layout alone."
     )
+    pipeline_parallel: int = Field(
+        1, gt=0, description="Megatron-Core pipeline-parallel size: each DP group's layers split into this many stages in "
+        "a row, each stage train.tensor_parallel ranks, trained on Megatron-Core's 1F1B schedule over the minibatch's "
+        "micro-batches (train.micro_batch_tokens cuts them; docs/parallelism.md); backend=stub takes it as the layout alone."
+    )
     distributed_optimizer: bool = Field(False, description="Megatron-Core distributed optimizer (optimizer state sharded over DP).")
     recompute_granularity: Literal["none", "selective", "full"] = Field(
         "none",
@@ -146,13 +151,13 @@ class TrainConfig(Section):
                              + " (train.algorithm.name picks the algorithm, default grpo)")
         return data
 
-    @field_validator("tensor_parallel", "distributed_optimizer", "recompute_granularity", "recompute_method",
+    @field_validator("tensor_parallel", "pipeline_parallel", "distributed_optimizer", "recompute_granularity", "recompute_method",
                      "recompute_num_layers", "recompute_modules")
     @classmethod
     def _megatron_only(cls, value, info):
         default = TrainConfig.model_fields[info.field_name].default
         # the timing stub takes the layout (its ranks), to scale-test the orchestration of groups of several ranks
-        stub_layout = info.field_name == "tensor_parallel" and info.data.get("backend") == "stub"
+        stub_layout = info.field_name in ("tensor_parallel", "pipeline_parallel") and info.data.get("backend") == "stub"
         if value != default and info.data.get("backend") != "megatron" and not stub_layout:
             raise ValueError("needs train.backend: megatron")
         return value

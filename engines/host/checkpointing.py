@@ -12,7 +12,8 @@ every rank's files are written, ``storage/runstate.py``):
                          with rank 0: a tensor-parallel export is a collective); with train.lora the adapter
                          folder (the base is the policy folder, recorded in trainer-torch/)
     prompts.json         the prompt files the data cursors point into (rank 0)
-    layout.json          the ranks that wrote it: dp, train.tensor_parallel, train.distributed_optimizer (rank 0)
+    layout.json          the ranks that wrote it: dp, train.tensor_parallel, train.pipeline_parallel,
+                         train.distributed_optimizer (rank 0)
     rng-{rank}.pt        torch's and Python's RNG states
 """
 
@@ -162,19 +163,22 @@ class Checkpoints:
         random.setstate(rng["python"])
 
     def _rank_then(self, uri: str) -> int:
-        """The rank whose RNG states this rank takes: its own, or under another ``train.tensor_parallel``
-        the same position of its group then (a group's leader continues its leader's sampling)."""
+        """The rank whose RNG states this rank takes: its own, or under another group size
+        (``train.tensor_parallel x train.pipeline_parallel``) the same place in its group then, or the
+        group's last rank then (a group's leader continues its leader's sampling)."""
         recorded = objectstore.join(uri, "layout.json")
         if not self.layout or not objectstore.exists(recorded):
             return self.rank
-        then = objectstore.read_json(recorded).get("tensor_parallel", 1)
-        return self.layout.group(self.rank) * then + min(self.layout.tp_rank(self.rank), then - 1)
+        was = objectstore.read_json(recorded)
+        then = was.get("tensor_parallel", 1) * was.get("pipeline_parallel", 1)
+        return self.layout.group(self.rank) * then + min(self.layout.local(self.rank), then - 1)
 
     def _recorded(self) -> dict:
         """What layout.json records of the ranks that write the checkpoint ({}: not known)."""
         if self.layout is None:
             return {}
-        return {"dp": self.layout.dp, "tensor_parallel": self.layout.tp, "distributed_optimizer": self.distributed_optimizer}
+        return {"dp": self.layout.dp, "tensor_parallel": self.layout.tp, "pipeline_parallel": self.layout.pp,
+                "distributed_optimizer": self.distributed_optimizer}
 
     def check_prompt_files(self, prompts_uri: str, checkpoint: str, field: str = "data.prompts") -> None:
         """The prompts a checkpoint was trained on must still be the first files of the dataset
@@ -195,7 +199,7 @@ class Checkpoints:
 
     def check_layout(self, checkpoint: str) -> None:
         """A checkpoint resumes under another layout where Megatron-Core's ``dist_checkpointing``
-        reshards it: the model and the plain optimizer over any TP and DP; the distributed
+        reshards it: the model and the plain optimizer over any TP, PP and DP; the distributed
         optimizer's state (saved ``dp_reshardable``, engines/backends/megatron/optimizer.py) over
         DP only, and never into the plain optimizer or back. Else an error naming both."""
         recorded = objectstore.join(checkpoint, "layout.json")
@@ -208,10 +212,12 @@ class Checkpoints:
             raise ValueError(f"checkpoint {checkpoint} was written with train.distributed_optimizer="
                              f"{str(was['distributed_optimizer']).lower()}, and its optimizer state loads only into the same "
                              f"kind of optimizer: resume with train.distributed_optimizer={str(was['distributed_optimizer']).lower()}")
-        if now["distributed_optimizer"] and was["tensor_parallel"] != now["tensor_parallel"]:
-            raise ValueError(f"checkpoint {checkpoint} was written with train.tensor_parallel={was['tensor_parallel']} and the "
-                             "distributed optimizer, whose state Megatron-Core 0.16 saves reshardable over the DP size only: "
-                             f"resume with train.tensor_parallel={was['tensor_parallel']} (any dp)")
+        sizes = [f"train.{key}={was.get(key, 1)}" for key in ("tensor_parallel", "pipeline_parallel")]
+        if now["distributed_optimizer"] and [was.get(k, 1) for k in ("tensor_parallel", "pipeline_parallel")] != \
+                [now["tensor_parallel"], now["pipeline_parallel"]]:
+            raise ValueError(f"checkpoint {checkpoint} was written with {' and '.join(sizes)} and the distributed "
+                             "optimizer, whose state Megatron-Core 0.16 saves reshardable over the DP size only: resume "
+                             f"with {' and '.join(sizes)} (any dp)")
 
 
 class BackgroundWrite:

@@ -82,7 +82,7 @@ class Worker:
         self.rollout_weights = offpolicy.RolloutWeights()  # the rollout engine, between an overlapping host's two lanes
 
     group = property(lambda self: self.layout.group(self.rank))  # this rank's DP group
-    leader = property(lambda self: self.layout.tp_rank(self.rank) == 0)  # it holds the group's rollout engine and judge
+    leader = property(lambda self: self.layout.local(self.rank) == 0)  # it holds the group's rollout engine and judge
     name = property(lambda self: self.layout.name(self.rank))  # in logs and faults: dp-1, its second rank dp-1.1
 
     @functools.singledispatchmethod
@@ -101,10 +101,11 @@ class Worker:
         start = time.perf_counter()
         cfg = self.config = request.config
         torch.set_num_threads(self.threads)
-        tp = cfg.train.tensor_parallel
-        if self.world % tp:
-            raise ValueError(f"this host is rank {self.rank} of {self.world}: not groups of train.tensor_parallel={tp} ranks")
-        self.layout = Layout(self.world // tp, tp)  # the hosts started: dp groups (config.layout), or fewer to evaluate
+        tp, pp = cfg.train.tensor_parallel, cfg.train.pipeline_parallel
+        if self.world % (tp * pp):
+            raise ValueError(f"this host is rank {self.rank} of {self.world}: not groups of train.tensor_parallel={tp} x "
+                             f"train.pipeline_parallel={pp} ranks")
+        self.layout = Layout(self.world // (tp * pp), tp, pp)  # the hosts started: dp groups (config.layout), or fewer to evaluate
         prompts_uri = cfg.uri(cfg.data.preferences or cfg.data.prompts)  # a preference dataset is the stream instead
         self.checkpoints = Checkpoints(self.rank, cfg.train.backend, datasets.part_files(prompts_uri), self.layout,
                                        cfg.train.distributed_optimizer)

@@ -105,6 +105,34 @@ def hf_to_megatron(hf_state: dict, hf_config, tp_rank: int = 0, tp_size: int = 1
     return out
 
 
+def stage_state(state: dict[str, torch.Tensor], offset: int, layers: int, first: bool, last: bool,
+                tied: bool) -> dict[str, torch.Tensor]:
+    """The part of a whole model's Megatron state dict (global layer numbers) that one pipeline
+    stage holds: its ``layers`` layers from ``offset`` on, renumbered from 0 as the stage's
+    ``TransformerBlock`` names them, the embedding on the first stage, the final norm and output
+    layer on the last. A tied output layer on a last stage that is not also the first is its own
+    copy of the embedding (Megatron keeps the two in step: ``finalize_model_grads`` sums their
+    gradients over the embedding group)."""
+    out = {}
+    for name, tensor in state.items():
+        match = LAYER.fullmatch(name)
+        if match:
+            index = int(match.group(1)) - offset
+            if 0 <= index < layers:
+                out[f"decoder.layers.{index}.{match.group(2)}"] = tensor
+        elif name.startswith("embedding.") and first or not name.startswith("embedding.") and last:
+            out[name] = tensor
+    if tied and last and not first:
+        out["output_layer.weight"] = state["embedding.word_embeddings.weight"]
+    return out
+
+
+def global_name(name: str, offset: int) -> str:
+    """A stage's parameter name (its layers numbered from 0) → the whole model's."""
+    match = LAYER.fullmatch(name)
+    return f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}" if match else name
+
+
 def megatron_to_hf(mcore_state: dict | list[dict], hf_config) -> dict[str, torch.Tensor]:
     """Megatron tensors → Hugging Face tensors; the inverse of :func:`hf_to_megatron`.
 

@@ -21,11 +21,12 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import divide
 
 from engines.backends.distributed import default_device, init_process_groups
 from engines.backends.megatron.architectures import architecture, rope_scaling, rope_theta
-from engines.backends.megatron.mapping import MappingError, hf_to_megatron, padded_vocab_size
+from engines.backends.megatron.mapping import MappingError, hf_to_megatron, padded_vocab_size, stage_state
 
 
 class SDPAttention(MegatronModule):
@@ -104,12 +105,15 @@ def _keep(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+ORDER = "tp-cp-ep-pp-dp"  # engines/config/layout.py numbers the hosts in this order
+
 RecomputeGranularity = Literal["none", "selective", "full"]
 
 
 def transformer_config(hf_config, tensor_parallel: int, dtype: torch.dtype, recompute_granularity: RecomputeGranularity = "none",
                        recompute_method: Literal["uniform", "block"] = "uniform", recompute_num_layers: int = 1,
-                       recompute_modules: list[str] | tuple[str, ...] = ("core_attn",)) -> TransformerConfig:
+                       recompute_modules: list[str] | tuple[str, ...] = ("core_attn",),
+                       pipeline_parallel: int = 1) -> TransformerConfig:
     """``recompute_*``: activation recomputation (Megatron's options of the same names). "full"
     recomputes whole layers in the backward pass (``recompute_method``: "uniform", every chunk of
     ``recompute_num_layers`` layers; "block", the first ``recompute_num_layers`` layers), keeping
@@ -128,6 +132,11 @@ def transformer_config(hf_config, tensor_parallel: int, dtype: torch.dtype, reco
         hidden_dropout=0.0,  # RL needs the trainer's log-probs to be the rollout engine's
         attention_dropout=0.0,
         tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        # micro-batches are cut by tokens (engines/backends/batching.py), so their shapes differ: the
+        # pipeline's stages send each activation's shape before it (the config refuses that beside its
+        # default MoE token dispatcher, which a dense model never runs)
+        **({"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"} if pipeline_parallel > 1 else {}),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -147,8 +156,11 @@ def build_gpt(hf_config, config: TransformerConfig, hf_state: dict, device: torc
     holding this TP rank's share of the Hugging Face weights. ``layer_spec``: the transformer
     layer (default :func:`gpt_layer_spec`). Strict: every Megatron parameter is filled from the
     folder (and ``hf_to_megatron`` consumes every Hugging Face tensor), else ``MappingError``."""
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     model = GPTModel(
         config=config,
+        pre_process=first,  # the embedding: the first pipeline stage's
+        post_process=last,  # the final norm and output layer: the last stage's
         transformer_layer_spec=layer_spec if layer_spec is not None else gpt_layer_spec(config.qk_layernorm),
         vocab_size=padded_vocab_size(hf_config),
         max_sequence_length=hf_config.max_position_embeddings,
@@ -172,7 +184,9 @@ def build_gpt(hf_config, config: TransformerConfig, hf_state: dict, device: torc
     model.to(device=device if device is not None else default_device(), dtype=config.params_dtype)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    state = hf_to_megatron(hf_state, hf_config, tp_rank, tp_size)
+    state = stage_state(hf_to_megatron(hf_state, hf_config, tp_rank, tp_size), get_transformer_layer_offset(config),
+                        config.num_layers // config.pipeline_model_parallel_size, first, last,
+                        hf_config.tie_word_embeddings)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
@@ -181,16 +195,18 @@ def build_gpt(hf_config, config: TransformerConfig, hf_state: dict, device: torc
     return model
 
 
-def _init_distributed(tensor_parallel: int, device: torch.device) -> None:
+def _init_distributed(tensor_parallel: int, device: torch.device, pipeline_parallel: int = 1) -> None:
     """Join Megatron's parallel state; a single process gets a world of one so that the code
     path (DDP, optimizer, checkpoints) is the same as in a DP run."""
     if not dist.is_initialized():
         init_process_groups(device, 0, 1, dist.HashStore(), timedelta(minutes=10))  # a world of one: no network
     if parallel_state.model_parallel_is_initialized():
-        current = parallel_state.get_tensor_model_parallel_world_size()
-        if current != tensor_parallel:
-            raise ValueError(f"model parallel state already has TP={current}, asked for TP={tensor_parallel}")
+        current = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
+        if current != (tensor_parallel, pipeline_parallel):
+            raise ValueError(f"model parallel state already has TP x PP = {current}, asked for {tensor_parallel} x {pipeline_parallel}")
     else:
-        # the rank order the engine hosts are laid out in (engines/config/layout.py): TP ranks consecutive
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel, order="tp-cp-ep-dp-pp")
+        # the rank order the engine hosts are laid out in (engines/config/layout.py): a DP group's
+        # ranks consecutive, TP ranks innermost, then pipeline stages
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                                 pipeline_model_parallel_size=pipeline_parallel, order=ORDER)
         model_parallel_cuda_manual_seed(0)  # no dropout here, but attention forks this RNG tracker

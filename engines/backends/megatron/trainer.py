@@ -3,15 +3,16 @@
 Models come in and go out as Hugging Face folders; inside, the policy is a Megatron-Core GPT
 model with the local (non-Transformer-Engine) layer specs, whose core attention is replaced by
 :class:`SDPAttention` (torch's fused scaled-dot-product attention), tensor parallel over
-``tensor_parallel`` ranks, data parallel over the rest of ``torch.distributed``'s world,
-wrapped in Megatron's ``DistributedDataParallel`` and stepped by ``get_megatron_optimizer``.
+``tensor_parallel`` ranks and cut into ``pipeline_parallel`` stages, data parallel over the rest
+of ``torch.distributed``'s world, wrapped in Megatron's ``DistributedDataParallel``, run on
+Megatron's schedules (``pipeline.py``) and stepped by ``get_megatron_optimizer``.
 Everything — model, reference model, gradient buffers, optimizer state — lives on the device
 of the process (the current CUDA device, else the CPU).
 The loss is the one ``TorchTrainer`` uses (the algorithm's, through ``engines.rl.base.LossStep``), normalised by *global*
 token or sequence counts, so a DP step equals one process stepping on the concatenated batch.
 
-Tensor-parallel ranks of one DP replica must be given the same batch. Methods marked
-*collective* must be called on every rank, in the same order.
+The ranks of one DP replica (its TP ranks and stages) must be given the same batch. Methods
+marked *collective* must be called on every rank, in the same order.
 
 Megatron-Core has no Hugging Face converter for GPT models: ``architectures.py`` holds one record
 per mapped family (Llama 3.x, Qwen2/2.5, Qwen3), ``mapping.py`` the conversion, ``model.py`` builds the model. A vision-language model (Idefics3/SmolVLM) keeps its
@@ -21,7 +22,6 @@ Hugging Face vision tower and connector as torch modules beside the Megatron GPT
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -37,10 +37,10 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
 
 from engines.backends import multimodal
-from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
-from engines.backends.batching import micro_batches, pad_batch, pad_weights
+from engines.backends.base import FrozenCheckpoint, TrainBatch
+from engines.backends.batching import micro_batches, pad_weights
 from engines.backends.distributed import default_device
-from engines.backends.megatron import optimizer as megatron_optimizer, vision
+from engines.backends.megatron import optimizer as megatron_optimizer, pipeline, vision
 from engines.backends.megatron.mapping import _param_to_hf, load_hf_state, padded_vocab_size
 from engines.backends.megatron.model import RecomputeGranularity, _init_distributed, build_gpt, transformer_config
 from engines.backends.megatron.offload import Offload, Sleeps, trainer_tensors
@@ -66,6 +66,7 @@ class MegatronTrainer(Sleeps):
         reference: bool = False,
         dtype: str = "float32",
         tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
         distributed_optimizer: bool = False,
         recompute_granularity: RecomputeGranularity = "none",
         recompute_method: Literal["uniform", "block"] = "uniform",
@@ -80,7 +81,7 @@ class MegatronTrainer(Sleeps):
             if self.device.index is None:  # "cuda": the current device
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
-        _init_distributed(tensor_parallel, self.device)
+        _init_distributed(tensor_parallel, self.device, pipeline_parallel)
         self.model_dir = model_dir
         self.hf_config = AutoConfig.from_pretrained(model_dir)
         # a vision-language model: its processor, its image tokens (never sampled: outside the
@@ -90,6 +91,9 @@ class MegatronTrainer(Sleeps):
         self.text_config = self.hf_config
         if self.processor is not None:
             vision.check_supported(self.hf_config)
+            if pipeline_parallel > 1:
+                raise ValueError("a vision-language model's tower and connector sit beside the first stage's embedding: "
+                                 "pipeline_parallel > 1 is not wired for them")
             self.text_config = vision.text_config(self.hf_config)
             self.banned = multimodal.image_token_ids(self.processor)
         self.tokenizer = self.processor.tokenizer if self.processor is not None else AutoTokenizer.from_pretrained(model_dir)
@@ -101,7 +105,7 @@ class MegatronTrainer(Sleeps):
             raise ValueError(f"dtype {dtype!r}: float32 or bfloat16 (float16 would need loss scaling)")
         torch_dtype = getattr(torch, dtype)
         self.config = transformer_config(self.text_config, tensor_parallel, torch_dtype, recompute_granularity,
-                                         recompute_method, recompute_num_layers, recompute_modules)
+                                         recompute_method, recompute_num_layers, recompute_modules, pipeline_parallel)
         hf_state = load_hf_state(model_dir)
 
         def build(freeze_vision: bool):
@@ -127,9 +131,12 @@ class MegatronTrainer(Sleeps):
 
         self.optimizer = megatron_optimizer.megatron_adam(self.model, self.config, lr, betas, weight_decay, grad_clip,
                                                           distributed_optimizer)
-        # Megatron's pipeline schedules call this after the backward pass (without it DP gradients
-        # are silently never all-reduced); train_step, which runs no schedule, calls it itself.
-        self.config.finalize_model_grads_func = finalize_model_grads
+        # Megatron's schedules (pipeline.py) call these: gradients accumulate unreduced over a
+        # minibatch's passes, then one all-reduce (DP, and the tied embedding's over the first and last
+        # stages). The loss is normalised by global counts already (LossStep), so the token count the
+        # schedule hands over must not divide the gradients again.
+        self.config.no_sync_func = self.model.no_sync
+        self.config.finalize_model_grads_func = lambda chunks, num_tokens=None, **kw: finalize_model_grads(chunks, None, **kw)
         self._checkpoints = AsyncCallsQueue()
         self._pending_checkpoint: Path | None = None
         self._offload = Offload(self.device)
@@ -146,8 +153,8 @@ class MegatronTrainer(Sleeps):
 
     # --- forward -------------------------------------------------------------------------
 
-    def _token_logprobs(self, model, ids: torch.Tensor, pixels: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """log p(token t | tokens < t) for t >= 1; shape [batch, len-1] (on every TP rank).
+    def _forward(self, model, ids: torch.Tensor, pixels: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """This stage's output: the next stage's input, or on the last stage the logits [batch, len, vocab / TP].
 
         Sequences are right-padded, so causal attention alone keeps real tokens away from
         padding, and positions 0..n-1 are the ones Hugging Face gives them. No mask tensor: the
@@ -162,7 +169,11 @@ class MegatronTrainer(Sleeps):
             features = vision.image_features(gpt.hf_vision, self.hf_config, **pixels)
             embeddings = gpt.embedding(input_ids=ids, position_ids=positions)  # [seq, batch, hidden]
             decoder_input = vision.merge(embeddings, ids, features, self.hf_config.image_token_id)
-        logits = model(input_ids=ids, position_ids=positions, attention_mask=None, decoder_input=decoder_input)
+        return model(input_ids=ids, position_ids=positions, attention_mask=None, decoder_input=decoder_input)
+
+    def _token_logprobs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """log p(token t | tokens < t) for t >= 1 from the last stage's logits; shape [batch, len-1]
+        (on every TP rank)."""
         logits = logits[:, :-1].float()
         if self._banned is not None:  # as TorchTrainer's ``without``: finite, before the temperature
             logits = logits.masked_fill(self._banned, -1e9)
@@ -173,14 +184,17 @@ class MegatronTrainer(Sleeps):
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> list[list[float]]:
-        """The trainer's log-probabilities of each response token (collective over TP)."""
+        """The trainer's log-probabilities of each response token (collective over the replica's
+        ranks: the last stage computes them, every stage answers them)."""
         self._require_awake("logprobs")
         if not len(batch):
             return []
-        ids, _, resp, _ = pad_batch(batch, self.tokenizer.pad_token_id)
-        pixels = multimodal.pixels(self.processor, batch, self.device)
-        lp = self._token_logprobs(self.model, ids.to(self.device), pixels).cpu()
-        return [lp[i][resp[i].bool()].tolist() for i in range(len(batch))]
+        def response_logprobs(micro, padded, lp, k):
+            lp = lp.cpu()
+            return [lp[i][padded.response[i].bool()].tolist() for i in range(len(micro))]
+
+        (lps,) = pipeline.schedule(self, self.model, [batch], response_logprobs, forward_only=True) or [None]
+        return pipeline.from_last_stage(lps, self.device)
 
     # --- training ------------------------------------------------------------------------
 
@@ -206,36 +220,36 @@ class MegatronTrainer(Sleeps):
         self._require_awake("train_step")
         algorithm = algorithm if algorithm is not None else registry.DEFAULT()
         step = LossStep(algorithm, batch.advantages, self._dp_sums)
-        loss_total, tokens, grad_norm = 0.0, 0.0, 0.0
+        loss_total, tokens, grad_norm = 0.0, 0.0, 0.0  # the step's statistics: the last stage's (where the loss is)
         self.model.train()
         pixel_cache = multimodal.PixelCache(self.processor) if self.processor is not None else None  # this step's images
         for part in batch.split(minibatches, step.unit):
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             (total,) = self._dp_sums([step.count(part.response_ids)])
-            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # summed on the device: no host sync per pass
             passes = micro_batches(part, micro_batch_tokens, step.unit)
-            for k, micro in enumerate(passes):
-                report_progress()  # the host's heartbeat: a long train step is moving (engines/wire/channel.py)
-                with self.model.no_sync() if k < len(passes) - 1 else contextlib.nullcontext():
-                    ids, _, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
-                    pixels = multimodal.pixels(self.processor, micro, self.device, pixel_cache)
-                    logprobs = self._token_logprobs(self.model, ids, pixels)
-                    ref = None
-                    if self.reference is not None and algorithm.needs.reference:
-                        with torch.no_grad():
-                            ref = self._token_logprobs(self.reference, ids, pixels)
-                    # global ``total`` (not this pass's own count): the passes' losses sum to the minibatch's
-                    loss = step(logprobs, old, micro.advantages, resp, total, ref, pad_weights(micro))
-                    loss.backward()  # accumulates into the DDP grad buffer (main_grad)
-                loss_sum += loss.detach()
-            finalize_model_grads([self.model])  # the DP all-reduce (a sum: see calculate_per_token_loss)
+            refs = None
+            if self.reference is not None and algorithm.needs.reference:
+                with torch.no_grad():
+                    refs = pipeline.schedule(self, self.reference, passes, lambda micro, padded, lp, k: lp, True,
+                                             pixel_cache)
+
+            def loss(micro, padded, logprobs, k):
+                # global ``total`` (not this pass's own count): the passes' losses sum to the minibatch's
+                return step(logprobs, padded.old, micro.advantages, padded.response, total, refs[k] if refs else None,
+                            pad_weights(micro))
+
+            if passes:  # accumulates into DDP's grad buffer (main_grad), then the all-reduce
+                losses = pipeline.schedule(self, self.model, passes, loss, False, pixel_cache)
+            else:  # an empty minibatch still joins the all-reduce
+                self.config.finalize_model_grads_func([self.model])
+                losses = []
             _, grad_norm, _ = self.optimizer.step()
-            loss_total += self._dp_sums([loss_sum.item()])[0]
+            loss_total += self._dp_sums([float(sum(x.item() for x in losses))])[0]  # the last stage's (0 elsewhere)
             tokens += float(sum(len(r) for r in part.response_ids))
             grad_norm = float(grad_norm)
         self.version += 1
-        return step.result(tokens, loss=loss_total, grad_norm=grad_norm)
+        return pipeline.from_last_stage(step.result(tokens, loss=loss_total, grad_norm=grad_norm), self.device)
 
     # --- placement ---------------------------------------------------------------------
 
@@ -254,18 +268,10 @@ class MegatronTrainer(Sleeps):
         """Full Hugging Face-named tensors on the CPU, one Megatron parameter at a time; from the
         host copy while the trainer sleeps (nothing is woken: the devices stay with whoever holds them).
 
-        Collective over the TP group when ``tensor_parallel > 1`` (each parameter's shards are
-        all-gathered): every TP rank must consume the whole iterator."""
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        for name, param in self.model.module.named_parameters():
-            local = self._offload.host_view(param.detach())
-            if tp_size > 1 and local.device != self.device:
-                local = local.to(self.device)  # the TP group's backend gathers device tensors (one parameter at a time)
-            shards = [local]
-            if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
-                shards = [torch.empty_like(local) for _ in range(tp_size)]
-                dist.all_gather(shards, local.contiguous(), group=tp_group)
+        Collective over the DP group's ranks when it has several (each parameter's TP shards are
+        all-gathered, each stage's parameters sent to the other stages: ``pipeline.whole_parameters``):
+        every rank of the group must consume the whole iterator."""
+        for name, shards in pipeline.whole_parameters(self):
             vision_name = vision.hf_name(name)
             if vision_name is not None:  # the Hugging Face vision tower or connector: its own name
                 yield vision_name, shards[0].to("cpu", copy=True).contiguous()
@@ -277,13 +283,13 @@ class MegatronTrainer(Sleeps):
 
     def save_hf(self, local_dir: str, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """config.json, model.safetensors (HF names) and the tokenizer (a vision model's processor,
-        and its generation_config.json, as ``save_pretrained`` writes). Collective over TP;
-        TP rank 0 of each DP replica writes. ``tensors``: Hugging Face-named weights taken
+        and its generation_config.json, as ``save_pretrained`` writes). Collective over the
+        replica's ranks; its first (stage 0, TP rank 0) writes. ``tensors``: Hugging Face-named weights taken
         earlier (``dict(export_weights())``, host-memory copies) to write instead of the live
         ones; then nothing is collective and any thread may call it."""
         if tensors is None:
             tensors = dict(self.export_weights())
-        if parallel_state.get_tensor_model_parallel_rank() != 0:
+        if parallel_state.get_tensor_model_parallel_rank() != 0 or not parallel_state.is_pipeline_first_stage():
             return
         os.makedirs(local_dir, exist_ok=True)
         self.hf_config.save_pretrained(local_dir)
