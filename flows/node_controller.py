@@ -102,7 +102,7 @@ async def _beat(done: asyncio.Event) -> None:
 def _handle(loop: asyncio.AbstractEventLoop, connected: dict, request):
     if isinstance(request, NodeConnect):
         secret = bytes.fromhex(request.secret)
-        layout = Layout(request.dp, request.tp, request.pp)
+        layout = Layout(request.dp, request.tp, request.pp, request.fsdp)
         for rank, address, port in request.hosts:
             connect(request.run, rank, (address, port), secret, request.timeout_s, request.stage_s, layout)
         connected["run"], connected["ranks"] = request.run, [r for r, _, _ in request.hosts]

@@ -50,6 +50,7 @@ class NodeConnect(Request):
     hosts: list[tuple[int, str, int]]  # (rank, address, port) of each rank of its groups
     tp: int = 1  # tensor-parallel ranks per pipeline stage (engines/config/layout.py)
     pp: int = 1  # pipeline stages per DP group
+    fsdp: int = 1  # ranks the torch trainer shards over per DP group
     dp: int = 1
     secret: str  # the hosts' channel secret, hex (this channel is authenticated with the node's own)
     timeout_s: float
@@ -105,7 +106,7 @@ async def node_controllers(config: RunConfig, hosts):
                                                   label=f"node-{k}")
         await asyncio.gather(*(asyncio.to_thread(_nodes[(config.name, k)].call, NodeConnect(
             run=config.name, hosts=[(r, *hosts.addresses[r]) for g in groups for r in config.layout.ranks(g)],
-            tp=config.layout.tp, pp=config.layout.pp, dp=config.dp, secret=hosts.secret.hex(),
+            tp=config.layout.tp, pp=config.layout.pp, fsdp=config.layout.fsdp, dp=config.dp, secret=hosts.secret.hex(),
             timeout_s=config.host_timeout_s, stage_s=config.timeouts.stage_s)) for k, groups in enumerate(nodes)))
         get_run_logger().info("%d node controllers of %s DP groups each, at %s", len(nodes), c.groups_per_node,
                               ", ".join("{}:{}".format(*_nodes[(config.name, k)].address) for k in range(len(nodes))))

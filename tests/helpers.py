@@ -99,6 +99,13 @@ def concat(*batches: TrainBatch) -> TrainBatch:
     )
 
 
+def global_order(batches: list[TrainBatch], minibatches: int) -> TrainBatch:
+    """All DP ranks' sequences as one process takes them: minibatch k of every rank before minibatch
+    k+1 of any (then one process's minibatch k is the ranks' minibatches k together)."""
+    parts = [b.split(minibatches) for b in batches]
+    return concat(*(p[k] for k in range(minibatches) for p in parts))
+
+
 def params_of(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engines.backends.base import TrainBatch
 from engines.backends.torch.trainer import TorchTrainer
 from engines.rl.cispo import CISPOConfig
 from engines.rl.grpo import GRPOConfig
@@ -25,7 +24,7 @@ from engines.rl.gspo import GSPOConfig
 from engines.rl.ppo import PPOConfig
 from engines.rl.reinforce_pp import ReinforcePPConfig
 from engines.rl.rloo import RLOOConfig
-from helpers import (STEP_RTOL, concat, dp_worker, free_port, max_param_diff, params_of, parity, random_batch, save_tiny_model,
+from helpers import (STEP_RTOL, concat, global_order, dp_worker, free_port, max_param_diff, params_of, parity, random_batch, save_tiny_model,
                      step_gap, with_old_logprobs)
 
 MINIBATCHES = 2
@@ -51,11 +50,6 @@ CASES = {
     "ppo-3-5": ((3, 5), {"algorithm": PPOConfig()}, {}),
 }
 
-
-def global_order(batches: list[TrainBatch], minibatches: int) -> TrainBatch:
-    """All ranks' sequences, minibatch k of every rank before minibatch k+1 of any."""
-    parts = [b.split(minibatches) for b in batches]
-    return concat(*(p[k] for k in range(minibatches) for p in parts))
 
 
 @pytest.fixture(scope="module")

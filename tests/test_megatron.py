@@ -42,7 +42,7 @@ from engines.demo.tiny import build_char_tokenizer  # noqa: E402
 from engines.backends.base import TrainBatch  # noqa: E402
 from engines.backends.torch.generator import TorchGenerator  # noqa: E402
 from engines.backends.torch.trainer import TorchTrainer  # noqa: E402
-from helpers import STEP_RTOL, concat, free_port, parity, random_batch, save_tiny_model, step_gap, with_old_logprobs  # noqa: E402
+from helpers import STEP_RTOL, free_port, global_order, parity, random_batch, save_tiny_model, step_gap, with_old_logprobs  # noqa: E402
 from engines.rl.cispo import CISPOConfig  # noqa: E402
 from engines.rl.grpo import GRPOConfig  # noqa: E402
 from engines.rl.gspo import GSPOConfig  # noqa: E402
@@ -83,11 +83,6 @@ def lp_diff(a: list[list[float]], b: list[list[float]]) -> float:
     assert [len(r) for r in a] == [len(r) for r in b]
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
-
-def global_order(batches: list[TrainBatch], minibatches: int) -> TrainBatch:
-    """All ranks' sequences, minibatch k of every rank before minibatch k+1 of any (see test_dp)."""
-    parts = [b.split(minibatches) for b in batches]
-    return concat(*(p[k] for k in range(minibatches) for p in parts))
 
 
 def batch_near(trainer, n: int, seed: int) -> TrainBatch:

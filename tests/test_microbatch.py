@@ -32,7 +32,7 @@ from engines.rl import algorithms
 from engines.backends.base import TrainBatch
 from engines.backends.torch.trainer import TorchTrainer
 from engines.backends.batching import micro_batches
-from helpers import (STEP_RTOL, concat, dp_worker, free_port, max_param_diff, params_of, parity, random_batch, save_tiny_model,
+from helpers import (STEP_RTOL, concat, global_order, dp_worker, free_port, max_param_diff, params_of, parity, random_batch, save_tiny_model,
                      step_gap, with_old_logprobs)
 from engines.rl.grpo import GRPOConfig
 
@@ -218,11 +218,6 @@ DP_CASES = {
     "sequence-kl-0-8": ((0, 8), {"algorithm": GRPOConfig(loss_aggregation="sequence", kl_coef=0.5)}, {"reference": True}),
 }
 
-
-def global_order(batches: list[TrainBatch], minibatches: int) -> TrainBatch:
-    """All ranks' sequences, minibatch k of every rank before minibatch k+1 of any (see test_dp)."""
-    parts = [b.split(minibatches) for b in batches]
-    return concat(*(p[k] for k in range(minibatches) for p in parts))
 
 
 @pytest.fixture(scope="module")

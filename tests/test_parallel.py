@@ -46,7 +46,7 @@ def test_ranks_are_laid_out_in_megatron_order_with_each_groups_leader_first():
 MEGATRON_TP2 = ["train.backend=megatron", "train.tensor_parallel=2"]
 
 
-def test_tensor_parallel_needs_megatron_and_is_refused_where_it_is_not_wired_yet(tmp_path):
+def test_each_layout_needs_its_trainer_and_is_refused_where_it_is_not_wired_yet(tmp_path):
     config = load_config(None, MEGATRON_TP2 + ["dp=2", "hosts.launch=deployment", "controllers.groups_per_node=1",
                                                "hosts.work_queue=gpu-{group}-{local}"])
     assert config.layout == Layout(2, 2)
@@ -56,10 +56,16 @@ def test_tensor_parallel_needs_megatron_and_is_refused_where_it_is_not_wired_yet
         load_config(None, ["train.tensor_parallel=2"])
     with pytest.raises(ConfigError, match=r"field 'train\.pipeline_parallel': .*needs train\.backend: megatron"):
         load_config(None, ["train.pipeline_parallel=2"])
-    with pytest.raises(ConfigError, match=r"train\.tensor_parallel=1 x train\.pipeline_parallel=2 is not wired with "
-                                          r"train\.algorithm: name=ppo has a critic"):
+    with pytest.raises(ConfigError, match=r"DP groups of 2 ranks \(train\.tensor_parallel=1 x train\.pipeline_parallel=2 x "
+                                          r"train\.fsdp=1\) are not wired with train\.algorithm: name=ppo has a critic"):
         load_config(None, ["train.backend=megatron", "train.pipeline_parallel=2", "train.algorithm.name=ppo",
                            "model.critic=models/critic"])
+    # FSDP2 shards the torch trainer (the default backend): a group of train.fsdp ranks
+    assert load_config(None, ["dp=2", "train.fsdp=2"]).layout == Layout(2, fsdp=2)
+    with pytest.raises(ConfigError, match=r"field 'train\.fsdp': .*FSDP2 shards the torch trainer"):
+        load_config(None, ["train.backend=megatron", "train.fsdp=2"])
+    with pytest.raises(ConfigError, match=r"train\.lora with train\.fsdp=2: LoRA under FSDP2 is not built yet"):
+        load_config(None, ["train.fsdp=2", "train.lora={rank: 4}"])
     with pytest.raises(ConfigError, match=r"hosts\.work_queue='dp-\{node\}': KeyError: 'node' \(its fields: \{group\}"):
         load_config(None, ["hosts.work_queue=dp-{node}"])
     from engines.host.validation import InputError, check_megatron_architecture
@@ -73,8 +79,8 @@ def test_tensor_parallel_needs_megatron_and_is_refused_where_it_is_not_wired_yet
     with pytest.raises(InputError, match=r"model\.policy: \S+/config\.json: num_hidden_layers=1 do not split into "
                                          r"train\.pipeline_parallel=2 stages"):
         check_megatron_architecture(load_config(None, ["train.backend=megatron", "train.pipeline_parallel=2", "dp=1"]), model)
-    with pytest.raises(ConfigError, match=r"hosts\.devices has 2 entries for 8 engine hosts \(one per rank: dp=2 x "
-                                          r"train\.tensor_parallel=2 x train\.pipeline_parallel=2\)"):
+    with pytest.raises(ConfigError, match=r"hosts\.devices has 2 entries for 8 engine hosts \(one per rank: dp=2 groups of 4, "
+                                          r"train\.tensor_parallel x train\.pipeline_parallel x train\.fsdp\)"):
         load_config(None, MEGATRON_TP2 + ["dp=2", "train.pipeline_parallel=2", 'hosts.devices=["0","1"]'])
 
 
@@ -221,11 +227,11 @@ def test_a_run_whose_follower_rank_is_killed_heals_and_trains_each_step_once(pre
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [site, str(ROOT), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("YATTFLOW_FAULTS", "train_step@2:dp-0.1:kill")
     monkeypatch.setenv("YATTFLOW_FAULTS_FIRED", str(tmp_path))
-    overrides = [*task(tp_root), "name=tp-healed", "dp=2", "steps=4", "checkpoint.every=1", "rollout.max_staleness=1",
+    overrides = [*task(tp_root), "name=tp-healed", "dp=2", "steps=3", "checkpoint.every=1", "rollout.max_staleness=1",
                  "train.backend=megatron", "train.pipeline_parallel=2", "train.micro_batch_tokens=48"]
     summary = asyncio.run(train(overrides=overrides))
     assert [p.name for p in tmp_path.iterdir()] == ["train_step@2:dp-0.1:kill"]  # the fault fired
-    assert [m["step"] for m in summary["history"]] == [0, 1, 2, 3]  # a step redone replaced its first try
+    assert [m["step"] for m in summary["history"]] == [0, 1, 2]  # a step redone replaced its first try
     assert (tp_root / "runs" / "tp-healed" / "final" / "model.safetensors").exists()
     no_engine_hosts_left()
 

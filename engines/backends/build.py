@@ -39,7 +39,8 @@ def make_trainer(cfg: RunConfig, model_dir: str, device=None) -> Trainer:
                                device=device, freeze_vision=t.freeze_vision, **kwargs)
     from engines.backends.torch.trainer import TorchTrainer
 
-    return TorchTrainer(model_dir, device=device, freeze_vision=t.freeze_vision, lora=t.lora, seed=cfg.seed, **kwargs)
+    return TorchTrainer(model_dir, device=device, freeze_vision=t.freeze_vision, lora=t.lora, seed=cfg.seed, shards=t.fsdp,
+                        **kwargs)
 
 
 def make_critic(cfg: RunConfig, model_dir: str, device=None):

@@ -40,8 +40,8 @@ class RunConfig(Section):
         description="When set, each run trains this many more steps after the last committed one, up to `steps` "
         "(a schedule that fires again continues the training); None: train up to `steps`.",
     )
-    dp: int = Field(2, gt=0, description="Data-parallel groups; each has train.tensor_parallel x train.pipeline_parallel "
-                    "engine-host processes (one by default), one device each.")
+    dp: int = Field(2, gt=0, description="Data-parallel groups; each has train.tensor_parallel x train.pipeline_parallel x "
+                    "train.fsdp engine-host processes (one by default), one device each.")
     threads_per_host: int = Field(1, gt=0, description="torch threads in each engine host.")
     host_timeout_s: float = Field(600.0, gt=0, description="A host command (or collective) taking longer fails the task.")
     storage: StorageConfig = Field(default_factory=StorageConfig)
@@ -67,9 +67,10 @@ class RunConfig(Section):
 
     @property
     def layout(self) -> Layout:
-        """The run's engine-host ranks: ``dp`` groups of ``train.tensor_parallel x train.pipeline_parallel``
-        (engines/config/layout.py)."""
-        return Layout(self.dp, self.train.tensor_parallel, self.train.pipeline_parallel)
+        """The run's engine-host ranks: ``dp`` groups of ``train.tensor_parallel x train.pipeline_parallel x
+        train.fsdp`` (engines/config/layout.py)."""
+        t = self.train
+        return Layout(self.dp, t.tensor_parallel, t.pipeline_parallel, t.fsdp)
 
     @model_validator(mode="after")
     def _devices_per_group(self):
@@ -80,8 +81,8 @@ class RunConfig(Section):
             raise ValueError(f"hosts.work_queue={self.hosts.work_queue!r}: {type(e).__name__}: {e} (its fields: {{group}}, the "
                              "DP group; {rank}, the host's rank in the run; {local}, its rank in its group)") from None
         if self.hosts.devices is not None and len(self.hosts.devices) != world:
-            per = "one per group" if world == self.dp else (f"one per rank: dp={self.dp} x train.tensor_parallel="
-                                                            f"{self.train.tensor_parallel} x train.pipeline_parallel={self.train.pipeline_parallel}")
+            per = "one per group" if world == self.dp else (f"one per rank: dp={self.dp} groups of {self.layout.size}, "
+                                                            "train.tensor_parallel x train.pipeline_parallel x train.fsdp")
             raise ValueError(f"hosts.devices has {len(self.hosts.devices)} entries for {world} engine hosts ({per})")
         if self.reward.reward_model_weight > 0 and self.model.reward_model is None:
             raise ValueError(f"reward.reward_model_weight={self.reward.reward_model_weight} but model.reward_model is not "
@@ -109,9 +110,10 @@ class RunConfig(Section):
     def _model_parallel_runs_where_wired(self):
         t = self.train
         if self.layout.size > 1 and t.algorithm.needs.critic:
-            raise ValueError(f"train.tensor_parallel={t.tensor_parallel} x train.pipeline_parallel={t.pipeline_parallel} is not "
-                             f"wired with train.algorithm: name={t.algorithm.name} has a critic, and the dynamic filter runs it "
-                             "on the group's leader alone while a Megatron critic's forward is a collective of its ranks "
+            raise ValueError(f"DP groups of {self.layout.size} ranks (train.tensor_parallel={t.tensor_parallel} x "
+                             f"train.pipeline_parallel={t.pipeline_parallel} x train.fsdp={t.fsdp}) are not wired with "
+                             f"train.algorithm: name={t.algorithm.name} has a critic, and the dynamic filter runs it on the "
+                             "group's leader alone while the critic would be split over the group's ranks "
                              "(docs/parallelism.md); use groups of one rank there")
         return self
 

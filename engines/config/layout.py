@@ -1,9 +1,10 @@
 """Where each engine-host process sits: the ranks of a run laid out in DP groups.
 
-A DP group is ``tp x pp`` ranks, one process and one device each, that hold one copy of the
-policy between them: ``pp`` pipeline stages, each a run of its layers (the first the embedding,
-the last the output layer), each stage's layers split over ``tp`` tensor-parallel ranks. The
-run's ``dp * tp * pp`` ranks are numbered in the order Megatron-Core's ``parallel_state`` is told
+A DP group is ``tp x pp x fsdp`` ranks, one process and one device each, that hold one copy of
+the policy between them: with the Megatron trainer ``pp`` pipeline stages, each a run of its
+layers (the first the embedding, the last the output layer), each stage's layers split over
+``tp`` tensor-parallel ranks; with the torch trainer ``fsdp`` ranks over which FSDP2 shards every
+parameter (each training its share of the group's rows). The run's ``dp x`` group-size ranks are numbered in the order Megatron-Core's ``parallel_state`` is told
 to use ("tp-cp-ep-pp-dp", engines/backends/megatron/model.py): a group's ranks are consecutive,
 tensor-parallel ranks innermost, then stages. So the controller, which reaches each rank over its
 own channel, and the trainer agree on who is who, and a group placed on consecutive devices keeps
@@ -22,11 +23,12 @@ class Layout:
     dp: int  # data-parallel groups
     tp: int = 1  # tensor-parallel ranks in each pipeline stage
     pp: int = 1  # pipeline stages in each group
+    fsdp: int = 1  # ranks the torch trainer shards the policy over (FSDP2) in each group
 
     @property
     def size(self) -> int:
         """Ranks in each group."""
-        return self.tp * self.pp
+        return self.tp * self.pp * self.fsdp
 
     @property
     def world(self) -> int:
@@ -44,7 +46,7 @@ class Layout:
         return rank % self.tp
 
     def stage(self, rank: int) -> int:
-        return self.local(rank) // self.tp
+        return self.local(rank) // self.tp % self.pp
 
     def ranks(self, group: int) -> list[int]:
         """The group's ranks, its leader first."""

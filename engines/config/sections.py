@@ -429,12 +429,12 @@ class HostsConfig(Section):
     work_queue: str = Field(
         "dp-{group}", description="Work queue of DP group {group}'s hosts: one queue per group (or per node) on the GPU pool; "
         "{rank} (the host's rank in the run) and {local} (its rank in its group of train.tensor_parallel x "
-        "train.pipeline_parallel) place a group's ranks (e.g. its pipeline stages) on several nodes.",
+        "train.pipeline_parallel x train.fsdp) place a group's ranks (e.g. its pipeline stages) on several nodes.",
     )
     devices: list[str] | None = Field(
         None,
         description="CUDA_VISIBLE_DEVICES of each engine host, one entry per host: per DP group, or per rank with "
-        "groups of several (train.tensor_parallel x train.pipeline_parallel > 1, e.g. ['0', '1']). Deployed "
+        "groups of several (train.tensor_parallel x train.pipeline_parallel x train.fsdp > 1, e.g. ['0', '1']). Deployed "
         "hosts get it as the host flow run's `env` job variable (None: the worker's own); local hosts as their "
         "environment (None: one GPU each, in order, when dp > 1).",
     )

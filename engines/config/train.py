@@ -58,6 +58,12 @@ class TrainConfig(Section):
         "a row, each stage train.tensor_parallel ranks, trained on Megatron-Core's 1F1B schedule over the minibatch's "
         "micro-batches (train.micro_batch_tokens cuts them; docs/parallelism.md); backend=stub takes it as the layout alone."
     )
+    fsdp: int = Field(
+        1, gt=0, description="FSDP2 with the torch trainer: each DP group is this many engine-host processes, one device "
+        "each, over which the policy's parameters, gradients and Adam state are sharded (fully_shard, one transformer "
+        "block at a time); each trains its share of the group's rows, and the DP groups hold replicas of the shards "
+        "(hybrid sharding; docs/parallelism.md). backend=stub takes it as the layout alone."
+    )
     distributed_optimizer: bool = Field(False, description="Megatron-Core distributed optimizer (optimizer state sharded over DP).")
     recompute_granularity: Literal["none", "selective", "full"] = Field(
         "none",
@@ -162,8 +168,18 @@ class TrainConfig(Section):
             raise ValueError("needs train.backend: megatron")
         return value
 
+    @field_validator("fsdp")
+    @classmethod
+    def _torch_only(cls, value, info):
+        if value != 1 and info.data.get("backend") == "megatron":
+            raise ValueError("FSDP2 shards the torch trainer; train.backend=megatron splits a group's model with "
+                             "train.tensor_parallel and train.pipeline_parallel")
+        return value
+
     @model_validator(mode="after")
     def _lora_on_torch_only(self):
+        if self.lora is not None and self.fsdp > 1:
+            raise ValueError(f"train.lora with train.fsdp={self.fsdp}: LoRA under FSDP2 is not built yet; use train.fsdp=1")
         if self.lora is not None and self.backend == "megatron":
             raise ValueError(
                 "train.lora: LoRA is not implemented for train.backend=megatron: the Megatron trainer builds Megatron-Core "

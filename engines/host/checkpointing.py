@@ -13,7 +13,7 @@ every rank's files are written, ``storage/runstate.py``):
                          folder (the base is the policy folder, recorded in trainer-torch/)
     prompts.json         the prompt files the data cursors point into (rank 0)
     layout.json          the ranks that wrote it: dp, train.tensor_parallel, train.pipeline_parallel,
-                         train.distributed_optimizer (rank 0)
+                         train.fsdp, train.distributed_optimizer (rank 0)
     rng-{rank}.pt        torch's and Python's RNG states
 """
 
@@ -127,7 +127,7 @@ class Checkpoints:
         def written() -> list[str]:
             files = [f"trainer-{backend}/{f}" for f in frozen.write()]
             files += [f"{critic_dir(backend)}/{f}" for f in frozen_critic.write()] if frozen_critic is not None else []
-            if exports:  # rank 0 writes; without a copy taken, its tensor-parallel peers gather the weights with it
+            if exports and (rank == 0 or not copy):  # rank 0 writes; without a copy taken, its group gathers them with it
                 trainer.save_hf(os.path.join(tmp, "model"), tensors=frozen.hf_weights)
             if rank == 0:
                 files += sorted(str(p.relative_to(tmp)) for p in Path(tmp, "model").rglob("*") if p.is_file())
@@ -164,13 +164,13 @@ class Checkpoints:
 
     def _rank_then(self, uri: str) -> int:
         """The rank whose RNG states this rank takes: its own, or under another group size
-        (``train.tensor_parallel x train.pipeline_parallel``) the same place in its group then, or the
+        (``train.tensor_parallel x train.pipeline_parallel x train.fsdp``) the same place in its group then, or the
         group's last rank then (a group's leader continues its leader's sampling)."""
         recorded = objectstore.join(uri, "layout.json")
         if not self.layout or not objectstore.exists(recorded):
             return self.rank
         was = objectstore.read_json(recorded)
-        then = was.get("tensor_parallel", 1) * was.get("pipeline_parallel", 1)
+        then = was.get("tensor_parallel", 1) * was.get("pipeline_parallel", 1) * was.get("fsdp", 1)
         return self.layout.group(self.rank) * then + min(self.layout.local(self.rank), then - 1)
 
     def _recorded(self) -> dict:
@@ -178,7 +178,7 @@ class Checkpoints:
         if self.layout is None:
             return {}
         return {"dp": self.layout.dp, "tensor_parallel": self.layout.tp, "pipeline_parallel": self.layout.pp,
-                "distributed_optimizer": self.distributed_optimizer}
+                "fsdp": self.layout.fsdp, "distributed_optimizer": self.distributed_optimizer}
 
     def check_prompt_files(self, prompts_uri: str, checkpoint: str, field: str = "data.prompts") -> None:
         """The prompts a checkpoint was trained on must still be the first files of the dataset

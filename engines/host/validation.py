@@ -224,6 +224,9 @@ def check_vision(config, policy: str):
     a vision model without a processor, or a trainer that cannot train one."""
     if not multimodal.is_vision_folder(policy):
         return None
+    if config.train.fsdp > 1:
+        raise InputError(f"train.fsdp={config.train.fsdp}: {config.uri(config.model.policy)} is a vision-language model, "
+                         "which the FSDP2 torch trainer does not shard yet: use train.fsdp=1")
     if config.train.backend == "megatron":
         model_type = multimodal.folder_model_type(policy)
         if model_type not in MEGATRON_VISION_MODELS:

@@ -101,11 +101,11 @@ class Worker:
         start = time.perf_counter()
         cfg = self.config = request.config
         torch.set_num_threads(self.threads)
-        tp, pp = cfg.train.tensor_parallel, cfg.train.pipeline_parallel
-        if self.world % (tp * pp):
-            raise ValueError(f"this host is rank {self.rank} of {self.world}: not groups of train.tensor_parallel={tp} x "
-                             f"train.pipeline_parallel={pp} ranks")
-        self.layout = Layout(self.world // (tp * pp), tp, pp)  # the hosts started: dp groups (config.layout), or fewer to evaluate
+        size = cfg.layout.size
+        if self.world % size:
+            raise ValueError(f"this host is rank {self.rank} of {self.world}: not DP groups of {size} ranks")
+        # the hosts started: dp groups (config.layout), or fewer to evaluate
+        self.layout = Layout(self.world // size, cfg.layout.tp, cfg.layout.pp, cfg.layout.fsdp)
         prompts_uri = cfg.uri(cfg.data.preferences or cfg.data.prompts)  # a preference dataset is the stream instead
         self.checkpoints = Checkpoints(self.rank, cfg.train.backend, datasets.part_files(prompts_uri), self.layout,
                                        cfg.train.distributed_optimizer)

@@ -191,6 +191,14 @@ class LossStep:
         self.pairs += len(per_pair)
         return per_pair.sum() / max(total, 1.0)
 
+    def add_up(self, sums: DPSum) -> None:
+        """The statistics summed over ranks that split one batch between them (FSDP's group):
+        ``sums`` adds a list of floats over them."""
+        names = list(self.sums)
+        totals = sums([float(self.sums[n]) for n in names] + [float(self.pairs)])
+        self.sums = {n: torch.tensor(v, dtype=torch.float64) for n, v in zip(names, totals)}
+        self.pairs = int(totals[-1])
+
     def result(self, tokens: float, **figures: float) -> dict[str, float]:
         """``figures`` (loss, grad_norm, tokens: the trainer's own) and every statistic per trained
         token (a pair statistic: per trained pair)."""

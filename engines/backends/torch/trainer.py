@@ -21,7 +21,7 @@ from torch.profiler import record_function
 from engines.backends import multimodal
 from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
 from engines.backends.batching import micro_batches, pad_batch, pad_weights
-from engines.backends.torch import lora as lora_adapter
+from engines.backends.torch import fsdp, lora as lora_adapter
 from engines.backends.torch.model import forward_precision, is_vision_tower, load_model, resolve_device, sequence_logprobs
 from engines.rl import registry
 from engines.rl.base import AlgorithmConfig, LossStep
@@ -37,6 +37,9 @@ class TorchTrainer:
 
     ``device`` and ``autocast``: as for :class:`TorchGenerator`; the reference model lives there
     too, and on CUDA the optimizer is the fused AdamW (its state is created on the device).
+
+    ``shards`` (``train.fsdp``): the ranks of each DP group the model, its gradients and Adam state
+    are sharded over with FSDP2, each training its share of the group's rows (``fsdp.py``).
 
     ``lora`` (``train.lora``): train a LoRA adapter only (``engines/backends/torch/lora.py``): the
     optimizer, checkpoints and ``save_hf`` hold the adapter, ``export_weights`` the merged weights,
@@ -59,6 +62,7 @@ class TorchTrainer:
         freeze_vision: bool = True,
         lora=None,
         seed: int = 0,
+        shards: int = 1,
     ):
         self.device = resolve_device(device)
         self.autocast = autocast
@@ -76,9 +80,17 @@ class TorchTrainer:
             for name, p in self.model.named_parameters():
                 if is_vision_tower(name):
                     p.requires_grad_(False)
+        self.mesh = None  # with train.fsdp > 1: the replicate x shard mesh the model is sharded over
+        if shards > 1:
+            if lora is not None or self.processor is not None:
+                raise ValueError("train.fsdp > 1 is not wired for LoRA or a vision-language model yet: train.fsdp=1")
+            self.mesh = fsdp.mesh(shards, self.device)
+            for model in filter(None, (self.model, self.reference)):
+                fsdp.shard(model, self.mesh)
         # fused: one kernel for all parameters on CUDA; on the CPU torch's default, as always
         fused = True if self.device.type == "cuda" else None
         trained = [p for p in self.model.parameters() if p.requires_grad]
+        self._trained_names = [n for n, p in self.model.named_parameters() if p.requires_grad]  # the optimizer's order
         self.optimizer = torch.optim.AdamW(trained, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused)
         self.grad_clip = grad_clip
         self.temperature = temperature
@@ -134,10 +146,18 @@ class TorchTrainer:
         pixel_cache = multimodal.PixelCache(self.processor) if self.processor is not None else None  # this step's images
         for part in batch.split(minibatches, step.unit):
             self.optimizer.zero_grad(set_to_none=True)
-            (total,) = self._global_sums([step.count(part.response_ids)])
+            mine = part if self.mesh is None else fsdp.rows(part, step.unit, self.mesh)  # FSDP: the group's rows, split
+            (total,) = self._global_sums([step.count(mine.response_ids)])
             loss_value = 0.0
-            for micro in micro_batches(part, micro_batch_tokens, step.unit):
+            passes = micro_batches(mine, micro_batch_tokens, step.unit)
+            real = len(passes)
+            if self.mesh is not None:  # as many passes as the group's busiest rank: each one's all-gathers are the group's
+                passes += [fsdp.filler(self.tokenizer.pad_token_id)] * (
+                    fsdp.passes_of_the_busiest(real, self.mesh, self.device) - real)
+            for k, micro in enumerate(passes):
                 report_progress()  # the host's heartbeat: a long train step is moving
+                if self.mesh is not None:
+                    fsdp.sync_gradients(self.model, now=k == len(passes) - 1)
                 # the named regions are what a profile of the step shows (bench/train_step.py)
                 with record_function("pad_batch"):
                     ids, attn, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
@@ -150,19 +170,23 @@ class TorchTrainer:
                             ref = sequence_logprobs(reference, ids, attn, self.temperature, pixels, self.banned)
                 with record_function("loss"):
                     # global ``total`` (not this pass's own count): the passes' losses sum to the minibatch's
-                    loss = step(logprobs, old, micro.advantages, resp, total, ref, pad_weights(micro))
+                    loss = step(logprobs, old, micro.advantages, resp, total, ref, pad_weights(micro)) if k < real \
+                        else logprobs.sum() * 0.0  # a filler pass
                 with record_function("backward"):
                     loss.backward()  # accumulates into .grad
                 loss_value += loss.item()
-            with record_function("all_reduce"):
-                self._all_reduce_grads()
+            if self.mesh is None:  # FSDP reduced them in the last backward pass
+                with record_function("all_reduce"):
+                    self._all_reduce_grads()
             with record_function("optimizer"):
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
                 self.optimizer.step()
             loss_total += self._global_sums([loss_value])[0]
             tokens += float(sum(len(r) for r in part.response_ids))
-            grad_norm = float(grad_norm)
+            grad_norm = float(fsdp.full(grad_norm))
         self.version += 1
+        if self.mesh is not None:  # each rank's statistics are of its rows: the group's are their sums
+            step.add_up(lambda values: fsdp.group_sums(values, self.mesh, self.device))
         return step.result(tokens, loss=loss_total, grad_norm=grad_norm)
 
     def _reference(self):
@@ -178,7 +202,7 @@ class TorchTrainer:
             yield from lora_adapter.merged(self.model, self.model.get_base_model().named_parameters())
             return
         for name, p in self.model.named_parameters():
-            yield name, p.detach()
+            yield name, fsdp.full(p.detach())  # sharded: gathered one parameter at a time (collective)
 
     def sleep(self) -> None:  # resident, as TorchGenerator
         pass
@@ -193,7 +217,9 @@ class TorchTrainer:
         the copy's model is also the policy's Hugging Face weights."""
         state = None
         if copy:
-            state = self._staged = self.checkpoint_state(into=self._staged)
+            state = self._staged = self.checkpoint_state(into=self._staged)  # sharded: gathered to rank 0 (collective)
+            if state is None:  # a rank that writes nothing; nothing collective may run on the writer's thread
+                return FrozenCheckpoint(lambda: [], None)
         return FrozenCheckpoint(lambda: self.save_checkpoint(local_dir, state), state["model"] if state is not None else None)
 
     def checkpoint_state(self, into: dict | None = None) -> dict | None:
@@ -203,28 +229,33 @@ class TorchTrainer:
         are overwritten instead of allocating new ones (copying into memory that is already mapped
         is several times faster). None on ranks that write nothing (see :meth:`save_checkpoint`).
         """
+        state = self._live_state()  # sharded: gathered to rank 0 (collective)
         if self.distributed and dist.get_rank() != 0:
             return None
-        return copy_state(self._live_state(), into)
+        return copy_state(state, into)
 
     def _live_state(self) -> dict:
         """What a checkpoint holds: model (with LoRA: the adapter, and the base it adapts), optimizer, version."""
         if self.lora is not None:
             return {"model": lora_adapter.adapter_state(self.model), "optimizer": self.optimizer.state_dict(),
                     "version": self.version, "lora": self.lora}
+        if self.mesh is not None:  # whole, the optimizer's state by parameter name: any layout resumes it
+            model, optimizer = fsdp.full_state(self.model, self.optimizer)
+            return {"model": model, "optimizer": optimizer, "version": self.version}
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
 
     def save_checkpoint(self, local_dir: str, state: dict | None = None) -> list[str]:
         """Model, optimizer and version into ``local_dir``; returns the files this rank wrote.
 
         ``state``: a copy from :meth:`checkpoint_state` to write instead of the live state.
-        Replicas are identical, so rank 0 writes everything and the others nothing.
+        Replicas are identical (sharded ones gather to rank 0), so rank 0 writes everything and the
+        others nothing.
         """
+        if state is None:
+            state = self._live_state()
         if self.distributed and dist.get_rank() != 0:
             return []
         os.makedirs(local_dir, exist_ok=True)
-        if state is None:
-            state = self._live_state()
         torch.save(state, os.path.join(local_dir, "trainer.pt"))
         return ["trainer.pt"]
 
@@ -238,9 +269,16 @@ class TorchTrainer:
         if self.lora is not None:
             lora_adapter.check_base(state["lora"], self.lora, local_dir)
             lora_adapter.load_adapter_state(self.model, state["model"], local_dir)
-        else:
-            self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:  # the optimizer's state by index (one rank wrote it) or by name (a sharded trainer did)
+            optimizer = state["optimizer"]
+            named = any(isinstance(p, str) for g in optimizer["param_groups"] for p in g["params"])
+            if self.mesh is not None:
+                fsdp.load_full_state(self.model, self.optimizer, state["model"],
+                                     optimizer if named else fsdp.by_name(optimizer, self._trained_names))
+            else:
+                self.model.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(fsdp.by_index(optimizer, self._trained_names) if named else optimizer)
         self.version = state["version"]
 
     def save_hf(self, local_dir: str, tensors: dict[str, torch.Tensor] | None = None) -> None:
@@ -250,6 +288,8 @@ class TorchTrainer:
         if self.lora is not None:
             lora_adapter.save_adapter(self.model, local_dir, tensors)
         else:
+            if tensors is None and self.mesh is not None:
+                tensors = dict(self.export_weights())  # gathered (collective over the group)
             # save_pretrained drops keys from the dict it is given (tied weights): give it its own
             self.model.save_pretrained(local_dir, safe_serialization=True, state_dict=dict(tensors) if tensors is not None else None)
         (self.processor or self.tokenizer).save_pretrained(local_dir)
