@@ -169,8 +169,8 @@ def _no_cuda_rng_state(*args, **kwargs):
     return None
 
 
-def _tensor_cuda_stays(function):
-    """``function`` with ``Tensor.cuda()`` leaving a tensor where it is, for the duration of the call."""
+def _with_tensor_method(function, name: str, replacement):
+    """``function`` with ``torch.Tensor.<name>`` replaced by ``replacement(original)`` for the duration of each call."""
     import functools
 
     import torch
@@ -180,42 +180,32 @@ def _tensor_cuda_stays(function):
 
     @functools.wraps(function)
     def call(*args, **kwargs):
-        cuda = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda tensor, *a, **k: tensor
+        original = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, replacement(original))
         try:
             return function(*args, **kwargs)
         finally:
-            torch.Tensor.cuda = cuda
+            setattr(torch.Tensor, name, original)
 
     call._cpu_shim = True
     return call
 
 
+def _tensor_cuda_stays(function):
+    """``function`` with ``Tensor.cuda()`` leaving a tensor where it is."""
+    return _with_tensor_method(function, "cuda", lambda original: lambda tensor, *a, **k: tensor)
+
+
 # --- Megatron tells fp32 from bf16 parameters (and asserts that grads are on the GPU) by comparing
 # ``tensor.type()`` with 'torch.cuda.FloatTensor'; inside these calls CPU tensors answer so.
 def _cuda_type_names(function):
-    import functools
-
-    import torch
-
-    if getattr(function, "_cpu_shim", False):
-        return function
-
-    @functools.wraps(function)
-    def call(*args, **kwargs):
-        type_name = torch.Tensor.type
-
+    def cuda_type_names(type_name):
         def cuda_type_name(tensor, *a, **k):
             name = type_name(tensor, *a, **k)
             if a or k or tensor.device.type != "cpu":
                 return name
             return name.replace("torch.", "torch.cuda.", 1)
 
-        torch.Tensor.type = cuda_type_name
-        try:
-            return function(*args, **kwargs)
-        finally:
-            torch.Tensor.type = type_name
+        return cuda_type_name
 
-    call._cpu_shim = True
-    return call
+    return _with_tensor_method(function, "type", cuda_type_names)

@@ -557,30 +557,20 @@ def _worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) -> 
         cases = torch.load(cases_file, weights_only=False)
         results = {}
 
-        # TP=2: one replica over both processes
-        tp = cases["tp"]
-        trainer = MegatronTrainer(model_dir, **HYPER, tensor_parallel=2)
-        results["tp"] = {
-            "logprobs": trainer.logprobs(tp["batch"]),
-            "initial": dict(trainer.export_weights()),
-            "stats": trainer.train_step(tp["batch"], **tp["kwargs"]),
-            "after": dict(trainer.export_weights()),
-        }
-        del trainer
-        parallel_state.destroy_model_parallel()
-
-        # PP=2: one replica's layers over both processes, Megatron's 1F1B schedule over several
-        # token-cut micro-batches, the reference pipelined too; the stats come from the last stage
-        pp = cases["pp"]
-        trainer = MegatronTrainer(model_dir, **HYPER, pipeline_parallel=2, **pp["trainer"])
-        results["pp"] = {
-            "logprobs": trainer.logprobs(pp["batch"]),
-            "initial": dict(trainer.export_weights()),
-            "stats": trainer.train_step(pp["batch"], **pp["kwargs"]),
-            "after": dict(trainer.export_weights()),
-        }
-        del trainer
-        parallel_state.destroy_model_parallel()
+        # TP=2: one replica over both processes. PP=2: one replica's layers over both processes,
+        # Megatron's 1F1B schedule over several token-cut micro-batches, the reference pipelined
+        # too; the stats come from the last stage
+        for name, layout in (("tp", {"tensor_parallel": 2}), ("pp", {"pipeline_parallel": 2})):
+            case = cases[name]
+            trainer = MegatronTrainer(model_dir, **HYPER, **layout, **case.get("trainer", {}))
+            results[name] = {
+                "logprobs": trainer.logprobs(case["batch"]),
+                "initial": dict(trainer.export_weights()),
+                "stats": trainer.train_step(case["batch"], **case["kwargs"]),
+                "after": dict(trainer.export_weights()),
+            }
+            del trainer
+            parallel_state.destroy_model_parallel()
 
         # DP=2: each rank steps on its own shard
         for name, case in cases["dp"].items():

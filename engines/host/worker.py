@@ -104,8 +104,7 @@ class Worker:
         size = cfg.layout.size
         if self.world % size:
             raise ValueError(f"this host is rank {self.rank} of {self.world}: not DP groups of {size} ranks")
-        # the hosts started: dp groups (config.layout), or fewer to evaluate
-        self.layout = Layout(self.world // size, cfg.layout.tp, cfg.layout.pp, cfg.layout.fsdp)
+        self.layout = replace(cfg.layout, dp=self.world // size)  # the hosts started: dp groups, or fewer to evaluate
         prompts_uri = cfg.uri(cfg.data.preferences or cfg.data.prompts)  # a preference dataset is the stream instead
         self.checkpoints = Checkpoints(self.rank, cfg.train.backend, datasets.part_files(prompts_uri), self.layout,
                                        cfg.train.distributed_optimizer)
