@@ -21,7 +21,6 @@ import threading
 from engines.host import faults
 from engines.host.lifeline import exit_with_parent
 from engines.host.process import advertised_address
-from engines.config.layout import Layout
 from engines.wire.channel import Door, answer, connect, disconnect, progress
 from flows.nodes import NodeConnect, NodeConnectResult, NodeIteration, NodeIterationResult
 
@@ -102,11 +101,10 @@ async def _beat(done: asyncio.Event) -> None:
 def _handle(loop: asyncio.AbstractEventLoop, connected: dict, request):
     if isinstance(request, NodeConnect):
         secret = bytes.fromhex(request.secret)
-        layout = Layout(request.dp, request.tp, request.pp, request.fsdp)
         for rank, address, port in request.hosts:
-            connect(request.run, rank, (address, port), secret, request.timeout_s, request.stage_s, layout)
+            connect(request.run, rank, (address, port), secret, request.timeout_s, request.stage_s, request.layout)
         connected["run"], connected["ranks"] = request.run, [r for r, _, _ in request.hosts]
-        return NodeConnectResult(groups=sorted({layout.group(r) for r in connected["ranks"]}))
+        return NodeConnectResult(groups=sorted({request.layout.group(r) for r in connected["ranks"]}))
     if isinstance(request, NodeIteration):
         faults.inject("node_iteration", request.step, connected["node"])  # a node that dies, for tests (engines/host/faults.py)
 

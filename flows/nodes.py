@@ -31,6 +31,7 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
 
 from engines.config import RunConfig
+from engines.config.layout import Layout
 from engines.wire.channel import HostClient, HostLost
 from engines.wire.commands import Request, Result
 from engines.wire.launch import HostProcess
@@ -48,10 +49,7 @@ class NodeConnect(Request):
     result = NodeConnectResult
     run: str
     hosts: list[tuple[int, str, int]]  # (rank, address, port) of each rank of its groups
-    tp: int = 1  # tensor-parallel ranks per pipeline stage (engines/config/layout.py)
-    pp: int = 1  # pipeline stages per DP group
-    fsdp: int = 1  # ranks the torch trainer shards over per DP group
-    dp: int = 1
+    layout: Layout  # the run's ranks (engines/config/layout.py)
     secret: str  # the hosts' channel secret, hex (this channel is authenticated with the node's own)
     timeout_s: float
     stage_s: float
@@ -106,7 +104,7 @@ async def node_controllers(config: RunConfig, hosts):
                                                   label=f"node-{k}")
         await asyncio.gather(*(asyncio.to_thread(_nodes[(config.name, k)].call, NodeConnect(
             run=config.name, hosts=[(r, *hosts.addresses[r]) for g in groups for r in config.layout.ranks(g)],
-            tp=config.layout.tp, pp=config.layout.pp, fsdp=config.layout.fsdp, dp=config.dp, secret=hosts.secret.hex(),
+            layout=config.layout, secret=hosts.secret.hex(),
             timeout_s=config.host_timeout_s, stage_s=config.timeouts.stage_s)) for k, groups in enumerate(nodes)))
         get_run_logger().info("%d node controllers of %s DP groups each, at %s", len(nodes), c.groups_per_node,
                               ", ".join("{}:{}".format(*_nodes[(config.name, k)].address) for k in range(len(nodes))))

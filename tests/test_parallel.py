@@ -66,6 +66,16 @@ def test_each_layout_needs_its_trainer_and_is_refused_where_it_is_not_wired_yet(
         load_config(None, ["train.backend=megatron", "train.fsdp=2"])
     with pytest.raises(ConfigError, match=r"train\.lora with train\.fsdp=2: LoRA under FSDP2 is not built yet"):
         load_config(None, ["train.fsdp=2", "train.lora={rank: 4}"])
+    # a layout per role: rollout engines and judges on the group's first ranks, whole chunks each
+    assert load_config(None, ["dp=2", "train.fsdp=2", "rollout.replicas=2", "placement.stream_chunk=8"]).layout == \
+        Layout(2, fsdp=2, rollout=2)
+    with pytest.raises(ConfigError, match=r"judge\.replicas=3: a DP group has 2 rank\(s\)"):
+        load_config(None, MEGATRON_TP2 + ["judge.replicas=3"])
+    with pytest.raises(ConfigError, match=r"rollout\.replicas=2: a wave of sampling\.prompts_per_wave=16 prompts is 1 chunk"
+                                          r"\(s\) of placement\.stream_chunk=32.*lower placement\.stream_chunk to at most 8"):
+        load_config(None, MEGATRON_TP2 + ["rollout.replicas=2"])
+    with pytest.raises(ConfigError, match=r"placement\.mode=partial with rollout\.replicas=2 and judge\.replicas=1"):
+        load_config(None, MEGATRON_TP2 + ["rollout.replicas=2", "placement.stream_chunk=8", "placement.mode=partial"])
     with pytest.raises(ConfigError, match=r"hosts\.work_queue='dp-\{node\}': KeyError: 'node' \(its fields: \{group\}"):
         load_config(None, ["hosts.work_queue=dp-{node}"])
     from engines.host.validation import InputError, check_megatron_architecture
@@ -98,10 +108,11 @@ def score(prompt, response, answer):
 '''
 
 
-def one_step(root: Path, tp: int, pp: int = 1, resume: Path | None = None) -> dict:
+def one_step(root: Path, tp: int, pp: int = 1, resume: Path | None = None, replicas: int = 1) -> dict:
     """Engine hosts of dp=2 groups of ``tp x pp`` Megatron ranks: setup, then one RL step through each
-    group's client (rollout, scoring and the filter on the leaders; the train step, the weight sync,
-    a checkpoint and the export on every rank), as the flow sends them. Then a second train step
+    group's client (rollout and scoring on the group's first ``replicas`` ranks, a chunk of one prompt
+    each, the filter on the leaders; the train step, the weight sync, a checkpoint and the export on
+    every rank), as the flow sends them. Then a second train step
     on the same experience: continuing (no ``resume``), or after loading the checkpoint ``resume``
     (set up again on the same hosts); exported as ``export-2``."""
     from engines.wire.channel import client
@@ -111,7 +122,8 @@ def one_step(root: Path, tp: int, pp: int = 1, resume: Path | None = None) -> di
 
     run, out_dir = f"{RUN}-{tp}x{pp}", root / f"tp{tp}-pp{pp}"
     overrides = [f"name={run}", "dp=2", *task(root), "train.minibatches=2", "host_timeout_s=300", "train.backend=megatron",
-                 f"train.tensor_parallel={tp}", f"train.pipeline_parallel={pp}", "train.micro_batch_tokens=48"]
+                 f"train.tensor_parallel={tp}", f"train.pipeline_parallel={pp}", "train.micro_batch_tokens=48",
+                 "placement.stream_chunk=1", f"rollout.replicas={replicas}", f"judge.replicas={replicas}"]
     config = load_config(None, overrides)
     site = str(ROOT / "tests" / "megatron_cpu_site")  # Megatron-Core's CPU shim, in the hosts (tests only)
     step: dict = {"config": config}
@@ -134,6 +146,7 @@ def one_step(root: Path, tp: int, pp: int = 1, resume: Path | None = None) -> di
                                                                         target_groups=2))
             step["train"], _ = on_every_group(lambda g: TrainStep(experience=out("experience", g), step=0))
             step["sync"], _ = on_every_group(lambda g: SyncWeights())
+            on_every_group(lambda g: Rollout(step=1, wave=0, cursor=2, count=2, out=out("next-rollouts", g)))
             step["checkpoint"], _ = on_every_group(lambda g: Checkpoint(uri=str(out_dir / "checkpoint")))
             step["written"], _ = on_every_group(lambda g: CheckpointWait())
             client(run, 0).call(ExportPolicy(uri=str(out_dir / "export")))
@@ -142,6 +155,7 @@ def one_step(root: Path, tp: int, pp: int = 1, resume: Path | None = None) -> di
             on_every_group(lambda g: TrainStep(experience=out("experience", g), step=1))
             client(run, 0).call(ExportPolicy(uri=str(out_dir / "export-2")))
     step["experience"] = [out("experience", g) for g in range(2)]
+    step["next_rollouts"] = [out("next-rollouts", g) for g in range(2)]
     step["export"], step["export-2"], step["checkpoint_dir"] = out_dir / "export", out_dir / "export-2", out_dir / "checkpoint"
     return step
 
@@ -167,16 +181,19 @@ def tp_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def steps(tp_root):
-    """The same step by groups of two tensor-parallel ranks and by groups of two pipeline stages,
-    from the same policy and prompts; then the second step, the pipelined groups resuming from the
+    """The same step by groups of two tensor-parallel ranks, each rank a rollout engine and a scorer,
+    and by groups of two pipeline stages, their leaders rolling out and scoring alone, from the same
+    policy and prompts; then the second step, the pipelined groups resuming from the
     tensor-parallel groups' checkpoint."""
-    tp2 = one_step(tp_root, tp=2)
+    tp2 = one_step(tp_root, tp=2, replicas=2)
     return {"tp2": tp2, "pp2": one_step(tp_root, tp=1, pp=2, resume=tp2["checkpoint_dir"])}
 
 
 def test_two_groups_split_by_tensor_or_by_pipeline_train_the_same_step(steps):
-    """dp=2 x tp=2 against dp=2 x pp=2, four processes each: the followers load no rollout engine;
-    the leaders sample and score the same experience; the update (layers split over the TP ranks,
+    """dp=2 x tp=2 against dp=2 x pp=2, four processes each: the pipelined groups' followers load no
+    rollout engine, the tensor-parallel groups' do (rollout.replicas=2, judge.replicas=2: a chunk of
+    the wave each); both sample and score the same experience (and the weight sync reaches the
+    replicas: every sample of the next rollout is the new version's); the update (layers split over the TP ranks,
     or into two stages on Megatron's 1F1B schedule over token-cut micro-batches; gradients
     all-reduced over the DP ranks) is the same within the step tolerance every parity test here
     uses; every rank holds the same full weights after it; the checkpoint is every rank's shards
@@ -190,8 +207,9 @@ def test_two_groups_split_by_tensor_or_by_pipeline_train_the_same_step(steps):
     assert (tp2["hosts"], pp2["hosts"]) == (4, 4)
     for layout in (tp2, pp2):
         setup = "\n".join(line for lines in layout["setup"] for line in lines)
+        generates = "torch" if layout is tp2 else "-"
         for follower in ("dp-0.1", "dp-1.1"):
-            assert re.search(rf"{follower}: engines \(rollout=- judge=- train=megatron\) loaded", setup), setup
+            assert re.search(rf"{follower}: engines \(rollout={generates} judge={generates} train=megatron\) loaded", setup), setup
         for leader in ("dp-0", "dp-1"):
             assert re.search(rf"{leader}: engines \(rollout=torch judge=\w+ train=megatron\) loaded", setup), setup
         train = layout["train"]
@@ -200,6 +218,8 @@ def test_two_groups_split_by_tensor_or_by_pipeline_train_the_same_step(steps):
     assert [r.samples for r in tp2["rollout"]] == [8, 8] and [f.kept for f in tp2["filter"]] == [2, 2]
     for a, b in zip(tp2["experience"], pp2["experience"]):
         assert datasets.read_table(a, datasets.EXPERIENCE).equals(datasets.read_table(b, datasets.EXPERIENCE))
+    for uri in tp2["next_rollouts"]:  # both replicas' chunks, both synced
+        assert datasets.read_table(uri, datasets.ROLLOUTS).column("policy_version").to_pylist() == [1] * 8
     assert tp2["train"][0].statistics["loss"] == pytest.approx(pp2["train"][0].statistics["loss"], abs=1e-5)
     before = load_file(str(tp2["config"].uri("models/policy")).removeprefix("file://") + "/model.safetensors")
     exported = {name: load_file(str(steps[name]["export"] / "model.safetensors")) for name in steps}
@@ -214,7 +234,7 @@ def test_two_groups_split_by_tensor_or_by_pipeline_train_the_same_step(steps):
 def test_a_run_whose_follower_rank_is_killed_heals_and_trains_each_step_once(prefect_server, tp_root, tmp_path, monkeypatch):
     """A real training run (flows/training.py, Prefect) of two groups of two pipeline stages, the
     next step's rollout overlapping this step's training (rollout.max_staleness=1: the rollout lane
-    is the leaders'): rank dp-0.1, group 0's last stage, is SIGKILLed as step 2's train step reaches
+    is both ranks', each a rollout engine generating half of each wave, rollout.replicas=2): rank dp-0.1, group 0's last stage, is SIGKILLed as step 2's train step reaches
     it, its first stage waiting on it. Its own channel sees it gone at once (a lost host, not a
     point-to-point receive left to time out), the run restarts all four ranks, resumes from the last
     committed checkpoint and ends with every step trained once."""
@@ -228,7 +248,8 @@ def test_a_run_whose_follower_rank_is_killed_heals_and_trains_each_step_once(pre
     monkeypatch.setenv("YATTFLOW_FAULTS", "train_step@2:dp-0.1:kill")
     monkeypatch.setenv("YATTFLOW_FAULTS_FIRED", str(tmp_path))
     overrides = [*task(tp_root), "name=tp-healed", "dp=2", "steps=3", "checkpoint.every=1", "rollout.max_staleness=1",
-                 "train.backend=megatron", "train.pipeline_parallel=2", "train.micro_batch_tokens=48"]
+                 "train.backend=megatron", "train.pipeline_parallel=2", "train.micro_batch_tokens=48",
+                 "rollout.replicas=2", "placement.stream_chunk=8"]
     summary = asyncio.run(train(overrides=overrides))
     assert [p.name for p in tmp_path.iterdir()] == ["train_step@2:dp-0.1:kill"]  # the fault fired
     assert [m["step"] for m in summary["history"]] == [0, 1, 2]  # a step redone replaced its first try

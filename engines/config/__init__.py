@@ -68,9 +68,10 @@ class RunConfig(Section):
     @property
     def layout(self) -> Layout:
         """The run's engine-host ranks: ``dp`` groups of ``train.tensor_parallel x train.pipeline_parallel x
-        train.fsdp`` (engines/config/layout.py)."""
+        train.fsdp``, the first ``rollout.replicas`` and ``judge.replicas`` of each holding those engines
+        (engines/config/layout.py)."""
         t = self.train
-        return Layout(self.dp, t.tensor_parallel, t.pipeline_parallel, t.fsdp)
+        return Layout(self.dp, t.tensor_parallel, t.pipeline_parallel, t.fsdp, self.rollout.replicas, self.judge.replicas)
 
     @model_validator(mode="after")
     def _devices_per_group(self):
@@ -115,6 +116,23 @@ class RunConfig(Section):
                              f"train.algorithm: name={t.algorithm.name} has a critic, and the dynamic filter runs it on the "
                              "group's leader alone while the critic would be split over the group's ranks "
                              "(docs/parallelism.md); use groups of one rank there")
+        return self
+
+    @model_validator(mode="after")
+    def _replicas_fit_the_group(self):
+        size, chunk = self.layout.size, self.placement.stream_chunk
+        for role, n in (("rollout", self.rollout.replicas), ("judge", self.judge.replicas)):
+            if n > size:
+                raise ValueError(f"{role}.replicas={n}: a DP group has {size} rank(s) (train.tensor_parallel x "
+                                 "train.pipeline_parallel x train.fsdp), one device each, and a replica takes one")
+            if n > 1 and -(-self.sampling.prompts_per_wave // chunk) < n:
+                raise ValueError(f"{role}.replicas={n}: a wave of sampling.prompts_per_wave={self.sampling.prompts_per_wave} "
+                                 f"prompts is {-(-self.sampling.prompts_per_wave // chunk)} chunk(s) of placement.stream_chunk="
+                                 f"{chunk}, and a replica works on whole chunks: lower placement.stream_chunk to at most "
+                                 f"{max(1, self.sampling.prompts_per_wave // n)}")
+        if self.placement.mode == "partial" and self.judge.replicas != self.rollout.replicas:
+            raise ValueError(f"placement.mode=partial with rollout.replicas={self.rollout.replicas} and judge.replicas="
+                             f"{self.judge.replicas}: each rank scores the chunks it generates there; make them equal")
         return self
 
     @model_validator(mode="after")

@@ -207,6 +207,11 @@ class RolloutConfig(Section):
         "and training one after the other (on-policy). k >= 1: step n+1's rollout, scoring and filtering run while step n "
         "trains, from weights at most k versions older than the trainer's when it trains them (carried-over groups "
         "included; older ones are dropped and counted); pair it with train.old_policy=decoupled and a correction.")
+    replicas: int = Field(
+        1, ge=1, description="Rollout engines per DP group, one on each of the group's first ranks (docs/parallelism.md): "
+        "they split each wave's chunks (placement.stream_chunk prompts; chunk k on replica k mod replicas) and the group's "
+        "leader joins their samples, which are the ones a single engine would draw. At most the group's ranks "
+        "(train.tensor_parallel x train.pipeline_parallel x train.fsdp); a wave needs as many chunks to keep them busy.")
     sync_timeout_s: float = Field(
         300.0, gt=0, description="rollout.max_staleness >= 1: a weight sync (trainer -> rollout engine) that has not "
         "finished after this many seconds is a lost host: the run restarts its hosts from the last checkpoint.")
@@ -224,6 +229,10 @@ class JudgeConfig(Section):
     good: str = Field("correct", description="Verdict that scores 1.0.")
     bad: str = Field("wrong", description="Verdict that scores 0.0 (anything else scores 0.0 too and is counted unparsed).")
     max_new_tokens: int = Field(8, gt=0, description="Verdict length cap.")
+    replicas: int = Field(
+        1, ge=1, description="Judges (and scalar reward models) per DP group, one on each of the group's first ranks: "
+        "they split the scoring of each wave's chunks as rollout.replicas split their generation. At most the group's "
+        "ranks; with placement.mode=partial equal to rollout.replicas (each rank scores what it generated).")
 
     @field_validator("template")
     @classmethod

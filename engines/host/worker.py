@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engines.host import balance, critic as critic_host, experience, offpolicy, rewards, validation
+from engines.host import balance, critic as critic_host, experience, offpolicy, replicas, rewards, validation
 from engines.host.preferences import PreferenceRows
 from engines.host.prompts import PromptStream
 
@@ -56,8 +56,9 @@ class Worker:
     """The engines of one rank (``rank`` of ``world``) of a DP group and the stage work done with them.
 
     A group of several ranks (``train.tensor_parallel``, engines/config/layout.py) splits its trainer
-    between them; its leader, the first, also holds the rollout engine and the judge and alone
-    answers the stages that use them (``Request.ranks``)."""
+    between them; its leader, the first, holds the rollout engine and the judge, and with
+    ``rollout.replicas`` / ``judge.replicas`` the next ranks hold more of them, which split a wave's
+    chunks (engines/host/replicas.py; ``Request.ranks`` names who answers a stage)."""
 
     def __init__(self, rank: int, world: int, threads: int, rendezvous: socket.socket | None = None):
         self.rank, self.world, self.threads = rank, world, threads
@@ -80,6 +81,7 @@ class Worker:
         self.engine_loads = 0  # times this host loaded its models: once per run is the point of a host
         self.awake: set[str] = set()  # the engines holding the group's devices (see ``take``)
         self.rollout_weights = offpolicy.RolloutWeights()  # the rollout engine, between an overlapping host's two lanes
+        self.replicas = {role: replicas.Replicas(self.layout, rank, role) for role in replicas.ROLES}  # one of each
 
     group = property(lambda self: self.layout.group(self.rank))  # this rank's DP group
     leader = property(lambda self: self.layout.local(self.rank) == 0)  # it holds the group's rollout engine and judge
@@ -119,20 +121,23 @@ class Worker:
             store = distributed.rendezvous_store(self.rank, self.world, request.master, timeout, self.rendezvous)
             self.rendezvous = None  # the store's now
             distributed.init_process_groups(device, self.rank, self.world, store, timeout)
+        if self.world > 1:  # the rollout engines' and judges' replicas and their groups (again on a second setup)
+            self.replicas = replicas.replica_groups(self.layout, self.rank, timedelta(seconds=cfg.host_timeout_s))
         policy_dir = objectstore.local_folder(cfg.uri(cfg.model.policy))
         self.vision = multimodal.is_vision_folder(policy_dir)
         self.trainer = build.make_trainer(cfg, policy_dir, device)
         if cfg.train.algorithm.needs.critic:
             self.critic = build.make_critic(cfg, objectstore.local_folder(critic_host.folder(cfg)), device)
-        # the rollout engine and the scorers: the group's leader's (its other ranks only train)
-        self.policy = build.make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads, device) if self.leader else None
+        # the rollout engine and the scorers: the group's leader's, and its next ranks' with replicas
+        rolls, judges = self.replicas["rollout"].here, self.replicas["judge"].here
+        self.policy = build.make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads, device) if rolls else None
         self.judge = None
-        if cfg.reward.genrm_weight > 0 and self.leader:
+        if cfg.reward.genrm_weight > 0 and judges:
             judge_dir = objectstore.local_folder(cfg.uri(cfg.model.judge))
             self.judge = build.make_judge(cfg, judge_dir, self.threads, device)
             self.judge_sees_images = self.vision and multimodal.is_vision_folder(judge_dir)
         self.reward_model = (build.make_reward_model(cfg, objectstore.local_folder(cfg.uri(cfg.model.reward_model)), self.threads,
-                                                     device) if cfg.reward.reward_model_weight > 0 and self.leader else None)
+                                                     device) if cfg.reward.reward_model_weight > 0 and judges else None)
         if self.vision:
             self.placeholder = multimodal.placeholder(multimodal.load_processor(policy_dir))
         self.rule = rewards.load_rule(cfg.reward.rule) if cfg.reward.rule else None
@@ -148,7 +153,7 @@ class Worker:
             self.sync_weights(SyncWeights())
             log.info("%s: resumed from %s (policy version %d, parameters %s)", self.name, request.resume,
                      self.trainer.version, self.params_sha())
-        rollout, judge = (cfg.rollout.backend, cfg.judge.backend) if self.leader else ("-", "-")
+        rollout, judge = cfg.rollout.backend if rolls else "-", cfg.judge.backend if judges else "-"
         log.info("%s: engines (rollout=%s judge=%s train=%s) loaded in %.2fs, policy version %d", self.name, rollout, judge,
                  cfg.train.backend, time.perf_counter() - start, self.trainer.version)
         return SetupEnginesResult(seconds=time.perf_counter() - start, policy_version=self.trainer.version,
@@ -165,9 +170,9 @@ class Worker:
         colocation) or stream to the judge in ``rollout_and_score`` (partial)."""
         start = time.perf_counter()
         switch = self.take("policy")
-        batch = self._wave_prompts(request.cursor, request.count)
-        rows = [r for k, chunk in enumerate(self._chunks(batch)) for r in self._generate_chunk(request.step, request.wave, k, chunk)]
-        datasets.write_rows(request.out, rows, datasets.ROLLOUTS)
+        chunks, role = self._chunks(self._wave_prompts(request.cursor, request.count)), self.replicas["rollout"]
+        done = {k: self._generate_chunk(request.step, request.wave, k, chunk) for k, chunk in role.mine(chunks)}
+        rows = role.join(request.out, datasets.ROLLOUTS, done, len(chunks))  # the leader's: every replica's chunks
         return self._rollout_result(request, rows, time.perf_counter() - start, switch)
 
     @handle.register
@@ -181,8 +186,9 @@ class Worker:
         switch = self.take("judge")  # full colocation: the rollout engine sleeps, the judge takes the devices
         rows = datasets.read_table(request.rollouts, datasets.ROLLOUTS).to_pylist()
         samples = self._chunks(rows, self.config.placement.stream_chunk * self.config.rollout.samples_per_prompt)
-        scored = [r for chunk in samples for r in self._score_chunk(chunk)]
-        datasets.write_rows(request.out, scored, datasets.SCORED)
+        role = self.replicas["judge"]
+        scored = role.join(request.out, datasets.SCORED, {k: self._score_chunk(chunk) for k, chunk in role.mine(samples)},
+                           len(samples))
         return rewards.score_result(self.config.judge, request.out, scored, time.perf_counter() - start, switch)
 
     @handle.register
@@ -199,32 +205,32 @@ class Worker:
         start = time.perf_counter()
         switch = self.take("policy", "judge")
         finished: queue.Queue = queue.Queue(maxsize=cfg.placement.queue_size)
-        scored: list[list[dict]] = []
+        scored: dict[int, list[dict]] = {}  # by chunk
         judge = {"busy_s": 0.0, "error": None}
         judge_threads = cfg.placement.judge_threads or max(1, self.threads // 2)
 
         def judge_loop() -> None:
             torch.set_num_threads(judge_threads)  # an in-process judge's share of the cores
-            while (rows := finished.get()) is not None:
+            while (item := finished.get()) is not None:
                 if judge["error"] is not None:
                     continue  # keep draining: the generator never blocks on a failed judge
                 t = time.perf_counter()
                 try:
-                    scored.append(self._score_chunk(rows))
+                    scored[item[0]] = self._score_chunk(item[1])
                 except BaseException as e:  # noqa: BLE001 - re-raised on the command's thread
                     judge["error"] = e
                 judge["busy_s"] += time.perf_counter() - t
 
         thread = threading.Thread(target=judge_loop, name=f"genrm-judge-{self.name}", daemon=True)
         thread.start()
-        rows, blocked, complete = [], 0.0, False
+        done, blocked, complete = {}, 0.0, False
+        chunks, role = self._chunks(self._wave_prompts(r.cursor, r.count)), self.replicas["rollout"]  # = the judge's replicas
         torch.set_num_threads(max(1, self.threads - judge_threads))
         try:
-            for k, chunk in enumerate(self._chunks(self._wave_prompts(r.cursor, r.count))):
-                generated = self._generate_chunk(r.step, r.wave, k, chunk)
-                rows += generated
+            for k, chunk in role.mine(chunks):
+                done[k] = self._generate_chunk(r.step, r.wave, k, chunk)
                 t = time.perf_counter()
-                finished.put(generated)
+                finished.put((k, done[k]))
                 blocked += time.perf_counter() - t
                 if judge["error"] is not None:
                     break  # the wave fails: stop generating
@@ -234,13 +240,12 @@ class Worker:
             finished.put(None)
             torch.set_num_threads(self.threads)
         generate_s = time.perf_counter() - start
-        if complete:
-            datasets.write_rows(r.rollouts_out, rows, datasets.ROLLOUTS)  # while the judge scores the tail
+        if complete:  # while the judge scores the tail
+            rows = role.join(r.rollouts_out, datasets.ROLLOUTS, done, len(chunks))
         thread.join()
         if judge["error"] is not None:
             raise RuntimeError(f"{self.name}: the GenRM judge failed in wave {r.wave}") from judge["error"]
-        flat = [row for chunk in scored for row in chunk]
-        datasets.write_rows(r.scored_out, flat, datasets.SCORED)
+        flat = role.join(r.scored_out, datasets.SCORED, scored, len(chunks))
         seconds = time.perf_counter() - start
         log.info("%s rollout_and_score wave %d: %.2fs (generating %.2fs, judge busy %.2fs, judge after the last chunk "
                  "%.2fs, generator waited on the queue %.2fs)", self.name, r.wave, seconds, generate_s, judge["busy_s"],
@@ -431,7 +436,7 @@ class Worker:
 
     def _wave_prompts(self, cursor: int, count: int) -> list[dict]:
         batch = [r | {"prompt": chat.question(r)} for r in self.prompts.wave(cursor, count)]  # the rule's and judge's text
-        if (cursor + count - 1) // len(self.prompts) > cursor // len(self.prompts):
+        if self.leader and (cursor + count - 1) // len(self.prompts) > cursor // len(self.prompts):
             log.warning("%s: all %d prompts of this group's stream trained; starting it again (another epoch)", self.name, len(self.prompts))
         return batch
 

@@ -142,8 +142,8 @@ class GroupClient:
     hosts are stopped or restarted after it (a relay through the leader would hide a dead rank
     behind a collective that hangs)."""
 
-    def __init__(self, members: list[HostClient]):
-        self.members = members  # the leader first
+    def __init__(self, members: list[HostClient], layout: Layout):
+        self.members, self.layout = members, layout  # the leader first (a rollout lane's: the replicas' ranks only)
         self.label = members[0].label
 
     @property
@@ -151,9 +151,13 @@ class GroupClient:
         return self.members[0].in_flight
 
     def call(self, request: Request) -> tuple[Result, list[str]]:
-        if request.ranks == "leader":
-            return self.members[0].call(request)
-        calls = [_FAN_OUT.submit(member.call, request) for member in self.members]
+        serving = self.members[: self.layout.serving(request.ranks)]
+        if len(serving) < self.layout.serving(request.ranks):  # a rollout lane carries the replicas' stages only
+            raise HostError(f"{self.label}: '{request.stage}' needs {self.layout.serving(request.ranks)} ranks; this "
+                            f"channel reaches {len(serving)}")
+        if len(serving) == 1:
+            return serving[0].call(request)
+        calls = [_FAN_OUT.submit(member.call, request) for member in serving]
         futures.wait(calls, return_when=futures.FIRST_EXCEPTION)
         failed = [c.exception() for c in calls if c.done() and c.exception() is not None]
         if failed:  # a rank that is gone first: the run heals from that
@@ -178,9 +182,10 @@ def client(run: str, group: int, lane: str | None = None) -> HostClient | GroupC
     """The open channel to the hosts of ``group`` in ``run`` (opened by ``connect``): its one host's,
     or a ``GroupClient`` over its ranks.
 
-    ``lane="rollout"`` (``rollout.max_staleness`` >= 1): a second connection to the same host,
-    opened on first use, whose commands the host answers on a thread of their own, so that the
-    next step's rollout runs while this step's train step holds the first (docs/off-policy.md)."""
+    ``lane="rollout"`` (``rollout.max_staleness`` >= 1): a second connection to the same hosts (those
+    of the group's ranks that hold a rollout engine or judge), opened on first use, whose commands
+    the hosts answer on a thread of their own, so that the next step's rollout runs while this
+    step's train step holds the first (docs/off-policy.md)."""
     layout = _layouts.get(run, Layout(group + 1))
     ranks = layout.ranks(group)
     try:
@@ -188,12 +193,13 @@ def client(run: str, group: int, lane: str | None = None) -> HostClient | GroupC
     except KeyError:
         raise HostError(f"no engine host for run '{run}' dp-{group} in this process") from None
     if lane is None:
-        return members[0] if len(members) == 1 else GroupClient(members)
-    leader = ranks[0]
-    with _lanes:
-        if (run, leader, lane) not in _clients:
-            _clients[(run, leader, lane)] = HostClient(*_opened[(run, leader)])
-        return _clients[(run, leader, lane)]
+        return members[0] if len(members) == 1 else GroupClient(members, layout)
+    with _lanes:  # the lane's stages are the rollout engines' and judges': their ranks' second connections
+        for rank in ranks[: max(layout.rollout, layout.judge)]:
+            if (run, rank, lane) not in _clients:
+                _clients[(run, rank, lane)] = HostClient(*_opened[(run, rank)])
+        lanes = [_clients[(run, rank, lane)] for rank in ranks[: max(layout.rollout, layout.judge)]]
+    return lanes[0] if len(lanes) == 1 else GroupClient(lanes, layout)
 
 
 def in_flight(run: str, world: int) -> dict[int, str]:

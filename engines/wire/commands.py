@@ -37,9 +37,10 @@ class Request(BaseModel):
     stage: ClassVar[str]  # the stage's one name: on the wire, in logs and in error messages
     result: ClassVar[type[Result]]
     alone: ClassVar[bool] = False  # a host answers it without the other DP groups (no collective inside)
-    # which ranks of a DP group carry it out: all of them (the trainer's stages, collectives over the
-    # group's tensor-parallel ranks), or its leader alone (the rollout engine and judge live there)
-    ranks: ClassVar[Literal["all", "leader"]] = "all"
+    # which ranks of a DP group carry it out (``Layout.serving``): all of them (the trainer's stages,
+    # collectives over the group's ranks), its leader alone, or the ranks holding a rollout engine
+    # or a judge (rollout.replicas, judge.replicas: the first ranks of the group, the leader among them)
+    ranks: ClassVar[Literal["all", "leader", "rollout", "judge"]] = "all"
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs) -> None:
@@ -100,7 +101,7 @@ class Rollout(Request):
     """Sample G responses for the next ``count`` prompts of the group's stream from ``cursor``."""
 
     stage = "rollout"
-    ranks = "leader"
+    ranks = "rollout"
     alone = True
     result = RolloutResult
     step: int
@@ -124,7 +125,7 @@ class GenRMScore(Request):
     """Reward every rollout: the judge's verdict, the rule, the overlong penalty."""
 
     stage = "genrm_score"
-    ranks = "leader"
+    ranks = "judge"
     alone = True
     result = GenRMScoreResult
     rollouts: str
@@ -146,7 +147,7 @@ class RolloutAndScore(Request):
     """Partial colocation: ``Rollout`` and ``GenRMScore`` of one wave at once, chunks streaming to the judge."""
 
     stage = "rollout_and_score"
-    ranks = "leader"
+    ranks = "rollout"
     alone = True
     result = RolloutAndScoreResult
     step: int
