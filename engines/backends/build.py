@@ -61,9 +61,10 @@ def make_critic(cfg: RunConfig, model_dir: str, device=None):
 
 
 def make_generator(backend: str, model_dir: str, cfg: RunConfig, threads: int, device=None,
-                   prompt_format: chat.PromptFormat | None = None) -> Generator:
+                   prompt_format: chat.PromptFormat | None = None, tensor_parallel: int = 1) -> Generator:
     """A generation engine (policy rollout or GenRM judge) of the named backend, rendering prompts
-    with ``prompt_format`` (None: the policy's, ``chat.PromptFormat.policy(cfg)``)."""
+    with ``prompt_format`` (None: the policy's, ``chat.PromptFormat.policy(cfg)``); vLLM over
+    ``tensor_parallel`` devices (``rollout.tensor_parallel``, ``judge.tensor_parallel``)."""
     prompt_format = prompt_format or chat.PromptFormat.policy(cfg)
     if backend == "stub":  # timing stub for scale benchmarks, not training (engines/backends/stub/engines.py)
         from engines.backends.stub.engines import TimingStubGenerator
@@ -73,7 +74,8 @@ def make_generator(backend: str, model_dir: str, cfg: RunConfig, threads: int, d
         from engines.backends.vllm.generator import VLLMGenerator
 
         # threads: in a DP host vLLM runs in its own process, which does not inherit torch's setting
-        return VLLMGenerator(model_dir, dtype=cfg.model.dtype, seed=cfg.seed, threads=threads, prompt_format=prompt_format)
+        return VLLMGenerator(model_dir, dtype=cfg.model.dtype, seed=cfg.seed, threads=threads, prompt_format=prompt_format,
+                             tensor_parallel=tensor_parallel)
     from engines.backends.torch.generator import TorchGenerator
 
     return TorchGenerator(model_dir, dtype=cfg.model.dtype, device=device, prompt_format=prompt_format)
@@ -84,7 +86,7 @@ def make_judge(cfg: RunConfig, model_dir: str, threads: int, device=None) -> Gen
     rollout engine on its share of the devices; else a generator like the policy's."""
     if cfg.placement.mode == "partial":
         return JudgeProcess(cfg, model_dir, cfg.placement.judge_threads or max(1, threads // 2), cfg.placement.judge_devices)
-    return make_generator(cfg.judge.backend, model_dir, cfg, threads, device, chat.PromptFormat.judge(cfg))
+    return make_generator(cfg.judge.backend, model_dir, cfg, threads, device, chat.PromptFormat.judge(cfg), cfg.judge.tensor_parallel)
 
 
 def make_reward_model(cfg: RunConfig, model_dir: str, threads: int, device=None):

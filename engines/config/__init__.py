@@ -68,10 +68,11 @@ class RunConfig(Section):
     @property
     def layout(self) -> Layout:
         """The run's engine-host ranks: ``dp`` groups of ``train.tensor_parallel x train.pipeline_parallel x
-        train.fsdp``, the first ``rollout.replicas`` and ``judge.replicas`` of each holding those engines
-        (engines/config/layout.py)."""
-        t = self.train
-        return Layout(self.dp, t.tensor_parallel, t.pipeline_parallel, t.fsdp, self.rollout.replicas, self.judge.replicas)
+        train.fsdp``, with ``rollout.replicas`` rollout engines of ``rollout.tensor_parallel`` ranks in each
+        (and the judge's likewise; engines/config/layout.py)."""
+        t, r, j = self.train, self.rollout, self.judge
+        return Layout(self.dp, t.tensor_parallel, t.pipeline_parallel, t.fsdp, r.replicas, r.tensor_parallel, j.replicas,
+                      j.tensor_parallel)
 
     @model_validator(mode="after")
     def _devices_per_group(self):
@@ -121,18 +122,28 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _replicas_fit_the_group(self):
         size, chunk = self.layout.size, self.placement.stream_chunk
-        for role, n in (("rollout", self.rollout.replicas), ("judge", self.judge.replicas)):
-            if n > size:
-                raise ValueError(f"{role}.replicas={n}: a DP group has {size} rank(s) (train.tensor_parallel x "
-                                 "train.pipeline_parallel x train.fsdp), one device each, and a replica takes one")
+        for role, section in (("rollout", self.rollout), ("judge", self.judge)):
+            n, tp = section.replicas, section.tensor_parallel
+            if n * tp > size:
+                raise ValueError(f"{role}.replicas={n} x {role}.tensor_parallel={tp}: a DP group has {size} rank(s) "
+                                 "(train.tensor_parallel x train.pipeline_parallel x train.fsdp), one device each, and "
+                                 f"each replica takes {tp}")
+            if tp > 1 and section.backend != "vllm":
+                raise ValueError(f"{role}.tensor_parallel={tp} needs {role}.backend: vllm (vLLM splits the engine over "
+                                 f"{tp} ranks' devices; the {section.backend} engine is one rank's)")
             if n > 1 and -(-self.sampling.prompts_per_wave // chunk) < n:
                 raise ValueError(f"{role}.replicas={n}: a wave of sampling.prompts_per_wave={self.sampling.prompts_per_wave} "
                                  f"prompts is {-(-self.sampling.prompts_per_wave // chunk)} chunk(s) of placement.stream_chunk="
                                  f"{chunk}, and a replica works on whole chunks: lower placement.stream_chunk to at most "
                                  f"{max(1, self.sampling.prompts_per_wave // n)}")
-        if self.placement.mode == "partial" and self.judge.replicas != self.rollout.replicas:
+        if self.placement.mode == "partial" and self.judge.tensor_parallel > 1:
+            raise ValueError(f"placement.mode=partial with judge.tensor_parallel={self.judge.tensor_parallel}: the partial "
+                             "mode's judge is a process of its own on the leader's devices (placement.judge_devices); "
+                             "use judge.tensor_parallel=1 there")
+        if self.placement.mode == "partial" and self.layout.serving("judge") != self.layout.serving("rollout"):
             raise ValueError(f"placement.mode=partial with rollout.replicas={self.rollout.replicas} and judge.replicas="
-                             f"{self.judge.replicas}: each rank scores the chunks it generates there; make them equal")
+                             f"{self.judge.replicas}: each rank scores the chunks it generates there; make them equal "
+                             "(and rollout.tensor_parallel=1)")
         return self
 
     @model_validator(mode="after")

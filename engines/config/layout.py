@@ -9,9 +9,11 @@ to use ("tp-cp-ep-pp-dp", engines/backends/megatron/model.py): a group's ranks a
 tensor-parallel ranks innermost, then stages. So the controller, which reaches each rank over its
 own channel, and the trainer agree on who is who, and a group placed on consecutive devices keeps
 its TP traffic, the heaviest, on the nearest ones. The group's first rank (stage 0, TP rank 0) is
-its leader: it answers the stages that need no trainer. The group's first ``rollout`` ranks each hold
-a rollout engine (replicas that split a wave's chunks between them), its first ``judge`` ranks a
-judge (docs/parallelism.md). Pure arithmetic: the controller imports it without torch.
+its leader: it answers the stages that need no trainer. The rollout engines and the judges have a
+layout of their own in the group (ChatLearn's strategy per model): ``rollout`` replicas, each over
+``rollout_tp`` consecutive ranks (vLLM's tensor parallelism; the replica's engine is held by its
+first rank, from the leader on), which split a wave's chunks between them; the same for the judge
+(docs/parallelism.md). Pure arithmetic: the controller imports it without torch.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ class Layout:
     tp: int = 1  # tensor-parallel ranks in each pipeline stage
     pp: int = 1  # pipeline stages in each group
     fsdp: int = 1  # ranks the torch trainer shards the policy over (FSDP2) in each group
-    rollout: int = 1  # rollout-engine replicas in each group, on its first ranks (rollout.replicas)
-    judge: int = 1  # judge replicas in each group, on its first ranks (judge.replicas)
+    rollout: int = 1  # rollout-engine replicas in each group (rollout.replicas) ...
+    rollout_tp: int = 1  # ... each over this many ranks (rollout.tensor_parallel)
+    judge: int = 1  # judge replicas in each group (judge.replicas) ...
+    judge_tp: int = 1  # ... each over this many ranks (judge.tensor_parallel)
 
     @property
     def size(self) -> int:
@@ -55,10 +59,13 @@ class Layout:
         """The group's ranks, its leader first."""
         return list(range(group * self.size, (group + 1) * self.size))
 
-    def serving(self, role: str) -> int:
-        """How many of a group's ranks, from its leader, carry out a stage whose ``Request.ranks`` is
-        ``role``: "all", "leader", or the replicas of "rollout" or "judge"."""
-        return {"all": self.size, "leader": 1, "rollout": self.rollout, "judge": self.judge}[role]
+    def serving(self, role: str) -> list[int]:
+        """The places in a group (``local``) of the ranks that carry out a stage whose ``Request.ranks``
+        is ``role``: "all", "leader", or the first rank of each replica of "rollout" or "judge"."""
+        if role in ("rollout", "judge"):
+            replicas, tp = (self.rollout, self.rollout_tp) if role == "rollout" else (self.judge, self.judge_tp)
+            return [r * tp for r in range(replicas)]
+        return list(range(self.size)) if role == "all" else [0]
 
     def leader(self, group: int) -> int:
         return group * self.size

@@ -208,10 +208,14 @@ class RolloutConfig(Section):
         "trains, from weights at most k versions older than the trainer's when it trains them (carried-over groups "
         "included; older ones are dropped and counted); pair it with train.old_policy=decoupled and a correction.")
     replicas: int = Field(
-        1, ge=1, description="Rollout engines per DP group, one on each of the group's first ranks (docs/parallelism.md): "
-        "they split each wave's chunks (placement.stream_chunk prompts; chunk k on replica k mod replicas) and the group's "
-        "leader joins their samples, which are the ones a single engine would draw. At most the group's ranks "
-        "(train.tensor_parallel x train.pipeline_parallel x train.fsdp); a wave needs as many chunks to keep them busy.")
+        1, ge=1, description="Rollout engines per DP group, each over rollout.tensor_parallel of the group's ranks, from its "
+        "first (docs/parallelism.md): they split each wave's chunks (placement.stream_chunk prompts; chunk k on replica k "
+        "mod replicas) and the group's leader joins their samples, which are the ones a single engine would draw. "
+        "replicas x tensor_parallel is at most the group's ranks (train.tensor_parallel x train.pipeline_parallel x "
+        "train.fsdp); a wave needs as many chunks as replicas.")
+    tensor_parallel: int = Field(
+        1, ge=1, description="rollout.backend=vllm: ranks each rollout engine spans (vLLM's tensor parallelism over their "
+        "devices; on a CPU its CPU communicator over their cores).")
     sync_timeout_s: float = Field(
         300.0, gt=0, description="rollout.max_staleness >= 1: a weight sync (trainer -> rollout engine) that has not "
         "finished after this many seconds is a lost host: the run restarts its hosts from the last checkpoint.")
@@ -230,9 +234,12 @@ class JudgeConfig(Section):
     bad: str = Field("wrong", description="Verdict that scores 0.0 (anything else scores 0.0 too and is counted unparsed).")
     max_new_tokens: int = Field(8, gt=0, description="Verdict length cap.")
     replicas: int = Field(
-        1, ge=1, description="Judges (and scalar reward models) per DP group, one on each of the group's first ranks: "
-        "they split the scoring of each wave's chunks as rollout.replicas split their generation. At most the group's "
-        "ranks; with placement.mode=partial equal to rollout.replicas (each rank scores what it generated).")
+        1, ge=1, description="Judges (and scalar reward models) per DP group, each over judge.tensor_parallel ranks: they "
+        "split the scoring of each wave's chunks as rollout.replicas split their generation. With placement.mode=partial "
+        "placed as the rollout engines (each rank scores what it generated).")
+    tensor_parallel: int = Field(
+        1, ge=1, description="judge.backend=vllm: ranks each judge spans (vLLM's tensor parallelism), as "
+        "rollout.tensor_parallel; 1 with placement.mode=partial.")
 
     @field_validator("template")
     @classmethod

@@ -178,8 +178,6 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _lora_on_torch_only(self):
-        if self.lora is not None and self.fsdp > 1:
-            raise ValueError(f"train.lora with train.fsdp={self.fsdp}: LoRA under FSDP2 is not built yet; use train.fsdp=1")
         if self.lora is not None and self.backend == "megatron":
             raise ValueError(
                 "train.lora: LoRA is not implemented for train.backend=megatron: the Megatron trainer builds Megatron-Core "

@@ -1,9 +1,9 @@
 """Several rollout engines (or judges) in one DP group: who does which chunk, and how the leader
 gets them all.
 
-A group of several ranks (engines/config/layout.py) holds one rollout engine per rank on its first
-``rollout.replicas`` ranks, one judge per rank on its first ``judge.replicas`` (ChatLearn's layout
-per model). A wave is already generated and scored in chunks of ``placement.stream_chunk``
+A group of several ranks (engines/config/layout.py) holds ``rollout.replicas`` rollout engines, each
+over ``rollout.tensor_parallel`` ranks and held by the first of them, and ``judge.replicas`` judges
+likewise (ChatLearn's layout per model). A wave is already generated and scored in chunks of ``placement.stream_chunk``
 prompts, chunk k seeded by (seed, step, group, wave, k); replica r takes the chunks k = r, r + n,
 ..., so the samples, verdicts and rewards are the ones a single engine draws, whatever n. Each
 replica writes its chunks next to the stage's output (``{out}.chunks/chunk-{k}.parquet``), the
@@ -30,14 +30,16 @@ class Replicas:
     """One rank's place among its group's replicas of a role ("rollout" or "judge")."""
 
     def __init__(self, layout: Layout, rank: int, role: str, group: dist.ProcessGroup | None = None):
-        self.count = layout.serving(role)
-        self.index = layout.local(rank)  # the replica this rank holds, if below ``count``
+        places = layout.serving(role)  # each replica's first rank: it holds the engine
+        self.count = len(places)
+        self.index = places.index(layout.local(rank)) if layout.local(rank) in places else None  # this rank's replica
+        self.tensor_parallel = layout.rollout_tp if role == "rollout" else layout.judge_tp  # ranks per replica
         self.group = group  # the replicas' gloo group (None: one replica)
 
     @property
     def here(self) -> bool:
         """This rank holds one of the role's engines."""
-        return self.index < self.count
+        return self.index is not None
 
     def mine(self, chunks: list[T]) -> list[tuple[int, T]]:
         """The chunks this replica does: ``(k, chunk)`` for k = index, index + count, ..."""
@@ -70,9 +72,9 @@ def replica_groups(layout: Layout, rank: int, timeout: timedelta) -> dict[str, R
     replicas = {}
     for role in ROLES:
         mine = None
-        if layout.serving(role) > 1:
+        if len(layout.serving(role)) > 1:
             for g in range(layout.dp):
-                pg = dist.new_group(layout.ranks(g)[: layout.serving(role)], backend="gloo", timeout=timeout)
+                pg = dist.new_group([layout.ranks(g)[i] for i in layout.serving(role)], backend="gloo", timeout=timeout)
                 mine = pg if layout.group(rank) == g else mine
         replicas[role] = Replicas(layout, rank, role, mine)
     return replicas

@@ -130,7 +130,8 @@ class Worker:
             self.critic = build.make_critic(cfg, objectstore.local_folder(critic_host.folder(cfg)), device)
         # the rollout engine and the scorers: the group's leader's, and its next ranks' with replicas
         rolls, judges = self.replicas["rollout"].here, self.replicas["judge"].here
-        self.policy = build.make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads, device) if rolls else None
+        self.policy = (build.make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads, device,
+                                            tensor_parallel=cfg.rollout.tensor_parallel) if rolls else None)
         self.judge = None
         if cfg.reward.genrm_weight > 0 and judges:
             judge_dir = objectstore.local_folder(cfg.uri(cfg.model.judge))

@@ -142,8 +142,8 @@ class GroupClient:
     hosts are stopped or restarted after it (a relay through the leader would hide a dead rank
     behind a collective that hangs)."""
 
-    def __init__(self, members: list[HostClient], layout: Layout):
-        self.members, self.layout = members, layout  # the leader first (a rollout lane's: the replicas' ranks only)
+    def __init__(self, members: dict[int, HostClient], layout: Layout):
+        self.members, self.layout = members, layout  # by place in the group (a rollout lane's: the replicas' first ranks)
         self.label = members[0].label
 
     @property
@@ -151,10 +151,11 @@ class GroupClient:
         return self.members[0].in_flight
 
     def call(self, request: Request) -> tuple[Result, list[str]]:
-        serving = self.members[: self.layout.serving(request.ranks)]
-        if len(serving) < self.layout.serving(request.ranks):  # a rollout lane carries the replicas' stages only
-            raise HostError(f"{self.label}: '{request.stage}' needs {self.layout.serving(request.ranks)} ranks; this "
-                            f"channel reaches {len(serving)}")
+        try:
+            serving = [self.members[local] for local in self.layout.serving(request.ranks)]
+        except KeyError:  # a rollout lane carries the replicas' stages only
+            raise HostError(f"{self.label}: '{request.stage}' needs ranks {self.layout.serving(request.ranks)} of the "
+                            f"group; this channel reaches {sorted(self.members)}") from None
         if len(serving) == 1:
             return serving[0].call(request)
         calls = [_FAN_OUT.submit(member.call, request) for member in serving]
@@ -193,12 +194,13 @@ def client(run: str, group: int, lane: str | None = None) -> HostClient | GroupC
     except KeyError:
         raise HostError(f"no engine host for run '{run}' dp-{group} in this process") from None
     if lane is None:
-        return members[0] if len(members) == 1 else GroupClient(members, layout)
+        return members[0] if len(members) == 1 else GroupClient(dict(enumerate(members)), layout)
     with _lanes:  # the lane's stages are the rollout engines' and judges': their ranks' second connections
-        for rank in ranks[: max(layout.rollout, layout.judge)]:
-            if (run, rank, lane) not in _clients:
-                _clients[(run, rank, lane)] = HostClient(*_opened[(run, rank)])
-        lanes = [_clients[(run, rank, lane)] for rank in ranks[: max(layout.rollout, layout.judge)]]
+        places = sorted(set(layout.serving("rollout")) | set(layout.serving("judge")))
+        for local in places:
+            if (run, ranks[local], lane) not in _clients:
+                _clients[(run, ranks[local], lane)] = HostClient(*_opened[(run, ranks[local])])
+        lanes = {local: _clients[(run, ranks[local], lane)] for local in places}
     return lanes[0] if len(lanes) == 1 else GroupClient(lanes, layout)
 
 

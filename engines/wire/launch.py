@@ -85,6 +85,20 @@ def local_devices(world: int, devices: list[str] | None, gpus: int, visible: str
     return ids[:world]
 
 
+def with_replica_devices(layout: Layout, devices: list[str | None]) -> list[str | None]:
+    """Each host's devices, where a rank that holds a rollout engine or judge over several ranks
+    (vLLM's tensor parallelism: ``rollout.tensor_parallel``) also sees the devices of the replica's
+    other ranks, its own first (its trainer's ``cuda:0``; vLLM's workers take the first ones)."""
+    out = list(devices)
+    for rank, own in enumerate(devices):
+        local = layout.local(rank)
+        span = max([tp for role, tp in (("rollout", layout.rollout_tp), ("judge", layout.judge_tp))
+                    if local in layout.serving(role)], default=1)
+        if span > 1 and own is not None:
+            out[rank] = ",".join(devices[rank + i] for i in range(span))
+    return out
+
+
 class LocalHosts:
     """Start, supervise and stop the engine hosts of one run as local subprocesses: one per rank of
     ``layout`` (a number: that many groups of one rank)."""
@@ -96,7 +110,8 @@ class LocalHosts:
         self.layout = layout if isinstance(layout, Layout) else Layout(layout)
         self.run, self.world, self.threads = run, self.layout.world, threads
         self.timeout_s, self.stage_s = timeout_s, stage_s or timeout_s  # stage_s: the progress watchdog (channel.py)
-        self.devices = local_devices(self.world, devices, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        self.devices = with_replica_devices(self.layout, local_devices(self.world, devices, torch.cuda.device_count(),
+                                                                       os.environ.get("CUDA_VISIBLE_DEVICES")))
         self.hosts: list[HostProcess] = []
         self.master: str | None = None  # rank 0's torch.distributed rendezvous, "host:port"
         self.fork, self.forkserver = fork, None  # hosts.fork: the node controllers (flows/nodes.py) are forked too

@@ -17,8 +17,8 @@ until it has as many as the busiest (``passes_of_the_busiest``). Log-probabiliti
 by every rank on the whole batch (the same passes everywhere, no exchange).
 
 Checkpoints hold the full model and optimizer state (``full_state``: gathered to rank 0, written
-once, keyed by parameter name), so they resume under any ``train.fsdp`` and without it; a
-72B policy would want ``torch.distributed.checkpoint``'s sharded files instead (not built).
+once, keyed by parameter name; with LoRA the adapter's), so they resume under any ``train.fsdp``
+and without it; a 72B policy would want ``torch.distributed.checkpoint``'s sharded files instead (not built).
 """
 
 from __future__ import annotations
@@ -96,20 +96,23 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # a DTensor
 
 
-def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, frozen: bool = True) -> tuple[dict, dict]:
     """(model, optimizer) state dicts whole, in host memory, keyed by parameter name, on rank 0
-    ({} on the others; collective)."""
+    ({} on the others; collective). ``frozen=False``: the trained parameters only (a LoRA adapter)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                     ignore_frozen_params=not frozen))
 
 
-def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict) -> None:
-    """Each rank takes its shards of a whole state (every rank holds it: read from the checkpoint)."""
+def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict,
+                    strict: bool = True) -> None:
+    """Each rank takes its shards of a whole state (every rank holds it: read from the checkpoint);
+    ``strict=False``: ``model_state`` may hold some parameters only (a LoRA adapter's)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
-                   options=StateDictOptions(full_state_dict=True))
+                   options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 def by_name(optimizer_state: dict, names: list[str]) -> dict:

@@ -27,6 +27,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from engines.backends.torch.fsdp import full
 from engines.backends.torch.model import VISION_TOWER_PATTERN, is_vision_tower
 
 ADAPTER = "default"  # peft's name for the one adapter
@@ -107,30 +108,31 @@ def adapter_state(model) -> dict[str, torch.Tensor]:
     return {name: p for name, p in model.named_parameters() if is_adapter(name)}
 
 
-def load_adapter_state(model, state: dict[str, torch.Tensor], where: str) -> None:
-    """Copy a checkpoint's adapter tensors into ``model``'s adapter (the same names, all of them)."""
+def check_adapter_state(model, state: dict[str, torch.Tensor], where: str) -> None:
+    """A checkpoint's adapter tensors are ``model``'s adapter's (the same names, all of them)."""
     ours = set(adapter_state(model))
     if set(state) != ours:
         raise ValueError(f"{where}: the checkpoint's adapter tensors differ from this run's (only in the checkpoint: "
                          f"{sorted(set(state) - ours)[:4]}, only here: {sorted(ours - set(state))[:4]})")
-    model.load_state_dict(state, strict=False)
 
 
 def merged(model, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """``named`` (tensors of ``model.get_base_model()``, the transformers model holding the LoRA
     layers) with the adapter merged in: each adapted weight W becomes W + B A * alpha / r (peft's
     ``get_delta_weight``, what ``merge_and_unload`` adds), named as in the base model (no
-    ``base_layer``), and the adapter's own tensors left out. One layer's delta at a time."""
+    ``base_layer``), and the adapter's own tensors left out. One layer's delta at a time; a model
+    sharded with FSDP2 gives each tensor and delta whole (collectives, in the same order on every rank)."""
     layers = dict(model.get_base_model().named_modules())
     for name, tensor in named:
         if is_adapter(name):
             continue
+        tensor = full(tensor)
         if ".base_layer." in name:
             owner, leaf = name.rsplit(".base_layer.", 1)
             name = f"{owner}.{leaf}"
             if leaf == "weight":
                 with torch.no_grad():
-                    tensor = tensor + layers[owner].get_delta_weight(ADAPTER).to(tensor.dtype)
+                    tensor = tensor + full(layers[owner].get_delta_weight(ADAPTER)).to(tensor.dtype)
         yield name, tensor.detach()
 
 

@@ -82,8 +82,8 @@ class TorchTrainer:
                     p.requires_grad_(False)
         self.mesh = None  # with train.fsdp > 1: the replicate x shard mesh the model is sharded over
         if shards > 1:
-            if lora is not None or self.processor is not None:
-                raise ValueError("train.fsdp > 1 is not wired for LoRA or a vision-language model yet: train.fsdp=1")
+            if self.processor is not None:
+                raise ValueError("train.fsdp > 1 is not wired for a vision-language model yet: train.fsdp=1")
             self.mesh = fsdp.mesh(shards, self.device)
             for model in filter(None, (self.model, self.reference)):
                 fsdp.shard(model, self.mesh)
@@ -236,13 +236,12 @@ class TorchTrainer:
 
     def _live_state(self) -> dict:
         """What a checkpoint holds: model (with LoRA: the adapter, and the base it adapts), optimizer, version."""
-        if self.lora is not None:
-            return {"model": lora_adapter.adapter_state(self.model), "optimizer": self.optimizer.state_dict(),
-                    "version": self.version, "lora": self.lora}
         if self.mesh is not None:  # whole, the optimizer's state by parameter name: any layout resumes it
-            model, optimizer = fsdp.full_state(self.model, self.optimizer)
-            return {"model": model, "optimizer": optimizer, "version": self.version}
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
+            model, optimizer = fsdp.full_state(self.model, self.optimizer, frozen=self.lora is None)
+        else:
+            model = lora_adapter.adapter_state(self.model) if self.lora is not None else self.model.state_dict()
+            optimizer = self.optimizer.state_dict()
+        return {"model": model, "optimizer": optimizer, "version": self.version} | ({"lora": self.lora} if self.lora else {})
 
     def save_checkpoint(self, local_dir: str, state: dict | None = None) -> list[str]:
         """Model, optimizer and version into ``local_dir``; returns the files this rank wrote.
@@ -268,17 +267,16 @@ class TorchTrainer:
                              f"and this run is {'with' if self.lora is not None else 'without'}: set train.lora as it was")
         if self.lora is not None:
             lora_adapter.check_base(state["lora"], self.lora, local_dir)
-            lora_adapter.load_adapter_state(self.model, state["model"], local_dir)
-            self.optimizer.load_state_dict(state["optimizer"])
-        else:  # the optimizer's state by index (one rank wrote it) or by name (a sharded trainer did)
-            optimizer = state["optimizer"]
-            named = any(isinstance(p, str) for g in optimizer["param_groups"] for p in g["params"])
-            if self.mesh is not None:
-                fsdp.load_full_state(self.model, self.optimizer, state["model"],
-                                     optimizer if named else fsdp.by_name(optimizer, self._trained_names))
-            else:
-                self.model.load_state_dict(state["model"])
-                self.optimizer.load_state_dict(fsdp.by_index(optimizer, self._trained_names) if named else optimizer)
+            lora_adapter.check_adapter_state(self.model, state["model"], local_dir)
+        # the optimizer's state by index (one rank wrote it) or by name (a sharded trainer did)
+        optimizer = state["optimizer"]
+        named = any(isinstance(p, str) for g in optimizer["param_groups"] for p in g["params"])
+        if self.mesh is not None:  # with LoRA the model's state is the adapter's only
+            fsdp.load_full_state(self.model, self.optimizer, state["model"],
+                                 optimizer if named else fsdp.by_name(optimizer, self._trained_names), strict=self.lora is None)
+        else:
+            self.model.load_state_dict(state["model"], strict=self.lora is None)
+            self.optimizer.load_state_dict(fsdp.by_index(optimizer, self._trained_names) if named else optimizer)
         self.version = state["version"]
 
     def save_hf(self, local_dir: str, tensors: dict[str, torch.Tensor] | None = None) -> None:
@@ -286,6 +284,8 @@ class TorchTrainer:
         instead of the live ones (the ``model`` part of a :meth:`checkpoint_state` copy). With LoRA
         the adapter folder (``tensors``: adapter tensors), which peft loads onto the policy folder."""
         if self.lora is not None:
+            if tensors is None and self.mesh is not None:  # gathered (collective over the group)
+                tensors = {name: fsdp.full(t.detach()) for name, t in lora_adapter.adapter_state(self.model).items()}
             lora_adapter.save_adapter(self.model, local_dir, tensors)
         else:
             if tensors is None and self.mesh is not None:

@@ -80,6 +80,14 @@ def parse_cpu_list(spec: str) -> list[int]:
     return cores
 
 
+def split_cores(cores: list[int], parts: int) -> tuple[str, int]:
+    """``cores`` in ``parts`` core lists as ``VLLM_CPU_OMP_THREADS_BIND`` writes them ("0|1"), and the
+    threads each gets; with fewer cores than parts, parts share them."""
+    per = max(1, len(cores) // parts)
+    lists = [cores[i * per : (i + 1) * per] if (i + 1) * per <= len(cores) else [cores[i % len(cores)]] for i in range(parts)]
+    return "|".join(",".join(map(str, c)) for c in lists), per
+
+
 def bind_threads(spec: str | None) -> None:
     """Apply a ``VLLM_CPU_OMP_THREADS_BIND``-style core list to this whole process (every
     existing thread, and threads created later inherit it) and size torch's pool to match."""
@@ -124,15 +132,18 @@ class VLLMGenerator:
         kv_cache_memory_bytes: int | None = None,
         max_model_len: int | None = None,
         prompt_format: chat.PromptFormat | None = None,
+        tensor_parallel: int = 1,
     ):
         """``prompt_format``: how prompts are rendered (``engines.backends.chat``; None: as they are).
         CPU only: ``threads`` sizes the engine's torch thread pool (None: this process's);
         ``cpu_bind`` pins it to a core list such as "0" or "0-1" ("nobind": no pinning; default
         ``$VLLM_CPU_OMP_THREADS_BIND``, else "nobind"). CUDA only: ``gpu_memory_utilization``.
-        ``kv_cache_memory_bytes``: the KV cache size (CPU default 256 MiB)."""
+        ``kv_cache_memory_bytes``: the KV cache size (CPU default 256 MiB). ``tensor_parallel``: vLLM's
+        tensor parallelism, one worker process per part (on a CPU each pinned to its share of this
+        process's cores unless ``cpu_bind`` says otherwise, and the engine out of this process)."""
         env: dict[str, str] = {}  # set only while the engine is built (its own processes inherit it)
         if _ON_CPU and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:  # an explicit choice wins
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if _in_multi_rank_group() else "0"
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if _in_multi_rank_group() or tensor_parallel > 1 else "0"
         with _environ(env):
             from vllm import LLM, envs
 
@@ -144,10 +155,12 @@ class VLLMGenerator:
                 "group as its own world (it hangs in new_group, and destroys the group at shutdown): "
                 "build the first VLLMGenerator after init_process_group, or set VLLM_ENABLE_V1_MULTIPROCESSING=1"
             )
-        kwargs: dict = {"kv_cache_memory_bytes": kv_cache_memory_bytes}
+        kwargs: dict = {"kv_cache_memory_bytes": kv_cache_memory_bytes, "tensor_parallel_size": tensor_parallel}
         if _ON_CPU:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes or 256 * 2**20
             bind = cpu_bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            if tensor_parallel > 1 and bind in ("nobind", "auto"):  # its workers need a core list each ("0|1")
+                bind, threads = split_cores(sorted(os.sched_getaffinity(0)), tensor_parallel)
             if self.in_process:  # vLLM ignores the variable in-process: bind here
                 bind_threads(bind)
                 if threads:
