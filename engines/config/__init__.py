@@ -121,7 +121,8 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _replicas_fit_the_group(self):
-        size, chunk = self.layout.size, self.placement.stream_chunk
+        size, chunk, wave = self.layout.size, self.placement.stream_chunk, self.sampling.prompts_per_wave
+        chunks = -(-wave // chunk)  # a full wave's chunks
         for role, section in (("rollout", self.rollout), ("judge", self.judge)):
             n, tp = section.replicas, section.tensor_parallel
             if n * tp > size:
@@ -131,11 +132,10 @@ class RunConfig(Section):
             if tp > 1 and section.backend != "vllm":
                 raise ValueError(f"{role}.tensor_parallel={tp} needs {role}.backend: vllm (vLLM splits the engine over "
                                  f"{tp} ranks' devices; the {section.backend} engine is one rank's)")
-            if n > 1 and -(-self.sampling.prompts_per_wave // chunk) < n:
-                raise ValueError(f"{role}.replicas={n}: a wave of sampling.prompts_per_wave={self.sampling.prompts_per_wave} "
-                                 f"prompts is {-(-self.sampling.prompts_per_wave // chunk)} chunk(s) of placement.stream_chunk="
-                                 f"{chunk}, and a replica works on whole chunks: lower placement.stream_chunk to at most "
-                                 f"{max(1, self.sampling.prompts_per_wave // n)}")
+            if n > 1 and chunks < n:
+                raise ValueError(f"{role}.replicas={n}: a wave of sampling.prompts_per_wave={wave} prompts is {chunks} "
+                                 f"chunk(s) of placement.stream_chunk={chunk}, and a replica works on whole chunks: lower "
+                                 f"placement.stream_chunk to at most {max(1, wave // n)}")
         if self.placement.mode == "partial" and self.judge.tensor_parallel > 1:
             raise ValueError(f"placement.mode=partial with judge.tensor_parallel={self.judge.tensor_parallel}: the partial "
                              "mode's judge is a process of its own on the leader's devices (placement.judge_devices); "

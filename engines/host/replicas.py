@@ -33,7 +33,6 @@ class Replicas:
         places = layout.serving(role)  # each replica's first rank: it holds the engine
         self.count = len(places)
         self.index = places.index(layout.local(rank)) if layout.local(rank) in places else None  # this rank's replica
-        self.tensor_parallel = layout.rollout_tp if role == "rollout" else layout.judge_tp  # ranks per replica
         self.group = group  # the replicas' gloo group (None: one replica)
 
     @property
