@@ -140,13 +140,13 @@ def sync_into(trainer, generator) -> dict:
     a sleeping trainer's export reads its host copy)."""
     import torch
 
-    from engines.backends.base import fingerprint
+    from engines.backends.base import fingerprint, load_weights
 
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     names = []
     sync()
     start = time.perf_counter()
-    tensors = generator.update_weights((names.append(n) or n, t) for n, t in trainer.export_weights())
+    tensors = load_weights(generator, ((names.append(n) or n, t) for n, t in trainer.export_weights()))  # checked per bucket
     sync()
     seconds = time.perf_counter() - start
     params = dict(generator.model.named_parameters())

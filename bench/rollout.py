@@ -7,7 +7,7 @@
    tokenisation, per-sample seeds, ``Generation`` objects, decoding) against one raw
    ``LLM.generate`` call with the *same* token prompts and ``SamplingParams`` on the same
    engine. Warm-up first, then alternating repeats; medians.
-2. ``update_weights(TorchTrainer.export_weights())`` time against parameter count, for a
+2. ``load_weights(VLLMGenerator, TorchTrainer.export_weights())`` time against parameter count, for a
    few model sizes (4 layers, head_dim 32: vLLM's CPU attention needs head_dim >= 32).
 
 Every model is a tiny Llama built locally (engines/demo/tiny.py). Prints markdown tables and
@@ -134,6 +134,7 @@ def bench_task(args, model_dir: str, root: str) -> dict:
 
 
 def bench_weight_sync(args, root: str) -> list[dict]:
+    from engines.backends.base import load_weights
     from engines.backends.torch.trainer import TorchTrainer
     from engines.backends.vllm.generator import VLLMGenerator
 
@@ -145,11 +146,11 @@ def bench_weight_sync(args, root: str) -> list[dict]:
         gen = VLLMGenerator(model_dir, threads=args.threads, kv_cache_memory_bytes=32 * 2**20)
         trainer = TorchTrainer(model_dir)
         nbytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
-        gen.update_weights(trainer.export_weights())  # warm-up
+        load_weights(gen, trainer.export_weights())  # warm-up
         times = []
         for _ in range(args.sync_repeats):
             start = time.perf_counter()
-            count = gen.update_weights(trainer.export_weights())
+            count = load_weights(gen, trainer.export_weights())
             times.append(time.perf_counter() - start)
         seconds = statistics.median(times)
         rows.append({"hidden": hidden, "params": params, "tensors": count, "mb": nbytes / 1e6,
@@ -204,7 +205,7 @@ def main(argv=None) -> dict:
           f"The whole rollout task (Prefect task, host channel, engine, Parquet write; samples seeded per step, so "
           f"lengths differ slightly): tokens/s ratio task/raw {tp['task']['tokens_per_s'] / tp['raw']['tokens_per_s']:.3f}.")
 
-    print(f"\n### Weight sync `update_weights(TorchTrainer.export_weights())` ({args.layers} layers, fp32, "
+    print(f"\n### Weight sync `load_weights(vllm, TorchTrainer.export_weights())` ({args.layers} layers, fp32, "
           f"median of {args.sync_repeats})\n")
     print("| hidden | params | tensors | MB | ms (median) | ms (best) | MB/s (median) |")
     print("|---:|---:|---:|---:|---:|---:|---:|")

@@ -1,5 +1,6 @@
 """Weight-sync benchmark: trainer → rollout engine in real engine hosts, one DP group of one rank, of
-two tensor-parallel ranks and of two pipeline stages.
+two tensor-parallel ranks and of two pipeline stages, into the torch rollout engine and into vLLM
+(in the host's process with one rank; over both ranks, ``rollout.tensor_parallel=2``, with two).
 
     python -m bench.sync                        # a ~560 MB (fp32) Llama, ~2 min on 2 CPU cores
     python -m bench.sync --hidden 512 --layers 4 --repeats 3
@@ -10,11 +11,13 @@ the group's leader (docs/parallelism.md). After setup, ``SyncWeights`` is sent `
 through the group's client, as the flow sends it: the ranks gather each parameter in turn (TP
 shards all-gathered within a stage, the stage's tensor broadcast to the other stages:
 ``engines/backends/megatron/pipeline.py``; one full Hugging Face-named tensor at a time), the
-leader copies them into its rollout engine, the other ranks drop theirs.
+leader loads them into its rollout engine a bucket at a time (``rollout.sync_bucket_mb``, each
+bucket's fingerprint checked on the engine's side: ``engines.backends.base.load_weights``), the
+other ranks drop theirs. vLLM out of the host's process takes each bucket as a file in /dev/shm.
 
 - **sync s**: the host's time for the command (the slowest rank's), median.
 - **peak MB**: each rank's resident memory while the sync runs (sampled every 20 ms, its
-  child processes included) above what it held just before: what the sync itself costs in
+  child processes included: vLLM's engine and workers out of process) above what it held just before: what the sync itself costs in
   memory. A sync that gathered the whole model in one place would show the model's size here;
   one tensor at a time shows a few of the largest tensors (and what the allocator keeps).
 - **first sync's lasting MB**: a first sync, not timed, after which the leader holds about the
@@ -59,10 +62,24 @@ def _rss(pid: int) -> int:
         return 0
 
 
-LAYOUTS = {"TP=1": (1, 1), "TP=2": (2, 1), "PP=2": (1, 2)}  # (tensor_parallel, pipeline_parallel)
+# name: (train.tensor_parallel, train.pipeline_parallel, rollout.backend, rollout.tensor_parallel)
+LAYOUTS = {"TP=1": (1, 1, "torch", 1), "TP=2": (2, 1, "torch", 1), "PP=2": (1, 2, "torch", 1),
+           "TP=1 vLLM": (1, 1, "vllm", 1), "TP=2 vLLM-TP=2": (2, 1, "vllm", 2)}
 
 
-def measure(root: Path, tp: int, pp: int, repeats: int) -> dict:
+def _hash_seconds(folder: str) -> float:
+    """What the sync's check costs one side: ``fingerprint`` of the whole model, once, in this process."""
+    from safetensors.torch import load_file
+
+    from engines.backends.base import fingerprint
+
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    start = time.perf_counter()
+    fingerprint(tensors.items())
+    return time.perf_counter() - start
+
+
+def measure(root: Path, tp: int, pp: int, rollout: str, rollout_tp: int, repeats: int, bucket_mb: float) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     import pyarrow as pa
@@ -77,12 +94,13 @@ def measure(root: Path, tp: int, pp: int, repeats: int) -> dict:
     if not prompts.exists():
         datasets.write_table(str(prompts), pa.table({"prompt_id": [0, 1], "prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}),
                              datasets.PROMPTS)
-    run = f"bench-sync-tp{tp}-pp{pp}"
+    run = f"bench-sync-tp{tp}-pp{pp}-{rollout}{rollout_tp}"
     config = load_config(None, [f"name={run}", "dp=1", f"storage.root={root}", "model.policy=models/policy",
                                 "data.prompts=data/train", "data.heldout=null", "reward.genrm_weight=0",
                                 "reward.rule=engines.demo.arithmetic:exact_match", "reward.rule_weight=1", "host_timeout_s=1200",
                                 "train.backend=megatron", f"train.tensor_parallel={tp}",
-                                f"train.pipeline_parallel={pp}"])
+                                f"train.pipeline_parallel={pp}", f"rollout.backend={rollout}",
+                                f"rollout.tensor_parallel={rollout_tp}", f"rollout.sync_bucket_mb={bucket_mb}"])
     seconds, peaks = [], []
     with LocalHosts(run, config.layout, 1, config.host_timeout_s) as hosts:
         group = client(run, 0)
@@ -112,7 +130,7 @@ def measure(root: Path, tp: int, pp: int, repeats: int) -> dict:
             sampler.join()
             seconds.append(result.host_s)
             peaks.append([(p - b) / 2**20 for p, b in zip(peak, before)])
-    return {"tp": tp, "pp": pp, "sync_s": statistics.median(seconds), "tensors": result.tensors, "first_mb": first,
+    return {"tp": tp, "pp": pp, "rollout": rollout, "rollout_tp": rollout_tp, "sync_s": statistics.median(seconds), "tensors": result.tensors, "first_mb": first,
             "peak_mb": [max(run[i] for run in peaks) for i in range(len(pids))]}
 
 
@@ -121,24 +139,30 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=float, default=64, help="rollout.sync_bucket_mb")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"a comma-separated subset of {', '.join(LAYOUTS)}")
     args = parser.parse_args(argv)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests" / "megatron_cpu_site"), str(ROOT),
                                                               os.environ.get("PYTHONPATH")]))  # Megatron on a CPU: the shim
     with tempfile.TemporaryDirectory(prefix="yattflow-bench-sync-") as tmp:
         root = Path(tmp)
-        _, size = _policy(root / "models" / "policy", args.hidden, args.layers)
-        figures = {name: measure(root, tp, pp, args.repeats) for name, (tp, pp) in LAYOUTS.items()}
-    base = figures["TP=1"]
+        folder, size = _policy(root / "models" / "policy", args.hidden, args.layers)
+        hash_s = _hash_seconds(folder)
+        figures = {name: measure(root, *LAYOUTS[name], repeats=args.repeats, bucket_mb=args.bucket_mb)
+                   for name in args.layouts.split(",")}
+    base_name = "TP=1" if "TP=1" in figures else next(iter(figures))
+    base = figures[base_name]
     print(f"\nweight sync, one DP group, policy {size / 2**20:.0f} MB fp32 ({base['tensors']} tensors), "
-          f"median of {args.repeats}")
-    print("| layout | sync s | vs TP=1 | peak MB above before, per rank | first sync's lasting MB, per rank |")
+          f"{args.bucket_mb:g} MB buckets, median of {args.repeats}; the check hashes the model in {hash_s:.3f} s "
+          "on each side (one core)")
+    print(f"| layout | sync s | vs {base_name} | peak MB above before, per rank | first sync's lasting MB, per rank |")
     print("| --- | ---: | ---: | --- | --- |")
     for name, f in figures.items():
         ranks, first = (", ".join(f"{mb:.0f}" for mb in f[key]) for key in ("peak_mb", "first_mb"))
         print(f"| {name} | {f['sync_s']:.3f} | {f['sync_s'] / base['sync_s']:.2f}x | {ranks} | {first} |")
-    rows = [{"figure": f"sync s, {name} vs TP=1", "yattflow": f["sync_s"], "baseline": base["sync_s"],
-             "ratio": f["sync_s"] / base["sync_s"]} for name, f in figures.items() if name != "TP=1"]
-    return {"model_mb": size / 2**20, "figures": figures, "rows": rows}
+    rows = [{"figure": f"sync s, {name} vs {base_name}", "yattflow": f["sync_s"], "baseline": base["sync_s"],
+             "ratio": f["sync_s"] / base["sync_s"]} for name, f in figures.items() if name != base_name]
+    return {"model_mb": size / 2**20, "hash_s": hash_s, "figures": figures, "rows": rows}
 
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ async def dynamic_filter(config: RunConfig, step: int, group: int, wave: int, ca
     return await call_host(config.name, group, DynamicFilter(
         step=step, scored=[stage_uri(run_uri, step, "scored", group, w) for w in range(wave + 1)],
         out=stage_uri(run_uri, step, "experience", group), target_groups=config.sampling.target_groups,
-        carry_in=carry, carry_out=stage_uri(run_uri, step, "carry", group)), lane(config))
+        carry_in=carry, carry_out=stage_uri(run_uri, step, "carry", group), critic=config.train.algorithm.needs.critic),
+        lane(config))
 
 
 @stage(name="train-step", task_run_name="train_step dp={group}")
@@ -74,8 +75,7 @@ async def train_step(config: RunConfig, step: int, group: int) -> TrainStepResul
 
 @stage(name="sync-weights", task_run_name="sync_weights dp={group}")
 async def sync_weights(config: RunConfig, group: int) -> SyncWeightsResult:
-    timeout = config.rollout.sync_timeout_s if config.rollout.max_staleness else None  # overlapping: never a hang
-    return await call_host(config.name, group, SyncWeights(timeout_s=timeout))
+    return await call_host(config.name, group, SyncWeights(timeout_s=config.rollout.sync_timeout_s))
 
 
 @stage(name="checkpoint", task_run_name="checkpoint dp={group} step={step}")

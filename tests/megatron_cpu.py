@@ -105,6 +105,9 @@ def _patch(module) -> None:
         module.Float16OptimizerWithFloat16Params.__init__ = _cuda_type_names(module.Float16OptimizerWithFloat16Params.__init__)
     if name == "megatron.core.optimizer.distrib_optimizer":
         module.DistributedOptimizer.__init__ = _cuda_type_names(module.DistributedOptimizer.__init__)
+        # a fully reshardable checkpoint moves each buffer's state ``.cuda()`` to all-gather it over DP
+        gather = module.DistributedOptimizer.get_parameter_state_dp_zero
+        module.DistributedOptimizer.get_parameter_state_dp_zero = _tensor_cuda_stays(gather)
     if name == "megatron.core.models.common.language_module.language_module":
         # a tied output layer on the last pipeline stage: its copy of the embedding goes ``.cuda()``
         # before the first and last stages all-reduce it

@@ -38,7 +38,7 @@ from megatron.core import parallel_state  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, MistralConfig, Qwen2Config  # noqa: E402
 
-from engines.backends.base import TrainBatch  # noqa: E402
+from engines.backends.base import TrainBatch, load_weights  # noqa: E402
 from engines.backends.megatron import architectures  # noqa: E402
 from engines.backends.megatron.mapping import MappingError, hf_to_megatron, load_hf_state, megatron_to_hf  # noqa: E402
 from engines.backends.megatron.trainer import MegatronTrainer  # noqa: E402
@@ -348,7 +348,7 @@ def _vllm_child(_rank: int, folders: dict, out: str) -> None:
         else:
             trainer = TorchTrainer(folder, **HYPER, temperature=TEMPERATURE)
         trainer.train_step(batch)
-        r["synced"] = vllm.update_weights(trainer.export_weights())
+        r["synced"] = load_weights(vllm, trainer.export_weights(), bucket_bytes=1 << 16)  # many buckets, each checked
         trainer.save_hf(os.path.join(out, arch))
         after = vllm.generate(PROMPTS, n=2, temperature=TEMPERATURE, max_new_tokens=NEW_TOKENS, seed=1)
         after_batch = TrainBatch([g.prompt_ids for g in after], [g.response_ids for g in after], [g.logprobs for g in after],

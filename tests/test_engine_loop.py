@@ -21,7 +21,7 @@ megatron_cpu.install()
 
 from engines.backends.megatron.trainer import MegatronTrainer  # noqa: E402
 from engines.demo.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
-from engines.backends.base import TrainBatch  # noqa: E402
+from engines.backends.base import TrainBatch, load_weights  # noqa: E402
 from engines.backends.vllm.generator import VLLMGenerator  # noqa: E402
 
 PROMPTS = ["12+7=", "3+4=", "40+2=", "9+9="]
@@ -63,6 +63,6 @@ def closed_loop(_rank: int, tmp_path: str) -> None:
         assert _max_diff(before, after) > 1e-3, "the train step did not move the policy"
         assert metrics["tokens"] == sum(len(g.response_ids) for g in gens)
 
-        synced = rollout.update_weights(trainer.export_weights())
+        synced = load_weights(rollout, trainer.export_weights())
         assert synced == len(dict(model.named_parameters()))
         assert trainer.version == iteration + 1

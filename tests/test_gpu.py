@@ -148,6 +148,7 @@ def test_torch_engines_on_cuda(tmp_path):
     step moves the weights like the CPU's up to bf16 rounding; the generator samples on the GPU."""
     import torch
 
+    from engines.backends.base import load_weights
     from engines.backends.torch.generator import TorchGenerator
 
     from engines.backends.torch.trainer import TorchTrainer
@@ -171,7 +172,7 @@ def test_torch_engines_on_cuda(tmp_path):
     assert max((after[k] - v.cpu()).abs().max().item() for k, v in fp32.export_weights()) < 1e-4
     generator = TorchGenerator(model_dir)
     assert generator.device.type == "cuda"
-    assert generator.update_weights(mixed.export_weights()) == len(after)
+    assert load_weights(generator, mixed.export_weights()) == len(after)
     outs = generator.generate(["12+7=", "3+4="], n=2, max_new_tokens=6, seed=0)
     assert len(outs) == 4 and all(len(o.logprobs) == len(o.response_ids) > 0 for o in outs)
 
@@ -221,6 +222,61 @@ def test_megatron_dp2_over_nccl_with_gloo_metadata(tmp_path):
     assert ranks[0]["gathered"] == ranks[1]["gathered"] == [[0], [1, 1]]
     assert all(torch.equal(ranks[0]["weights"][k], ranks[1]["weights"][k]) for k in ranks[0]["weights"])
     assert ranks[0]["stats"]["loss"] == ranks[1]["stats"]["loss"]
+
+
+def _nccl_layout_worker(rank: int, world: int, port: int, model_dir: str, layout: dict, out: str) -> None:
+    """A Megatron trainer over ``world`` GPUs laid out as ``layout`` (NCCL): log-probs, one step of
+    two minibatches in token-cut micro-batches, the gathered weights after."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from engines.backends import distributed
+    from engines.backends.megatron.trainer import MegatronTrainer
+    from helpers import random_batch, with_old_logprobs
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")  # (rehearsed on a CPU, gloo)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=120))
+    distributed.init_process_groups(device, rank, world, store, timedelta(seconds=120))
+    try:
+        trainer = MegatronTrainer(model_dir, lr=1e-3, device=device, **layout)  # fp32: TF32 is off for matmuls by default
+        batch = random_batch(8, seed=7)
+        logprobs = trainer.logprobs(batch)
+        stats = trainer.train_step(with_old_logprobs(batch, logprobs, noise=0.3, seed=7), minibatches=2, micro_batch_tokens=24)
+        after = {k: v.cpu() for k, v in trainer.export_weights()}
+        torch.save({"logprobs": logprobs, "stats": stats, "after": after}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", [{"tensor_parallel": 2}, {"pipeline_parallel": 2}], ids=["tp2", "pp2"])
+def test_megatron_tp2_and_pp2_over_nccl_train_as_one_gpu(tmp_path, layout):
+    """The CPU's TP=2 and PP=2 checks (tests/test_megatron.py, gloo) on two GPUs over NCCL: the
+    log-probs and the step of a group of two ranks are one GPU's."""
+    _megatron()
+    import torch
+    import torch.multiprocessing as mp
+
+    from engines.backends.megatron.mapping import load_hf_state
+    from helpers import STEP_RTOL, free_port, save_tiny_model, step_gap
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices (NCCL takes one per rank)")
+    model_dir = save_tiny_model(tmp_path / "model", hidden_size=128, num_layers=2)  # 4 heads, 2 key/value heads
+    (tmp_path / "one").mkdir()
+    mp.spawn(_nccl_layout_worker, args=(1, free_port(), model_dir, {}, str(tmp_path / "one")), nprocs=1, join=True)
+    mp.spawn(_nccl_layout_worker, args=(2, free_port(), model_dir, layout, str(tmp_path)), nprocs=2, join=True)
+    one, rank0, rank1 = (torch.load(p, weights_only=False) for p in (tmp_path / "one" / "rank0.pt", tmp_path / "rank0.pt",
+                                                                       tmp_path / "rank1.pt"))
+    gap = max(abs(a - b) for ra, rb in zip(rank0["logprobs"], one["logprobs"]) for a, b in zip(ra, rb))
+    assert gap <= 1e-4, gap
+    assert rank0["after"].keys() == rank1["after"].keys() == one["after"].keys()
+    assert all(torch.equal(rank0["after"][k], rank1["after"][k]) for k in one["after"])  # both ranks gathered the same
+    assert step_gap(rank0["after"], one["after"], load_hf_state(model_dir)) <= STEP_RTOL
+    assert rank0["stats"]["loss"] == pytest.approx(one["stats"]["loss"], rel=1e-4)
 
 
 @pytest.mark.gpu

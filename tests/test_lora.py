@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 from helpers import random_batch, save_tiny_model, with_old_logprobs
 
+from engines.backends.base import load_weights
 from engines.backends.torch import lora
 from engines.backends.torch.generator import TorchGenerator
 from engines.backends.torch.model import sequence_logprobs
@@ -203,7 +204,7 @@ def test_export_writes_a_loadable_adapter_and_merged_model(host, policy, tmp_pat
 
     # the rollout engine after a sync answers as the exported merged model
     synced = TorchGenerator(policy)
-    synced.update_weights(host.trainer.export_weights())
+    load_weights(synced, host.trainer.export_weights())
     prompts = ["ab", "hello", "xyz"]
     out = synced.generate(prompts, greedy=True, max_new_tokens=6)
     expected = TorchGenerator(str(final / "merged")).generate(prompts, greedy=True, max_new_tokens=6)

@@ -572,6 +572,23 @@ def _worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) -> 
             del trainer
             parallel_state.destroy_model_parallel()
 
+        # the distributed optimizer saved fully reshardable by TP=2 ranks, resumed by two pipeline stages
+        first, second = cases["reshard"]
+        trainer = MegatronTrainer(model_dir, **HYPER, tensor_parallel=2, distributed_optimizer=True, reshardable_optimizer=True)
+        trainer.train_step(first, minibatches=MINIBATCHES)
+        trainer.save_checkpoint(os.path.join(out, "reshard-checkpoint"))
+        trainer.save_hf(os.path.join(out, "reshard-hf"))  # the weights after the first step (TP rank 0 writes)
+        trainer.train_step(second, minibatches=MINIBATCHES)
+        results["reshard-tp2"] = dict(trainer.export_weights())
+        del trainer
+        parallel_state.destroy_model_parallel()
+        resumed = MegatronTrainer(model_dir, **HYPER, pipeline_parallel=2, distributed_optimizer=True, reshardable_optimizer=True)
+        resumed.load_checkpoint(os.path.join(out, "reshard-checkpoint"))
+        resumed.train_step(second, minibatches=MINIBATCHES)
+        results["reshard-pp2"] = dict(resumed.export_weights())
+        del resumed
+        parallel_state.destroy_model_parallel()
+
         # DP=2: each rank steps on its own shard
         for name, case in cases["dp"].items():
             trainer = MegatronTrainer(model_dir, **HYPER, **case["trainer"])
@@ -625,6 +642,7 @@ def two_processes(model_dir, tmp_path_factory):
             for i, (name, (sizes, step_kwargs, trainer_kwargs)) in enumerate(DP_CASES.items())
         },
         "checkpoint": {"first": steps_of((3, 4), 900), "second": steps_of((4, 3), 950), "probe": random_batch(4, seed=999)},
+        "reshard": (batch_near(probe, 6, seed=71), batch_near(probe, 6, seed=72)),
     }
     torch.save(cases, tmp / "cases.pt")
     mp.spawn(_worker, args=(free_port(), model_dir, str(tmp / "cases.pt"), str(tmp)), nprocs=2, join=True)
@@ -676,6 +694,24 @@ def test_pp2_matches_pp1(model_dir, two_processes):
     assert rank0["stats"] == rank1["stats"]  # the last stage's, on the first stage too
     for name in ("loss", "grad_norm", "kl_reference", "tokens"):
         assert rank0["stats"][name] == pytest.approx(single_stats[name], rel=1e-5, abs=1e-7), name
+
+
+def test_the_distributed_optimizer_resumes_under_another_tp_and_pp_when_saved_reshardable(model_dir, two_processes):
+    """train.reshardable_optimizer: a checkpoint of TP=2 ranks with the distributed optimizer
+    (Megatron's fully_reshardable format) resumes in two pipeline stages and in one process, whose
+    next step is the TP=2 ranks' own; a control that lost the Adam state is far from it."""
+    tmp, results = two_processes["tmp"], two_processes["results"][0]
+    before, second = load_hf_state(str(tmp / "reshard-hf")), two_processes["cases"]["reshard"][1]
+    one = MegatronTrainer(model_dir, **HYPER, distributed_optimizer=True, reshardable_optimizer=True)
+    one.load_checkpoint(str(tmp / "reshard-checkpoint"))
+    one.train_step(second, minibatches=MINIBATCHES)
+    resumed = {"pp2": results["reshard-pp2"], "tp1": dict(one.export_weights())}
+    for name, weights in resumed.items():
+        assert parity(f"megatron distopt: tp=2 checkpoint resumed at {name}, next step",
+                      step_gap(weights, results["reshard-tp2"], before)) <= STEP_RTOL, name
+    fresh = MegatronTrainer(str(tmp / "reshard-hf"), **HYPER, distributed_optimizer=True)  # the weights, no Adam state
+    fresh.train_step(second, minibatches=MINIBATCHES)
+    assert step_gap(dict(fresh.export_weights()), results["reshard-tp2"], before) > 50 * STEP_RTOL
 
 
 @pytest.mark.parametrize("name", list(DP_CASES))
@@ -732,3 +768,41 @@ def test_dp2_checkpoint_union_of_rank_folders_resumes(two_processes, name):
         assert result["stats"][0] == result["stats"][1]
         assert max_diff(*result["weights"]) == 0.0
     assert max_diff(rank0["weights"][1], rank1["weights"][1]) == 0.0
+
+
+def _tp_pp_dp_worker(rank: int, port: int, model_dir: str, out: str) -> None:
+    """One of eight ranks: two DP replicas, each over TP=2 x PP=2 (Megatron's order: rank = tp +
+    2 pp + 4 dp), the distributed optimizer; each replica steps on its own batches."""
+    from datetime import timedelta
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=8, timeout=timedelta(seconds=300))
+    try:
+        case = torch.load(os.path.join(out, "case.pt"), weights_only=False)
+        trainer = MegatronTrainer(model_dir, **HYPER, tensor_parallel=2, pipeline_parallel=2, distributed_optimizer=True)
+        stats = [trainer.train_step(step[rank // 4], **case["kwargs"]) for step in case["steps"]]
+        weights = dict(trainer.export_weights())
+        if rank % 4 == 0:  # each replica's first rank
+            torch.save({"stats": stats, "weights": weights}, os.path.join(out, f"dp{rank // 4}.pt"))
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_tp2_pp2_dp2_equals_one_process(model_dir, tmp_path):
+    """Eight ranks, TP=2 x PP=2 x DP=2 with the distributed optimizer and token-cut micro-batches
+    on the 1F1B schedule, train two steps as one process does on both replicas' batches."""
+    probe = TorchTrainer(model_dir)
+    case = {"steps": [[batch_near(probe, n, seed + dp) for dp, n in enumerate((3, 5))] for seed in (300, 350)],
+            "kwargs": {"minibatches": MINIBATCHES, "micro_batch_tokens": 16}}
+    torch.save(case, tmp_path / "case.pt")
+    mp.spawn(_tp_pp_dp_worker, args=(free_port(), model_dir, str(tmp_path)), nprocs=8, join=True)
+    dp0, dp1 = (torch.load(tmp_path / f"dp{d}.pt", weights_only=False) for d in range(2))
+    assert max_diff(dp0["weights"], dp1["weights"]) == 0.0  # the replicas stay equal
+    weights, stats = single_process_steps(model_dir, case, distributed_optimizer=True)
+    assert parity("megatron: tp=2 x pp=2 x dp=2 vs one process, 2 steps",
+                  step_gap(dp0["weights"], weights, load_hf_state(model_dir))) <= STEP_RTOL
+    for step in range(2):
+        assert dp0["stats"][step]["loss"] == pytest.approx(stats[step]["loss"], abs=1e-5)
+        assert dp0["stats"][step]["grad_norm"] == pytest.approx(stats[step]["grad_norm"], rel=1e-5)

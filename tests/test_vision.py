@@ -175,7 +175,7 @@ import sys; sys.path.insert(0, {str(ROOT)!r})
 from engines.backends.torch.generator import TorchGenerator
 from engines.backends.torch.trainer import TorchTrainer
 from engines.backends.vllm.generator import VLLMGenerator
-from engines.backends.base import TrainBatch
+from engines.backends.base import TrainBatch, load_weights
 from engines.backends import multimodal
 from engines.demo import vision
 rows = vision.make_problems(4, 0)
@@ -199,7 +199,7 @@ diff = max(abs(a - b) for g, r in zip(gens, lp) for a, b in zip(g.logprobs, r))
 print("vllm-vs-trainer", diff)
 assert diff < 1e-4, diff  # measured 4.5e-6 (fp32, AMD EPYC)
 other = TorchTrainer({other!r})
-engine.update_weights(other.export_weights())  # the vision tower too; then the encoder cache is reset
+load_weights(engine, other.export_weights())  # the vision tower too; then the encoder cache is reset
 after = [g.response_ids for g in engine.generate(prompts, greedy=True, max_new_tokens=8, images=images)]
 want = [g.response_ids for g in TorchGenerator({other!r}).generate(prompts, greedy=True, max_new_tokens=8, images=images)]
 assert after == want and after != greedy, (after, want)

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from helpers import parity  # noqa: E402  (also puts the checkout on sys.path)
 
 from engines.demo.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
-from engines.backends.base import TrainBatch  # noqa: E402
+from engines.backends.base import TrainBatch, WeightSyncError, load_weights  # noqa: E402
 from engines.backends.torch.generator import TorchGenerator  # noqa: E402
 from engines.backends.torch.trainer import TorchTrainer  # noqa: E402
 from engines.backends.vllm.generator import VLLMGenerator  # noqa: E402
@@ -113,6 +113,8 @@ def test_two_instances_in_one_process(policy, dirs, request):
 
 
 def test_update_weights(policy, dirs):
+    """A sync in buckets (each one's fingerprint checked) really changes the served model; one that
+    leaves a parameter unwritten or names one the engine lacks is refused, naming it."""
     sample = dict(n=2, temperature=1.0, max_new_tokens=12, seed=5)
     before = policy.generate(PROMPTS, **sample)
     old = TorchTrainer(dirs["policy"])
@@ -122,12 +124,16 @@ def test_update_weights(policy, dirs):
         for p in new.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     expected = len(list(new.model.parameters()))
-    assert policy.update_weights(new.export_weights()) == expected
+    with pytest.raises(WeightSyncError, match=r"model\.norm\.weight"):  # vLLM alone would only log it
+        load_weights(policy, ((n, t) for n, t in new.export_weights() if n != "model.norm.weight"))
+    with pytest.raises(WeightSyncError, match=r"no module or parameter named 'norm\.scale'"):
+        load_weights(policy, (("model.norm.scale" if n == "model.norm.weight" else n, t) for n, t in new.export_weights()))
+    assert load_weights(policy, new.export_weights(), bucket_bytes=4096) == expected
     gens = policy.generate(PROMPTS, **sample)
     assert _max_diff(gens, _trainer_logprobs(new, gens)) <= TOL
-    assert _max_diff(gens, _trainer_logprobs(old, gens)) > 1e-3  # fails if update_weights were a no-op
+    assert _max_diff(gens, _trainer_logprobs(old, gens)) > 1e-3  # fails if the sync were a no-op
     # and back: the original weights give the original samples again
-    assert policy.update_weights(old.export_weights()) == expected
+    assert load_weights(policy, old.export_weights()) == expected
     restored = policy.generate(PROMPTS, **sample)
     assert [g.response_ids for g in restored] == [g.response_ids for g in before]
     assert _max_diff(restored, [g.logprobs for g in before]) <= TOL

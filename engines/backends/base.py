@@ -38,8 +38,8 @@ def report_progress() -> None:
 def fingerprint(named_tensors: Iterable[tuple[str, Any]]) -> str:
     """A fingerprint of weights by name: equal exactly when the same names hold the same dtypes,
     shapes and bits, in whatever order they come and on whatever device. Hashes one tensor at a
-    time (a 1.2B policy is never held twice). The weight-sync check compares the trainer's export
-    with the rollout engine's parameters (``bench/gpu_check.py``); replicas compare theirs."""
+    time (a 1.2B policy is never held twice). Every weight sync compares the trainer's buckets
+    with the rollout engine's (``load_weights``); DP replicas compare their trained weights."""
     import hashlib
 
     import torch
@@ -48,9 +48,64 @@ def fingerprint(named_tensors: Iterable[tuple[str, Any]]) -> str:
     for name, tensor in named_tensors:
         t = tensor.detach().contiguous()
         h = hashlib.sha256(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.cpu().view(-1).view(torch.uint8).numpy().tobytes())  # raw bytes: numpy has no bfloat16
+        h.update(t.cpu().view(-1).view(torch.uint8).numpy())  # raw bytes (numpy has no bfloat16), not copied
         digests.append(h.digest())
     return hashlib.sha256(b"".join(sorted(digests))).hexdigest()[:16]
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync left the rollout engine holding weights other than the trainer's."""
+
+
+def buckets(named_tensors: Iterable[tuple[str, Any]], max_bytes: int) -> Iterator[list[tuple[str, Any]]]:
+    """Consecutive tensors of at most ``max_bytes`` together (a larger one alone): the unit in
+    which a weight sync gathers, sends and checks the trainer's weights."""
+    bucket: list[tuple[str, Any]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def refuse_unwritten(names: set[str]) -> None:
+    """A rollout engine's parameters that a full weight sync never reached: refused."""
+    if names:
+        raise WeightSyncError(f"weight sync: {len(names)} of the rollout engine's parameters got no tensor "
+                              f"(e.g. {', '.join(sorted(names)[:3])}): they would keep their old weights")
+
+
+def load_weights(engine: Generator, named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int = 64 << 20) -> int:
+    """The trainer's Hugging Face-named tensors into a rollout engine, a bucket at a time (only
+    the buckets in flight are held here), checked: the engine answers a fingerprint of each bucket
+    as it loaded it, which must be the trainer's (``WeightSyncError`` names the first bucket that
+    differs; the engine itself refuses a name it lacks and a parameter no tensor reached). The
+    trainer's side is hashed on a thread of its own while the engine loads. Answers the number of
+    tensors."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sent: list[tuple[int, str, str, Any]] = []  # per bucket: tensors, first name, last name, its fingerprint (a future)
+    with ThreadPoolExecutor(1, thread_name_prefix="sync-fingerprint") as pool:
+
+        def fingerprinted():
+            for bucket in buckets(named_tensors, bucket_bytes):
+                sent.append((len(bucket), bucket[0][0], bucket[-1][0], pool.submit(fingerprint, bucket)))
+                yield bucket
+
+        answered = engine.update_weights(fingerprinted())
+        ours = [s[3].result() for s in sent]
+    if len(answered) != len(sent):
+        raise WeightSyncError(f"weight sync: the rollout engine answered {len(answered)} bucket fingerprints for {len(sent)} buckets")
+    for k, ((count, first, last, _), mine, theirs) in enumerate(zip(sent, ours, answered)):
+        if theirs != mine:
+            raise WeightSyncError(f"weight sync: bucket {k} ({count} tensors, {first} .. {last}) differs between the trainer "
+                                  f"and the rollout engine (fingerprint {mine} against {theirs})")
+    return sum(s[0] for s in sent)
 
 
 @dataclass
@@ -135,8 +190,11 @@ class Generator(Protocol):
         ``images``: each prompt's encoded images (a vision-language model), the prompt text holding
         the model's image placeholder once per image."""
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int:
-        """Load Hugging Face-named tensors; the count loaded."""
+    def update_weights(self, buckets: Iterable[list[tuple[str, Any]]]) -> list[str]:
+        """Load Hugging Face-named tensors, a bucket at a time (every parameter once in all);
+        answers each bucket's ``fingerprint`` as this engine loaded it (``load_weights`` compares
+        them with the trainer's). Raises ``WeightSyncError`` on a name it has no parameter for, or
+        a parameter no tensor reached."""
 
     def sleep(self) -> None:
         """Give the devices back (weights to host memory, KV cache dropped)."""

@@ -33,7 +33,7 @@ def make_trainer(cfg: RunConfig, model_dir: str, device=None) -> Trainer:
         from engines.backends.megatron.trainer import MegatronTrainer
 
         return MegatronTrainer(model_dir, tensor_parallel=t.tensor_parallel, pipeline_parallel=t.pipeline_parallel,
-                               distributed_optimizer=t.distributed_optimizer,
+                               distributed_optimizer=t.distributed_optimizer, reshardable_optimizer=t.reshardable_optimizer,
                                recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
                                recompute_num_layers=t.recompute_num_layers, recompute_modules=t.recompute_modules,
                                device=device, freeze_vision=t.freeze_vision, **kwargs)
@@ -53,6 +53,7 @@ def make_critic(cfg: RunConfig, model_dir: str, device=None):
         from engines.backends.megatron.critic import MegatronCritic
 
         return MegatronCritic(model_dir, tensor_parallel=t.tensor_parallel, distributed_optimizer=t.distributed_optimizer,
+                              reshardable_optimizer=t.reshardable_optimizer,
                               recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
                               recompute_num_layers=t.recompute_num_layers, recompute_modules=t.recompute_modules, **kwargs)
     from engines.backends.torch.critic import TorchCritic
@@ -149,8 +150,8 @@ class JudgeProcess:
     def score(self, prompts: list, responses: list[str]) -> list[float]:
         return self._call("score", prompts, responses)
 
-    def update_weights(self, named_tensors) -> int:
-        return self._call("update_weights", list(named_tensors))
+    def update_weights(self, buckets) -> list[str]:
+        return self._call("update_weights", [list(bucket) for bucket in buckets])
 
     def sleep(self) -> None:
         self._call("sleep")

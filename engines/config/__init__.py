@@ -112,11 +112,15 @@ class RunConfig(Section):
     def _model_parallel_runs_where_wired(self):
         t = self.train
         if self.layout.size > 1 and t.algorithm.needs.critic:
-            raise ValueError(f"DP groups of {self.layout.size} ranks (train.tensor_parallel={t.tensor_parallel} x "
-                             f"train.pipeline_parallel={t.pipeline_parallel} x train.fsdp={t.fsdp}) are not wired with "
-                             f"train.algorithm: name={t.algorithm.name} has a critic, and the dynamic filter runs it on the "
-                             "group's leader alone while the critic would be split over the group's ranks "
-                             "(docs/parallelism.md); use groups of one rank there")
+            critic = f"train.algorithm: name={t.algorithm.name} has a critic"
+            if t.pipeline_parallel > 1 or t.fsdp > 1:
+                raise ValueError(f"{critic}, which splits over train.tensor_parallel only (the Megatron critic has no "
+                                 f"pipeline schedule, and the torch critic no FSDP2): set train.pipeline_parallel=1 and "
+                                 f"train.fsdp=1 (now {t.pipeline_parallel} and {t.fsdp})")
+            if self.rollout.max_staleness:
+                raise ValueError(f"{critic}, whose values every rank of a group of {self.layout.size} computes together in "
+                                 "the dynamic filter, which rollout.max_staleness >= 1 runs on the rollout lane of the "
+                                 "group's rollout engines alone: set rollout.max_staleness=0, or train.tensor_parallel=1")
         return self
 
     @model_validator(mode="after")

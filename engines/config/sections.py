@@ -217,8 +217,12 @@ class RolloutConfig(Section):
         1, ge=1, description="rollout.backend=vllm: ranks each rollout engine spans (vLLM's tensor parallelism over their "
         "devices; on a CPU its CPU communicator over their cores).")
     sync_timeout_s: float = Field(
-        300.0, gt=0, description="rollout.max_staleness >= 1: a weight sync (trainer -> rollout engine) that has not "
-        "finished after this many seconds is a lost host: the run restarts its hosts from the last checkpoint.")
+        300.0, gt=0, description="A weight sync (trainer -> rollout engine) that has not finished after this many seconds "
+        "is a lost host: the run restarts its hosts from the last checkpoint.")
+    sync_bucket_mb: float = Field(
+        64, gt=0, description="A weight sync gathers, loads and checks the trainer's weights in buckets of this many MB "
+        "(a larger tensor alone): the sync holds one bucket at a time, and each bucket's fingerprint in the rollout "
+        "engine must equal the trainer's.")
 
 
 class JudgeConfig(Section):

@@ -55,10 +55,10 @@ class Checkpoints:
     whose first files changed, since the data cursors are positions in them."""
 
     def __init__(self, rank: int, backend: str, prompt_files: list[list], layout: Layout | None = None,
-                 distributed_optimizer: bool = False):
+                 distributed_optimizer: bool = False, reshardable_optimizer: bool = False):
         self.rank, self.backend, self.prompt_files = rank, backend, prompt_files
         # the ranks it is one of (None: not known, nothing recorded) and what layout.json records of them
-        self.layout, self.distributed_optimizer = layout, distributed_optimizer
+        self.layout, self.distributed_optimizer, self.reshardable_optimizer = layout, distributed_optimizer, reshardable_optimizer
         known = layout or Layout(rank + 1)
         self.name = known.name(rank)  # in logs and faults: dp-1, dp-1.1
         self.exports = known.group(rank) == 0  # takes part in writing model/ (DP group 0's ranks)
@@ -178,7 +178,8 @@ class Checkpoints:
         if self.layout is None:
             return {}
         return {"dp": self.layout.dp, "tensor_parallel": self.layout.tp, "pipeline_parallel": self.layout.pp,
-                "fsdp": self.layout.fsdp, "distributed_optimizer": self.distributed_optimizer}
+                "fsdp": self.layout.fsdp, "distributed_optimizer": self.distributed_optimizer,
+                "reshardable_optimizer": self.reshardable_optimizer}
 
     def check_prompt_files(self, prompts_uri: str, checkpoint: str, field: str = "data.prompts") -> None:
         """The prompts a checkpoint was trained on must still be the first files of the dataset
@@ -200,8 +201,9 @@ class Checkpoints:
     def check_layout(self, checkpoint: str) -> None:
         """A checkpoint resumes under another layout where Megatron-Core's ``dist_checkpointing``
         reshards it: the model and the plain optimizer over any TP, PP and DP; the distributed
-        optimizer's state (saved ``dp_reshardable``, engines/backends/megatron/optimizer.py) over
-        DP only, and never into the plain optimizer or back. Else an error naming both."""
+        optimizer's state over DP only unless it was saved with ``train.reshardable_optimizer``
+        (engines/backends/megatron/optimizer.py: ``sharding``), and never into the plain optimizer
+        or back. Else an error naming both."""
         recorded = objectstore.join(checkpoint, "layout.json")
         if self.backend != "megatron" or not objectstore.exists(recorded):
             return  # one file per rank that any layout reads; or written before this record existed
@@ -213,11 +215,11 @@ class Checkpoints:
                              f"{str(was['distributed_optimizer']).lower()}, and its optimizer state loads only into the same "
                              f"kind of optimizer: resume with train.distributed_optimizer={str(was['distributed_optimizer']).lower()}")
         sizes = [f"train.{key}={was.get(key, 1)}" for key in ("tensor_parallel", "pipeline_parallel")]
-        if now["distributed_optimizer"] and [was.get(k, 1) for k in ("tensor_parallel", "pipeline_parallel")] != \
-                [now["tensor_parallel"], now["pipeline_parallel"]]:
+        if now["distributed_optimizer"] and not was.get("reshardable_optimizer") and \
+                [was.get(k, 1) for k in ("tensor_parallel", "pipeline_parallel")] != [now["tensor_parallel"], now["pipeline_parallel"]]:
             raise ValueError(f"checkpoint {checkpoint} was written with {' and '.join(sizes)} and the distributed "
-                             "optimizer, whose state Megatron-Core 0.16 saves reshardable over the DP size only: resume "
-                             f"with {' and '.join(sizes)} (any dp)")
+                             "optimizer, whose state it saved reshardable over the DP size only (train.reshardable_optimizer="
+                             f"false): resume with {' and '.join(sizes)} (any dp)")
 
 
 class BackgroundWrite:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
-from engines.backends.base import TrainBatch
+from engines.backends.base import TrainBatch, load_weights
 from engines.host.balance import PresplitBatch, presplit
 from engines.rl.off_policy import correction_weights, staleness_counts
 
@@ -58,7 +58,8 @@ class RolloutWeights:
     policy version (the one loaded when its chunk started: ``version``). With k = 0 there is no
     second lane: a sync finds the engine free and loads the weights at once, as before."""
 
-    def __init__(self):
+    def __init__(self, bucket_bytes: int = 64 << 20):
+        self.bucket_bytes = bucket_bytes  # a sync's unit, gathered, loaded and checked (rollout.sync_bucket_mb)
         self.version = 0  # the trainer version whose weights the rollout engine holds
         self._lock = threading.RLock()  # the engine
         self._staged: tuple[object, int, list] | None = None  # (engine, version, [(name, tensor)]) not yet loaded
@@ -66,12 +67,13 @@ class RolloutWeights:
 
     def sync(self, engine, version: int, named_tensors) -> int:
         """The trainer's weights of ``version`` into ``engine``: loaded now if the engine is free,
-        else staged for its next holder. Answers the number of tensors."""
+        else staged for its next holder; checked bucket by bucket as they load (``base.load_weights``).
+        Answers the number of tensors."""
         if self._lock.acquire(blocking=False):
             try:
                 with self._slot:
                     self._staged = None  # superseded
-                count = engine.update_weights(named_tensors)
+                count = load_weights(engine, named_tensors, self.bucket_bytes)
                 self.version = version
                 return count
             finally:
@@ -92,13 +94,13 @@ class RolloutWeights:
             staged, self._staged = self._staged, None
         if staged is not None:
             engine, version, tensors = staged
-            engine.update_weights(iter(tensors))
+            load_weights(engine, tensors, self.bucket_bytes)
             self.version = version
 
-    def reset(self, version: int) -> None:
+    def reset(self, version: int, bucket_bytes: int) -> None:
         """Engines (re)loaded from a folder of ``version``: nothing staged is theirs."""
         with self._lock, self._slot:
-            self._staged, self.version = None, version
+            self._staged, self.version, self.bucket_bytes = None, version, bucket_bytes
 
     def __enter__(self) -> int:
         """Hold the engine (the newest staged weights loaded first); the version it holds."""

@@ -109,7 +109,7 @@ class Worker:
         self.layout = replace(cfg.layout, dp=self.world // size)  # the hosts started: dp groups, or fewer to evaluate
         prompts_uri = cfg.uri(cfg.data.preferences or cfg.data.prompts)  # a preference dataset is the stream instead
         self.checkpoints = Checkpoints(self.rank, cfg.train.backend, datasets.part_files(prompts_uri), self.layout,
-                                       cfg.train.distributed_optimizer)
+                                       cfg.train.distributed_optimizer, cfg.train.reshardable_optimizer)
         if request.resume:  # before any engine loads
             self.checkpoints.check_prompt_files(prompts_uri, request.resume,
                                                 "data.preferences" if cfg.data.preferences else "data.prompts")
@@ -148,7 +148,7 @@ class Worker:
         self.prompts = PromptStream(prompts_uri, self.group, self.layout.dp, cfg.data.max_image_bytes,
                                     datasets.PREFERENCES if cfg.data.preferences else datasets.PROMPTS)
         self.preferences = PreferenceRows(policy_dir, cfg, self.vision) if cfg.data.preferences else None
-        self.rollout_weights.reset(self.trainer.version)  # both engines loaded the same folder
+        self.rollout_weights.reset(self.trainer.version, int(cfg.rollout.sync_bucket_mb * 2**20))  # both engines loaded the same folder
         if request.resume:
             self.checkpoints.load(self.trainer, request.resume, self.critic)
             self.sync_weights(SyncWeights())
@@ -291,11 +291,12 @@ class Worker:
             trained = critic_host.with_token_advantages(cfg.train.algorithm, self.critic, flat, cfg.train.micro_batch_tokens)
         else:
             trained = experience.training_rows(cfg.train.algorithm, flat)
-        datasets.write_rows(r.out, trained, datasets.EXPERIENCE)
-        if carry:
-            datasets.write_rows(r.carry_out, [row for rows in carry for row in rows], datasets.CARRY)
-        elif r.carry_out is not None:
-            objectstore.remove(r.carry_out)
+        if self.leader:  # with a critic every rank of the group computed its values (a collective over TP)
+            datasets.write_rows(r.out, trained, datasets.EXPERIENCE)
+            if carry:
+                datasets.write_rows(r.carry_out, [row for rows in carry for row in rows], datasets.CARRY)
+            elif r.carry_out is not None:
+                objectstore.remove(r.carry_out)
         used = min(len(carried), r.target_groups)
         enough = len(train) >= r.target_groups
         reason = "target reached" if enough else f"{len(train)}/{r.target_groups} groups kept, {equal} had equal rewards"

@@ -177,7 +177,6 @@ class DynamicFilter(Request):
     """DAPO dynamic sampling: keep groups whose rewards differ (``carry_in`` first), up to the target."""
 
     stage = "dynamic_filter"
-    ranks = "leader"
     alone = True
     result = DynamicFilterResult
     step: int
@@ -186,6 +185,12 @@ class DynamicFilter(Request):
     target_groups: int
     carry_in: str | None = None
     carry_out: str | None = None
+    critic: bool = False  # the algorithm has a critic: its values are a collective over the group's ranks (TP)
+
+    @property
+    def ranks(self) -> str:
+        """The leader filters; with a critic every rank computes the values with it (the leader writes)."""
+        return "all" if self.critic else "leader"
 
 
 class TrainStepResult(Result):

@@ -33,7 +33,7 @@ from engines.backends import value_head
 from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
 from engines.backends.batching import micro_batches, pad_batch
 from engines.backends.distributed import default_device
-from engines.backends.megatron import optimizer as megatron_optimizer
+from engines.backends.megatron import optimizer as megatron_optimizer, pipeline
 from engines.backends.megatron.mapping import _param_to_hf, load_hf_state
 from engines.backends.megatron.model import RecomputeGranularity, _init_distributed, build_gpt, transformer_config
 from engines.backends.megatron.offload import Offload, Sleeps, trainer_tensors
@@ -71,6 +71,7 @@ class MegatronCritic(Sleeps):
 
     def __init__(self, model_dir: str, lr: float, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
                  grad_clip: float = 1.0, dtype: str = "float32", tensor_parallel: int = 1, distributed_optimizer: bool = False,
+                 reshardable_optimizer: bool = False,
                  recompute_granularity: RecomputeGranularity = "none", recompute_method: str = "uniform",
                  recompute_num_layers: int = 1, recompute_modules: list[str] | tuple[str, ...] = ("core_attn",),
                  device: torch.device | str | None = None):
@@ -110,6 +111,7 @@ class MegatronCritic(Sleeps):
                                                           distributed_optimizer)
         self.config.finalize_model_grads_func = finalize_model_grads  # as MegatronTrainer's: else no DP all-reduce
         self._adam_repairs = megatron_optimizer.needs_adam_repairs(distributed_optimizer)
+        self._sharding = megatron_optimizer.sharding(reshardable_optimizer)
         self._offload = Offload(self.device)
 
     # -- forward -------------------------------------------------------------------------------
@@ -180,14 +182,14 @@ class MegatronCritic(Sleeps):
 
     def save_hf(self, local_dir: str) -> None:
         """The critic as a Hugging Face ``*ForTokenClassification`` folder (``value_head.py``), from
-        the host copy while asleep; TP rank 0 writes (TP > 1 is refused by the hosts for now)."""
+        the host copy while asleep. Collective over TP (each parameter's shards gathered, as the
+        policy's export: ``pipeline.whole_parameters``); TP rank 0 writes."""
         tensors: dict[str, torch.Tensor] = {}
-        for name, param in self.model.module.named_parameters():
-            local = self._offload.host_view(param.detach()).to("cpu", copy=True)
-            if name.startswith(HEAD + "."):
-                tensors[f"score.{name[len(HEAD) + 1:]}"] = local
+        for name, shards in pipeline.whole_parameters(self):
+            if name.startswith(HEAD + "."):  # replicated over TP
+                tensors[f"score.{name[len(HEAD) + 1:]}"] = shards[0].to("cpu", copy=True)
                 continue
-            tensors |= {k: v.contiguous() for k, v in _param_to_hf(name, [local], self.text_config).items()}
+            tensors |= {k: v.to("cpu", copy=True).contiguous() for k, v in _param_to_hf(name, shards, self.text_config).items()}
         if parallel_state.get_tensor_model_parallel_rank() == 0:
             value_head.save_folder(local_dir, self.hf_config, tensors, self.tokenizer)
 
@@ -203,7 +205,8 @@ class MegatronCritic(Sleeps):
         """Model (value head included) and Adam state (collective); the files this rank wrote."""
         self._require_awake("save_checkpoint")
         path = Path(local_dir)
-        megatron_optimizer.save(megatron_optimizer.sharded_state(self.model, self.optimizer), path)
+        megatron_optimizer.save(megatron_optimizer.sharded_state(self.model, self.optimizer, metadata=self._sharding), path,
+                                metadata=self._sharding)
         return megatron_optimizer.files_under(path)
 
     def load_checkpoint(self, local_dir: str) -> None:

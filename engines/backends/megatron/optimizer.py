@@ -1,10 +1,11 @@
 """The pieces a Megatron-Core engine that trains (the policy's ``MegatronTrainer``, PPO's
-``MegatronCritic``) shares: its Adam, its ``dist_checkpointing`` save and load, and the two repairs
+``MegatronCritic``) shares: its Adam, its ``dist_checkpointing`` save and load, and the repairs
 Megatron 0.16's distributed optimizer over torch's AdamW needs to resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -43,26 +44,34 @@ def needs_adam_repairs(distributed_optimizer: bool) -> bool:
     return distributed_optimizer and USING_PYTORCH_OPTIMIZER
 
 
-def sharded_state(ddp_model, optimizer, is_loading: bool = False, **extra) -> dict:
+def sharding(reshardable: bool) -> dict:
+    """The distributed optimizer's checkpoint format (``train.reshardable_optimizer``). Megatron-Core
+    0.16's default, 'fully_sharded_model_space', fails on save; 'dp_reshardable' has each rank
+    write its own shard without communication and reshards over the DP size only;
+    'fully_reshardable' gathers each TP x PP part's state over DP at save and reshards over TP and
+    PP too. Recorded in the checkpoint (its content metadata), so a load reads what was written."""
+    return {"distrib_optim_sharding_type": "fully_reshardable" if reshardable else "dp_reshardable"}
+
+
+def sharded_state(ddp_model, optimizer, is_loading: bool = False, metadata: dict | None = None, **extra) -> dict:
     """Model and optimizer as ``dist_checkpointing`` shards, with ``extra`` (plain values)."""
     model = ddp_model.module.sharded_state_dict()
-    # The distributed optimizer's default format in 0.16 ('fully_sharded_model_space') fails
-    # on save; with 'dp_reshardable' each rank writes its own optimizer shard without
-    # communication (Megatron documents it as reshardable across DP sizes, not TP sizes).
-    metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
-    return {"model": model, "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=metadata), **extra}
+    optimizer_state = optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=metadata or sharding(False))
+    return {"model": model, "optimizer": optimizer_state, **extra}
 
 
-def save(state: dict, path: Path, async_save: bool = False):
+def save(state: dict, path: Path, async_save: bool = False, metadata: dict | None = None):
     """``dist_checkpointing.save`` into ``path`` (new or empty), the replicated tensors split over
-    the DP ranks (collective); an async request with ``async_save``."""
+    the DP ranks (collective); an async request with ``async_save``. ``metadata``: the
+    ``sharding`` the state was described with, recorded for the load."""
     path.mkdir(parents=True, exist_ok=True)
     if any(path.iterdir()):
         raise FileExistsError(f"{path}: checkpoint folder is not empty")
     strategy = FullyParallelSaveStrategyWrapper(
         get_default_save_sharded_strategy(), parallel_state.get_data_parallel_group(with_context_parallel=True)
     )
-    return dist_checkpointing.save(state, str(path), strategy, async_sharded_save=async_save)
+    return dist_checkpointing.save(state, str(path), strategy, async_sharded_save=async_save,
+                                   content_metadata=metadata or sharding(False))
 
 
 def load(ddp_model, optimizer, local_dir: str, repairs: bool) -> dict:
@@ -70,13 +79,33 @@ def load(ddp_model, optimizer, local_dir: str, repairs: bool) -> dict:
     state (its extra values). ``repairs``: :func:`needs_adam_repairs`."""
     if repairs:
         _materialise_adam_state(optimizer)
-    state = dist_checkpointing.load(sharded_state(ddp_model, optimizer, is_loading=True), str(local_dir))
+    written = dist_checkpointing.load_content_metadata(str(local_dir)) or sharding(False)  # (older checkpoints: none)
+    state = dist_checkpointing.load(sharded_state(ddp_model, optimizer, is_loading=True, metadata=written), str(local_dir))
     ddp_model.module.load_state_dict(state["model"])
-    with torch.no_grad():  # the distributed optimizer copies into views of the parameters
+    with torch.no_grad(), _steps_set_later(optimizer, repairs):  # the distributed optimizer copies into views of the parameters
         optimizer.load_state_dict(state["optimizer"])
     if repairs:
         _repair_adam_steps(optimizer, state["optimizer"]["optimizer"]["param_groups"][0]["step"])
     return state
+
+
+@contextlib.contextmanager
+def _steps_set_later(optimizer, repairs: bool):
+    """Megatron 0.16's DistributedOptimizer loading a fully reshardable state into torch's AdamW
+    copies every key of the parameter's Adam state from the checkpoint, whose state has no
+    ``step`` (torch's AdamW keeps one per parameter): a zero stands in, and
+    :func:`_repair_adam_steps` sets the real count after the load."""
+    patched = [chained for chained in optimizer.chained_optimizers
+               if repairs and hasattr(chained, "_set_main_param_and_optimizer_states")]
+    for chained in patched:
+        setter = chained._set_main_param_and_optimizer_states
+        chained._set_main_param_and_optimizer_states = (
+            lambda param, tensors, setter=setter: setter(param, {"step": torch.zeros(()), **tensors}))
+    try:
+        yield
+    finally:
+        for chained in patched:
+            del chained._set_main_param_and_optimizer_states
 
 
 def _materialise_adam_state(optimizer) -> None:

@@ -98,7 +98,8 @@ def whole_parameters(trainer) -> Iterator[tuple[str, list[torch.Tensor]]]:
     pp_group, pp_size = parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_pipeline_model_parallel_world_size()
     mine = parallel_state.get_pipeline_model_parallel_rank()
     offset = get_transformer_layer_offset(trainer.config) if pp_size > 1 else 0
-    tied = trainer.text_config.tie_word_embeddings
+    # (a critic's folder is mapped as a tied model's, but its output layer is its own value head)
+    tied = getattr(trainer.model.module, "share_embeddings_and_output_weights", trainer.text_config.tie_word_embeddings)
     own = {global_name(n, offset): p for n, p in trainer.model.module.named_parameters()
            if not (tied and n == "output_layer.weight")}
     device = trainer.device

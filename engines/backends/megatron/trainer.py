@@ -68,6 +68,7 @@ class MegatronTrainer(Sleeps):
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
         distributed_optimizer: bool = False,
+        reshardable_optimizer: bool = False,
         recompute_granularity: RecomputeGranularity = "none",
         recompute_method: Literal["uniform", "block"] = "uniform",
         recompute_num_layers: int = 1,
@@ -100,6 +101,7 @@ class MegatronTrainer(Sleeps):
         self.tokenizer.padding_side = "left"
         self.temperature = temperature
         self._adam_repairs = megatron_optimizer.needs_adam_repairs(distributed_optimizer)  # see load_checkpoint
+        self._sharding = megatron_optimizer.sharding(reshardable_optimizer)  # the optimizer's checkpoint format
         self.version = 0  # optimizer steps taken: the policy version rollouts are stamped with
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype {dtype!r}: float32 or bfloat16 (float16 would need loss scaling)")
@@ -317,8 +319,8 @@ class MegatronTrainer(Sleeps):
         self._require_awake("save_checkpoint")
         self.finalize_checkpoint()
         path = Path(local_dir)
-        state = megatron_optimizer.sharded_state(self.model, self.optimizer, version=self.version)
-        request = megatron_optimizer.save(state, path, async_save)
+        state = megatron_optimizer.sharded_state(self.model, self.optimizer, metadata=self._sharding, version=self.version)
+        request = megatron_optimizer.save(state, path, async_save, self._sharding)
         if not async_save:
             return megatron_optimizer.files_under(path)
         self._checkpoints.schedule_async_request(request)

