@@ -16,10 +16,11 @@ bucket's fingerprint checked on the engine's side: ``engines.backends.base.load_
 other ranks drop theirs. vLLM out of the host's process takes each bucket as a file in /dev/shm.
 
 - **sync s**: the host's time for the command (the slowest rank's), median.
-- **peak MB**: each rank's resident memory while the sync runs (sampled every 20 ms, its
-  child processes included: vLLM's engine and workers out of process) above what it held just before: what the sync itself costs in
-  memory. A sync that gathered the whole model in one place would show the model's size here;
-  one tensor at a time shows a few of the largest tensors (and what the allocator keeps).
+- **peak MB**: each rank's resident memory while the sync runs (sampled every 20 ms) above what
+  it held just before: what the sync itself costs in memory, the trainer's side and, in the same
+  process, a torch or in-process vLLM rollout engine's; "+ N": the rollout side when vLLM runs in
+  processes of its own (its engine and workers, children of the leader). A sync that gathered the
+  whole model in one place would show the model's size here; buckets show a few buckets.
 - **first sync's lasting MB**: a first sync, not timed, after which the leader holds about the
   model's size more for good: the rollout engine's weights, loaded as a memory map of the
   policy's file, become its own pages as they are written (once per run, not per sync).
@@ -52,14 +53,15 @@ def _policy(folder: Path, hidden: int, layers: int) -> tuple[str, int]:
     return str(folder), sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _rss(pid: int) -> int:
+def _rss(pid: int) -> tuple[int, int]:
+    """Resident bytes of an engine host and of its child processes (an out-of-process vLLM's)."""
     import psutil
 
     try:
         process = psutil.Process(pid)
-        return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
+        return process.memory_info().rss, sum(p.memory_info().rss for p in process.children(recursive=True))
     except psutil.NoSuchProcess:
-        return 0
+        return 0, 0
 
 
 # name: (train.tensor_parallel, train.pipeline_parallel, rollout.backend, rollout.tensor_parallel)
@@ -109,18 +111,18 @@ def measure(root: Path, tp: int, pp: int, rollout: str, rollout_tp: int, repeats
         pids = [h.proc.pid for h in hosts.hosts]
         # not measured: the first sync makes the rollout engine's weights resident and private (they
         # were loaded as a memory map of the policy's safetensors file): the model's size, once
-        warmup = [_rss(pid) for pid in pids]
+        warmup = [sum(_rss(pid)) for pid in pids]
         group.call(SyncWeights())
-        first = [(_rss(pid) - b) / 2**20 for pid, b in zip(pids, warmup)]
+        first = [(sum(_rss(pid)) - b) / 2**20 for pid, b in zip(pids, warmup)]
         for _ in range(repeats):
             before = [_rss(pid) for pid in pids]
-            peak = list(before)
+            peak = [list(b) for b in before]  # per rank: the host, its child processes
             done = threading.Event()
 
             def sample():
                 while not done.is_set():
                     for i, pid in enumerate(pids):
-                        peak[i] = max(peak[i], _rss(pid))
+                        peak[i] = [max(p, now) for p, now in zip(peak[i], _rss(pid))]
                     time.sleep(0.02)
 
             sampler = threading.Thread(target=sample, daemon=True)
@@ -129,9 +131,10 @@ def measure(root: Path, tp: int, pp: int, rollout: str, rollout_tp: int, repeats
             done.set()
             sampler.join()
             seconds.append(result.host_s)
-            peaks.append([(p - b) / 2**20 for p, b in zip(peak, before)])
-    return {"tp": tp, "pp": pp, "rollout": rollout, "rollout_tp": rollout_tp, "sync_s": statistics.median(seconds), "tensors": result.tensors, "first_mb": first,
-            "peak_mb": [max(run[i] for run in peaks) for i in range(len(pids))]}
+            peaks.append([[(p - b) / 2**20 for p, b in zip(ps, bs)] for ps, bs in zip(peak, before)])
+    return {"tp": tp, "pp": pp, "rollout": rollout, "rollout_tp": rollout_tp, "sync_s": statistics.median(seconds),
+            "tensors": result.tensors, "first_mb": first,
+            "peak_mb": [[max(run[i][side] for run in peaks) for side in range(2)] for i in range(len(pids))]}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -155,10 +158,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nweight sync, one DP group, policy {size / 2**20:.0f} MB fp32 ({base['tensors']} tensors), "
           f"{args.bucket_mb:g} MB buckets, median of {args.repeats}; the check hashes the model in {hash_s:.3f} s "
           "on each side (one core)")
-    print(f"| layout | sync s | vs {base_name} | peak MB above before, per rank | first sync's lasting MB, per rank |")
+    print(f"| layout | sync s | vs {base_name} | peak MB above before, per rank (+ its vLLM processes) | "
+          "first sync's lasting MB, per rank |")
     print("| --- | ---: | ---: | --- | --- |")
     for name, f in figures.items():
-        ranks, first = (", ".join(f"{mb:.0f}" for mb in f[key]) for key in ("peak_mb", "first_mb"))
+        own_processes = f["rollout"] == "vllm" and f["tp"] * f["pp"] * f["rollout_tp"] > 1  # vLLM out of the host
+        ranks = ", ".join(f"{host:.0f}" + (f" + {kids:.0f}" if own_processes and i == 0 else "")
+                          for i, (host, kids) in enumerate(f["peak_mb"]))
+        first = ", ".join(f"{mb:.0f}" for mb in f["first_mb"])
         print(f"| {name} | {f['sync_s']:.3f} | {f['sync_s'] / base['sync_s']:.2f}x | {ranks} | {first} |")
     rows = [{"figure": f"sync s, {name} vs {base_name}", "yattflow": f["sync_s"], "baseline": base["sync_s"],
              "ratio": f["sync_s"] / base["sync_s"]} for name, f in figures.items() if name != base_name]
