@@ -33,12 +33,14 @@ $(VENV)/.engines: $(VENV)/.installed requirements/engines.lock
 engines: $(VENV)/.engines
 
 # Debian packages some tests use: PostgreSQL (a Prefect server database that does not lock
-# under concurrent sub-flows), Redis (`yattflow stack`: messaging between API replicas)
-# and Chromium (the real-browser check of the Prefect UI).
+# under concurrent sub-flows), Redis (`yattflow stack`: messaging between API replicas),
+# Chromium (the real-browser check of the Prefect UI) and bubblewrap with Debian's python3 (the
+# sandbox of the python tool: engines/agents/sandbox.py).
 # Installed when missing and when we are root; otherwise those tests skip and say why.
-SYSTEM_PACKAGES = postgresql chromium redis-server
+SYSTEM_PACKAGES = postgresql chromium redis-server bubblewrap python3
 system:
-	@if command -v chromium >/dev/null && command -v redis-server >/dev/null && ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then :; \
+	@if command -v chromium >/dev/null && command -v redis-server >/dev/null && command -v bwrap >/dev/null \
+		&& [ -x /usr/bin/python3 ] && ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ]; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null; \
 	else echo "make: not root, not installing $(SYSTEM_PACKAGES): the tests that need them will skip"; fi

@@ -9,8 +9,8 @@ from typing import Awaitable, TypeVar
 
 from pydantic import BaseModel
 
-from engines.wire.commands import (CheckpointResult, CheckpointWaitResult, DynamicFilterResult, GenRMScoreResult, Result,
-                              RolloutResult, SyncWeightsResult, TrainStepResult)
+from engines.wire.commands import (EPISODE_FIGURES, CheckpointResult, CheckpointWaitResult, DynamicFilterResult,
+                              GenRMScoreResult, Result, RolloutResult, SyncWeightsResult, TrainStepResult)
 from engines.config import RunConfig
 from flows.sampling import GroupSampling
 from flows.artifacts import StepProgress
@@ -99,8 +99,11 @@ class StepMetrics(BaseModel):
     # every group (engines.rl.base.LossStep); TensorBoard, the tables and the curves iterate over it
     train: dict[str, float]
     response_tokens: float  # mean response length over every sample drawn
+    # multi-turn episodes: per episode drawn, turns, tool calls, tool errors, tool seconds, and the share cut short
+    episodes: dict[str, float] = {}
     rollout_tokens_per_s: float
     train_tokens_per_s: float
+    train_tokens: float = 0.0  # tokens the loss read, over every group (an episode's observations not among them)
     balance_ratio: float  # max/mean of the DP groups' train tokens (1.0: even)
     seconds: float  # the iteration flow, timed inside it
     engine_s: float  # the slowest group's engine time
@@ -156,9 +159,12 @@ class StepMetrics(BaseModel):
             keep_ratio=_mean([GroupSampling.from_dict(g.sampling).keep_ratio for g in groups]),
             train=train_statistics([(g.train.statistics, g.train.tokens) for g in groups]),
             response_tokens=sum(w.rollout.tokens for g in groups for w in g.waves) / samples,
+            episodes={k: sum(w.rollout.episodes[k] for g in groups for w in g.waves if w.rollout.episodes) / samples
+                      for k in EPISODE_FIGURES} if groups[0].waves[0].rollout.episodes else {},
             rollout_tokens_per_s=sum(w.rollout.tokens for g in groups for w in g.waves)
             / max(sum(w.rollout.seconds for g in groups for w in g.waves) / len(groups), 1e-9),
             train_tokens_per_s=sum(g.train.tokens_per_s for g in groups),
+            train_tokens=sum(g.train.tokens for g in groups),
             balance_ratio=first.balance_ratio,
             seconds=seconds, engine_s=engine_s, overhead_s=seconds - engine_s,
             engine_loads=max(g.train.engine_loads for g in groups),

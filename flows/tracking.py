@@ -26,7 +26,7 @@ from storage import objectstore
 SCALARS = {
     "rollout/reward": "reward", "rollout/accuracy": "accuracy", "rollout/response_tokens": "response_tokens",
     "sampling/kept_groups": "kept_groups", "sampling/dropped_groups": "dropped_groups", "sampling/waves": "waves",
-    "sampling/stale_dropped": "stale_dropped",
+    "sampling/stale_dropped": "stale_dropped", "train/trained_tokens": "train_tokens",
     "seconds/step": "step_s", "seconds/engines": "engine_s", **{f"seconds/{stage}": f"{stage}_s" for stage in TIMED},
 }
 
@@ -49,6 +49,7 @@ class MetricsLog:
     def step(self, metrics: StepMetrics) -> None:
         values = {tag: getattr(metrics, field) for tag, field in SCALARS.items() if getattr(metrics, field) is not None}
         values |= {f"train/{name}": value for name, value in metrics.train.items()}
+        values |= {f"episodes/{name}": value for name, value in metrics.episodes.items()}
         self._log(values, metrics.step + 1)
         if metrics.staleness:  # off-policy: how many versions behind the trainer its samples were
             ages = [age for age, count in metrics.staleness.items() for _ in range(count)]

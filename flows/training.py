@@ -483,15 +483,23 @@ async def _steps(config: RunConfig, state: RunState, first: int, end: int, histo
 
 def step_figures(metrics: StepMetrics) -> str:
     """What the console shows of a step: ``reward 0.512, accuracy 48.4%, kept 3, dropped 1, 2.1s``."""
+    e = metrics.episodes  # multi-turn episodes: ``2.1 turns, 1.4 calls (0.1 errors, 0.3s), 5% cut``
+    turns = (f"{e['turns']:.1f} turns, {e['tool_calls']:.1f} calls ({e['tool_errors']:.1f} errors, {e['tool_s']:.2f}s), "
+             f"{e['truncated']:.0%} cut, ") if e else ""
     return (f"reward {metrics.reward:.3f}, accuracy {percent(metrics.accuracy)}, kept {metrics.kept_groups}, "
-            f"dropped {metrics.dropped_groups}, {metrics.step_s:.1f}s")
+            f"dropped {metrics.dropped_groups}, {turns}{metrics.step_s:.1f}s")
 
 
 def _summary_markdown(summary: dict) -> str:
     lines = [f"# Run `{summary['run']}`", "",
              f"Held-out {summary['heldout_metric'] or 'evaluation: off (data.heldout is not set)'}: "
              f"**{percent(summary['heldout_before'])} → {percent(summary['heldout_after'])}**", "",
-             "| step | reward | accuracy | kept | dropped | waves | seconds |", "|---|---|---|---|---|---|---|"]
+             "| step | reward | accuracy | kept | dropped | waves | turns | tool calls (errors) | cut | seconds |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for m in summary["history"]:
-        lines.append(f"| {m['step']} | {m['reward']:.3f} | {m['accuracy']:.3f} | {m['kept_groups']} | {m['dropped_groups']} | {m['waves']} | {m['seconds']:.2f} |")
+        e = m.get("episodes") or {}  # single-turn samples: no episode columns
+        episode = (f"{e['turns']:.2f} | {e['tool_calls']:.2f} ({e['tool_errors']:.2f}) | {e['truncated']:.0%}" if e
+                   else "- | - | -")
+        lines.append(f"| {m['step']} | {m['reward']:.3f} | {m['accuracy']:.3f} | {m['kept_groups']} | {m['dropped_groups']} | "
+                     f"{m['waves']} | {episode} | {m['seconds']:.2f} |")
     return "\n".join(lines)

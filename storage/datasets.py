@@ -57,6 +57,14 @@ ROLLOUTS = pa.schema(
         pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
         pa.field("truncated", pa.bool_(), nullable=False),
+        # an episode (rollout.env / rollout.tools, engines/agents): ``response_ids`` are its assistant turns as
+        # sampled and the observations between them, ``logprobs`` 0 at observations; null for a single-turn sample
+        pa.field("loss_mask", pa.list_(pa.int8())),  # per response token: 1 sampled by the policy, 0 an observation
+        pa.field("turns", pa.int32()),
+        pa.field("tool_calls", pa.int32()),
+        pa.field("tool_errors", pa.int32()),  # calls answered with an error (unknown tool, bad JSON, raised, timed out)
+        pa.field("tool_s", pa.float32()),  # seconds its tools ran
+        pa.field("env_reward", pa.float32()),  # the sum of the environment's rewards (null: it gave none)
     ]
 )
 
@@ -82,9 +90,10 @@ class SchemaError(ValueError):
     """A dataset does not match its schema; the message names the file and the field."""
 
 
-def check_schema(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
-    """The columns of ``schema`` (extra columns are dropped), cast to its types. A schema whose
-    metadata names ``one_of`` columns (nullable) needs at least one of them in the table."""
+def check_schema(table: pa.Table, schema: pa.Schema, where: str, extra: bool = False) -> pa.Table:
+    """The columns of ``schema`` (extra columns are dropped, or kept after them as they are with
+    ``extra``), cast to its types. A schema whose metadata names ``one_of`` columns (nullable)
+    needs at least one of them in the table."""
     one_of = (schema.metadata or {}).get(b"one_of", b"").decode().split(",")
     if one_of != [""] and not any(name in table.column_names for name in one_of):
         first, others = one_of[0], " or ".join(f"'{n}' ({schema.field(n).type})" for n in one_of[1:])
@@ -107,7 +116,10 @@ def check_schema(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
                 table = table.set_column(table.schema.get_field_index(field.name), field.name, column.cast(field.type))
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
                 raise SchemaError(f"{where}: field '{field.name}' has type {column.type}, expected {field.type}") from e
-    return table.select(schema.names).cast(schema)
+    checked = table.select(schema.names).cast(schema)
+    for name in (n for n in table.column_names if extra and n not in schema.names):
+        checked = checked.append_column(table.schema.field(name), table.column(name))
+    return checked
 
 
 def _is_text(t: pa.DataType) -> bool:
@@ -187,9 +199,10 @@ class PromptReader:
     ``check_schema`` as ``read_table`` does (nulls for missing nullable columns; a ``SchemaError``
     naming the part, row group and field for null or uncastable values)."""
 
-    def __init__(self, uri: str, schema: pa.Schema = PROMPTS):
+    def __init__(self, uri: str, schema: pa.Schema = PROMPTS, extra: bool = False):
         self.uri = uri
         self.schema = schema
+        self.extra = extra  # the rows keep the columns the schema does not name (an environment reads them)
         self.parts = objectstore.list_files(uri, suffix=".parquet")
         if not self.parts:
             raise SchemaError(f"{uri}: no .parquet files")
@@ -273,13 +286,13 @@ class PromptReader:
             with self._open(part) as f:
                 file = self._parquet(f, part)
                 present = set(file.schema_arrow.names)  # read only the schema's columns the file has
-                columns = [n for n in self.schema.names if n in present]
+                columns = None if self.extra else [n for n in self.schema.names if n in present]
                 try:
                     return file.read_row_group(g, columns=columns, use_threads=False)
                 except pa.ArrowInvalid as e:
                     raise SchemaError(f"{part} (row group {g}): not readable ({e})") from e
 
-        table = check_schema(objectstore.retrying(part, "read", read), self.schema, f"{part} (row group {g})")
+        table = check_schema(objectstore.retrying(part, "read", read), self.schema, f"{part} (row group {g})", self.extra)
         self._cached = (group, table)
         return table
 

@@ -146,18 +146,22 @@ def test_sleep_and_wake_keep_serving(policy):
     assert [g.response_ids for g in policy.generate(PROMPTS[:1], greedy=True, max_new_tokens=8)] == [g.response_ids for g in before]
 
 
-def test_chat_prompts_render_with_the_models_template_as_torch_renders_them(tmp_path_factory):
-    """A tiny Qwen3 (ChatML template): vLLM is prompted with the same rendered ids as the torch
-    engine (the system prompt, the user turn, the assistant's turn opened; no special tokens added),
-    for plain text and for chat messages alike."""
+def test_chat_prompts_and_episodes_as_the_torch_engine_has_them(tmp_path_factory):
+    """A tiny Qwen3 (ChatML template, taught to call the calculator): vLLM is prompted with the same
+    rendered ids as the torch engine (a system turn, the user turn, the assistant's turn opened; no
+    special tokens added), for plain text and chat messages alike; and it plays multi-turn episodes
+    token-in/token-out (engines/agents/episodes.py): each turn's prompt is the episode's tokens so
+    far, and the trainer's log-probs of what it sampled are the rollout's."""
+    from engines.agents.episodes import Episodes
     from engines.backends import chat
-    from engines.demo.tiny_hub import save_tiny_hub_model
+    from engines.config.sections import RolloutConfig
+    from helpers import save_tool_agent
 
-    qwen = str(save_tiny_hub_model("qwen3", tmp_path_factory.mktemp("qwen3"), hidden_size=64, num_layers=1, num_heads=2,
-                                   num_kv_heads=1))
-    fmt = chat.PromptFormat("auto", "Be brief.")
-    prompts = ["What is 1+1?", [{"role": "user", "content": "And 2+2?"}]]
-    ours = VLLMGenerator(qwen, kv_cache_memory_bytes=32 * 2**20, prompt_format=fmt).generate(prompts, greedy=True, max_new_tokens=4)
+    qwen = save_tool_agent(tmp_path_factory.mktemp("agent"))
+    fmt = chat.PromptFormat("auto")
+    prompts = ["What is 1+1?", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "And 2+2?"}]]
+    engine = VLLMGenerator(qwen, kv_cache_memory_bytes=32 * 2**20, prompt_format=fmt)
+    ours = engine.generate(prompts, greedy=True, max_new_tokens=4)
     torch_gen = TorchGenerator(qwen, prompt_format=fmt)
     ref = torch_gen.generate(prompts, greedy=True, max_new_tokens=4)
     assert [g.prompt_ids for g in ours] == [g.prompt_ids for g in ref]
@@ -165,3 +169,14 @@ def test_chat_prompts_render_with_the_models_template_as_torch_renders_them(tmp_
     assert torch_gen.tokenizer.decode(ours[1].prompt_ids) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nAnd 2+2?<|im_end|>\n<|im_start|>assistant\n")
     assert [g.response_ids for g in ours] == [g.response_ids for g in ref]
+
+    episodes = Episodes(RolloutConfig(tools=["engines.agents.tools:calculator"], max_new_tokens=80, temperature=0.3),
+                        engine.renderer)
+    played = episodes.run(engine, [{"prompt_id": 0, "prompt": "What is 2+3?", "answer": "5"}], 4, 5)
+    assert sum(e.tool_calls for e in played) >= 2 and all(e.turns >= 1 for e in played)
+    assert any(0 in e.loss_mask for e in played)  # a tool's turn between two sampled ones
+    trainer = TorchTrainer(qwen, temperature=0.3)
+    recomputed = trainer.logprobs(TrainBatch([e.prompt_ids for e in played], [e.response_ids for e in played],
+                                             [e.logprobs for e in played], [0.0] * 4, loss_mask=[e.loss_mask for e in played]))
+    gap = max(abs(a - b) for e, lps in zip(played, recomputed) for a, b, m in zip(lps, e.logprobs, e.loss_mask) if m)
+    assert parity("vLLM episodes: train-vs-rollout log-prob gap over sampled tokens", gap) < 1e-4

@@ -135,6 +135,13 @@ class TrainBatch:
     values: list[list[float]] | None = None  # the critic's values the advantages were computed with (its value clip)
     images: list[list[bytes]] | None = None  # encoded images of each sequence's prompt (None: a text batch)
     is_weights: list[list[float]] | None = None  # per response token: the off-policy correction (engines/rl/off_policy.py)
+    loss_mask: list[list[int]] | None = None  # per response token: 1 sampled by the policy, 0 an observation (engines/agents)
+
+    def trained_tokens(self) -> list[int]:
+        """Each sequence's tokens that the loss reads: its response tokens, less an episode's observations."""
+        if self.loss_mask is None:
+            return [len(r) for r in self.response_ids]
+        return [len(r) if m is None else sum(m) for r, m in zip(self.response_ids, self.loss_mask)]
 
     def __len__(self) -> int:
         return len(self.response_ids)

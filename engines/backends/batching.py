@@ -8,7 +8,9 @@ from engines.backends.base import TrainBatch
 
 
 def pad_batch(batch: TrainBatch, pad_id: int):
-    """Right-padded ids, attention mask and response mask (aligned with logprobs[:, 1:])."""
+    """Right-padded ids, attention mask and response mask (aligned with logprobs[:, 1:]); an
+    episode's observation tokens (``TrainBatch.loss_mask`` 0) are 0 in the response mask, so
+    that the loss and every statistic read only the tokens the policy sampled."""
     seqs = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -20,7 +22,16 @@ def pad_batch(batch: TrainBatch, pad_id: int):
         attn[i, : len(p) + len(r)] = 1
         resp[i, len(p) - 1 : len(p) - 1 + len(r)] = 1
         old[i, len(p) - 1 : len(p) - 1 + len(r)] = torch.tensor(lp)
+        if batch.loss_mask is not None and batch.loss_mask[i] is not None:
+            resp[i, len(p) - 1 : len(p) - 1 + len(r)] = torch.tensor(batch.loss_mask[i], dtype=resp.dtype)
     return ids, attn, resp, old
+
+
+def response_values(values: torch.Tensor, batch: TrainBatch) -> list[list[float]]:
+    """Each sequence's ``values`` [batch, width - 1] (aligned as :func:`pad_batch`'s response mask)
+    at its response tokens, observations included: one per response token."""
+    return [values[i, len(p) - 1 : len(p) - 1 + len(r)].tolist()
+            for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids))]
 
 
 def pad_weights(batch: TrainBatch) -> torch.Tensor | None:

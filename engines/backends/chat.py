@@ -23,7 +23,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-Prompt = Union[str, list]  # plain text, or chat messages: [{"role": ..., "content": ...}, ...]
+
+@dataclass(frozen=True)
+class Tokens:
+    """A prompt already tokenized: an episode's conversation so far, as the engine sampled it and
+    its observations were tokenized (``engines/agents/episodes.py``), never rendered again."""
+
+    ids: tuple[int, ...]
+
+
+Prompt = Union[str, list, Tokens]  # plain text, chat messages ([{"role": ..., "content": ...}, ...]), or token ids
+
+_TURN = "\u2063yattflow-turn\u2063"  # stands for an assistant turn's content where only what follows it matters
 
 
 class ChatTemplateError(ValueError):
@@ -87,8 +98,9 @@ class Renderer:
         """Tokenizer keyword arguments for rendered text: no special tokens added to a rendered template."""
         return {"add_special_tokens": False} if self.templated else {}
 
-    def text(self, prompt: Prompt) -> str:
-        """The text the model is prompted with (its chat template applied, the assistant's turn opened)."""
+    def text(self, prompt: Prompt, tools: list[dict] | None = None) -> str:
+        """The text the model is prompted with (its chat template applied, the assistant's turn
+        opened; ``tools``: the JSON schemas of the tools it may call, as its template shows them)."""
         if not self.templated:
             if not isinstance(prompt, str):
                 raise ChatTemplateError(self._why_not("chat messages ('messages')"))
@@ -100,11 +112,65 @@ class Renderer:
             messages.insert(0, {"role": "system", "content": self.format.system_prompt})
         if self.tokenizer is not self.owner:  # a processor's template takes typed content parts
             messages = [m | {"content": [{"type": "text", "text": m["content"]}]} for m in messages]
-        return self.owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                              **({"tools": tools} if tools else {}))
 
-    def ids(self, prompt: Prompt) -> list[int]:
+    def ids(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
         """The prompt's token ids as the engines tokenize it (images not expanded)."""
-        return self.tokenizer(self.text(prompt), **self.encode_kwargs)["input_ids"]
+        if isinstance(prompt, Tokens):
+            return list(prompt.ids)
+        return self.tokenizer(self.text(prompt, tools), **self.encode_kwargs)["input_ids"]
+
+    def batch_ids(self, prompts: list[Prompt]) -> list[list[int]]:
+        """Each prompt's token ids (``Tokens`` as they are; text rendered and tokenized in one call)."""
+        texts = {i: self.text(p) for i, p in enumerate(prompts) if not isinstance(p, Tokens)}
+        encoded = dict(zip(texts, self.tokenizer(list(texts.values()), **self.encode_kwargs)["input_ids"])) if texts else {}
+        return [list(p.ids) if isinstance(p, Tokens) else encoded[i] for i, p in enumerate(prompts)]
+
+    # -- episodes (engines/agents): observations between sampled turns --------------------
+
+    def observation_ids(self, observation: list[dict], after_eos: bool, tools: list[dict] | None = None) -> list[int]:
+        """The tokens that go after an assistant turn as the engine sampled it: the rest of the
+        template's end of that turn (what follows the end-of-sequence token the model sampled; all
+        of it when the turn was cut short), the observation's turns (``observation``: messages,
+        e.g. a ``tool`` turn), and the next assistant turn opened. Rendered after a stand-in
+        assistant turn, so nothing the model wrote is ever rendered again. Without a chat template
+        the observation's text is appended as it is."""
+        if not self.templated:
+            return self.tokenizer("".join(m["content"] for m in observation), add_special_tokens=False)["input_ids"]
+        base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _TURN}]
+        text = self.owner.apply_chat_template(base + observation, tokenize=False, add_generation_prompt=True,
+                                              **({"tools": tools} if tools else {}))
+        text = text[text.index(_TURN) + len(_TURN):]
+        eos = self.tokenizer.eos_token
+        if after_eos and eos and text.startswith(eos):
+            text = text[len(eos):]
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def append_only(self, tools: list[dict] | None = None) -> str | None:
+        """Why the model's chat template is not append-only (rendering a conversation one turn
+        longer changes what it rendered before: earlier turns re-rendered, e.g. reasoning
+        stripped), on a probe conversation; None when it is. Episodes never re-render what the
+        model wrote (token-in/token-out), so such a template cannot make the trainer train on
+        tokens the model did not sample; it means the context differs from what the template
+        would render for the same conversation when the model is served."""
+        if not self.templated:
+            return None
+        first = [{"role": "user", "content": "What is 2 + 2?"}]
+        answer = {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"}
+        for reply in ({"role": "user", "content": "Are you sure?"}, {"role": "tool", "content": "4"}):
+            if reply["role"] == "tool" and not tools:
+                continue
+            before, after = self.text(first, tools), self.text(first + [answer, reply], tools)
+            if not after.startswith(before):
+                k = next(i for i, (a, b) in enumerate(zip(before, after)) if a != b)
+                return (f"after a {reply['role']} turn the render differs from the previous one at character {k} "
+                        f"({before[k:k + 40]!r} became {after[k:k + 40]!r})")
+        return None
+
+    def supports_tools(self) -> bool:
+        """The model's chat template renders tool schemas (it reads ``tools``)."""
+        return self.templated and "tools" in (template_of(self.owner) or "")
 
     def _why_not(self, what: str) -> str:
         if self.format.chat_template == "none":

@@ -124,6 +124,27 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _episodes_are_wired(self):
+        r, algorithm = self.rollout, self.train.algorithm
+        if self.reward.env_weight > 0 and r.env is None:
+            raise ValueError(f"reward.env_weight={self.reward.env_weight} but rollout.env is not set: the environment's "
+                             "rewards come from its step(); name one (module:Class) or set reward.env_weight=0")
+        if not r.episodes:
+            return self
+        what = f"rollout.env={r.env}" if r.env else f"rollout.tools={r.tools}"
+        if algorithm.needs.critic or algorithm.needs.preferences:
+            raise ValueError(f"{what}: train.algorithm.name={algorithm.name} is not trained on episodes yet (a critic's "
+                             "per-token values, or a preference dataset); use grpo, dapo, gspo, cispo, rloo, "
+                             "reinforce_pp or online_dpo")
+        if r.backend == "stub" or self.judge.backend == "stub":
+            raise ValueError(f"{what}: the timing stubs generate no text an environment or a tool could read; use "
+                             "rollout.backend torch or vllm")
+        if r.tools and self.data.chat_template != "auto":
+            raise ValueError(f"rollout.tools={r.tools}: a tool's schema reaches the model through its chat template, and "
+                             "data.chat_template=none renders none: set data.chat_template=auto")
+        return self
+
+    @model_validator(mode="after")
     def _replicas_fit_the_group(self):
         size, chunk, wave = self.layout.size, self.placement.stream_chunk, self.sampling.prompts_per_wave
         chunks = -(-wave // chunk)  # a full wave's chunks

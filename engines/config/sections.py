@@ -223,6 +223,27 @@ class RolloutConfig(Section):
         64, gt=0, description="A weight sync gathers, loads and checks the trainer's weights in buckets of this many MB "
         "(a larger tensor alone): the sync holds one bucket at a time, and each bucket's fingerprint in the rollout "
         "engine must equal the trainer's.")
+    env: str | None = Field(
+        None, description="Multi-turn episodes (docs/agents.md): an environment class, 'module:Class' or "
+        "'path/to/file.py:Class', one instance per episode: reset(row) gives the first prompt from the dataset row, "
+        "step(text) the next observation, a reward and whether the episode is done. None: no environment (an episode "
+        "ends at the first answer that calls no tool).")
+    tools: list[str] = Field(
+        [], description="Tools the policy may call (docs/agents.md): typed Python functions with docstrings, each "
+        "'module:function' or 'path/to/file.py:function', e.g. engines.agents.tools:calculator or "
+        "engines.agents.tools:python (runs the code in a bubblewrap sandbox). Their JSON schemas reach the model through "
+        "its chat template; a call is Hermes/Qwen3's <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.")
+    max_turns: int = Field(4, ge=1, description="rollout.env or rollout.tools: an episode's assistant turns at most; one "
+                           "cut there is truncated.")
+    episode_tokens: int = Field(2048, gt=0, description="rollout.env or rollout.tools: an episode's response tokens at most "
+                                "(its assistant turns and the observations between them); one cut there is truncated.")
+    tool_timeout_s: float = Field(10.0, gt=0, description="rollout.tools: a call running longer is answered with an error "
+                                  "the model sees (the sandboxed python tool is killed; a Python function runs on).")
+
+    @property
+    def episodes(self) -> bool:
+        """Multi-turn episodes rather than one completion per sample (engines/agents)."""
+        return self.env is not None or bool(self.tools)
 
 
 class JudgeConfig(Section):
@@ -286,13 +307,17 @@ class RewardConfig(Section):
         "(<answer>...</answer>). Added to the reward with format_weight; the held-out score is `rule`'s alone. None: none.",
     )
     format_weight: float = Field(0.0, ge=0, description="Weight of the format rule's reward.")
+    env_weight: float = Field(0.0, ge=0, description="Weight of the environment's rewards (rollout.env: the rewards its "
+                              "step() returned, summed over the episode; docs/agents.md).")
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty over the last N tokens (0: off).")
     overlong_penalty: float = Field(1.0, ge=0, description="Penalty at the length cap.")
 
     @model_validator(mode="after")
     def _some_reward(self):
-        if self.genrm_weight == 0 and self.reward_model_weight == 0 and (self.rule is None or self.rule_weight == 0):
-            raise ValueError("no reward: set genrm_weight > 0, reward_model_weight > 0 or a rule with rule_weight > 0")
+        if self.genrm_weight == 0 and self.reward_model_weight == 0 and (self.rule is None or self.rule_weight == 0) \
+                and self.env_weight == 0:
+            raise ValueError("no reward: set genrm_weight > 0, reward_model_weight > 0, a rule with rule_weight > 0 or "
+                             "env_weight > 0 (with rollout.env)")
         if self.format_weight > 0 and self.format_rule is None:
             raise ValueError(f"format_weight={self.format_weight} but no format_rule: name one (module:function)")
         return self

@@ -26,9 +26,16 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llam
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 # The real models' chat templates, cut down to what a prompt/response dataset uses (system, user
-# and assistant turns; no tools). ``add_generation_prompt`` opens the assistant's turn.
+# and assistant turns; ChatML also tools, as Qwen's: their schemas in the system turn, each result a
+# <tool_response> in a user turn). ``add_generation_prompt`` opens the assistant's turn.
 CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call functions. Their signatures:\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
+    "\n</tools>\n\nCall one as:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
+    "</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if tools and loop.first and m['role'] == 'system' %}"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 LLAMA3 = (

@@ -27,8 +27,9 @@ def correct(trainer, batch: TrainBatch, train) -> tuple[TrainBatch, dict[str, fl
     proximal = [trainer.logprobs(p) for p in pieces]  # no_grad forwards, before any optimizer step
     flat_prox = [lp for part in proximal for lp in part]
     flat_behaviour = [lp for p in pieces for lp in p.old_logprobs]
+    masks = [m for p in pieces for m in (p.loss_mask or [None] * len(p))]
     weights, stats = correction_weights(flat_prox, flat_behaviour, train.off_policy_correction, train.tis_cap,
-                                        train.mis_low, train.mis_high)
+                                        train.mis_low, train.mis_high, masks)
     out, at = [], 0
     for p, prox in zip(pieces, proximal):
         out.append(replace(p, old_logprobs=prox, is_weights=weights[at : at + len(p)]))

@@ -15,8 +15,9 @@ class PromptStream:
     resumed run keep pointing at the same prompts and go on to the new ones
     (``Checkpoints.check_prompt_files`` refuses anything else)."""
 
-    def __init__(self, uri: str, rank: int, world: int, max_image_bytes: int | None = None, schema=datasets.PROMPTS):
-        self.reader = datasets.PromptReader(uri, schema)  # schema: PREFERENCES for data.preferences
+    def __init__(self, uri: str, rank: int, world: int, max_image_bytes: int | None = None, schema=datasets.PROMPTS,
+                 extra: bool = False):
+        self.reader = datasets.PromptReader(uri, schema, extra)  # schema: PREFERENCES for data.preferences; extra: every column
         self.rank, self.world, self.max_image_bytes = rank, world, max_image_bytes
 
     def __len__(self) -> int:

@@ -13,16 +13,13 @@ a prompts file without an ``answer`` column is fine.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
+from engines.config import dotted
 from engines.rl.algorithms import overlong_penalty
 from engines.wire.commands import GenRMScoreResult
 
@@ -68,23 +65,10 @@ def _shown(text: str | None, limit: int = 200) -> str:
 def load_rule(spec: str, field: str = "reward.rule") -> Rule:
     """Import ``module:function`` or ``file.py:function`` and check that it takes (prompt, response,
     answer); errors name ``field``, the config field that names the rule."""
-    where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name.isidentifier():
-        raise RewardRuleError(f"{field}: '{spec}' is neither 'module:function' nor 'path/to/file.py:function'")
-    if where.endswith(".py") or "/" in where:
-        module = _import_file(spec, Path(where), field)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise RewardRuleError(
-                f"{field}: cannot import module '{where}' ({type(e).__name__}: {e}); the engine hosts import it, so it "
-                f"must be on their PYTHONPATH (working directory {Path.cwd()}), or give the file: "
-                f"{field}=path/to/{where.replace('.', '/')}.py:{name}"
-            ) from e
-    function = getattr(module, name, None)
+    function = dotted.load(spec, field, RewardRuleError)
+    name = spec.rpartition(":")[2]
     if not callable(function):
-        raise RewardRuleError(f"{field}: {where} has no function '{name}'")
+        raise RewardRuleError(f"{field}: {spec} is not a function")
     try:
         signature = inspect.signature(function)
         signature.bind("prompt", "response", "answer")
@@ -100,21 +84,6 @@ def load_rule(spec: str, field: str = "reward.rule") -> Rule:
     except TypeError:
         needs_answer = True
     return Rule(spec, function, needs_answer, field)
-
-
-def _import_file(spec: str, path: Path, field: str):
-    if not path.is_file():
-        raise RewardRuleError(f"{field} {spec}: no file {path.resolve()}")
-    folder = str(path.resolve().parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)  # as `python file.py` would: the rule may import its neighbours
-    module_spec = importlib.util.spec_from_file_location(f"yattflow_rule_{path.stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - any failure of the user's file is reported by name
-        raise RewardRuleError(f"{field} {spec}: importing {path} failed ({type(e).__name__}: {e})") from e
-    return module
 
 
 def model_scores(reward_model, prompts, rows: list[dict]) -> list[float | None]:
@@ -134,9 +103,11 @@ def scored(cfg, row: dict, verdict: str | None, rm: float | None, rule: Rule | N
     genrm = None if verdict is None else float(verdict.startswith(cfg.judge.good))
     ruled = rule(r["prompt"], r["response"], r["answer"], r["prompt_id"]) if rule else None
     form = format_rule(r["prompt"], r["response"], r["answer"], r["prompt_id"]) if format_rule else None
-    reward = sum(weight * value for weight, value in ((w.genrm_weight, genrm), (w.rule_weight, ruled),
-                                                      (w.format_weight, form), (w.reward_model_weight, rm)) if value is not None)
-    reward += overlong_penalty(len(r["response_ids"]), cfg.rollout.max_new_tokens, w.overlong_buffer, w.overlong_penalty)
+    env = r.get("env_reward")  # an episode's environment's rewards (engines/agents)
+    reward = sum(weight * value for weight, value in ((w.genrm_weight, genrm), (w.rule_weight, ruled), (w.format_weight, form),
+                                                      (w.reward_model_weight, rm), (w.env_weight, env)) if value is not None)
+    sampled = sum(r["loss_mask"]) if r.get("loss_mask") is not None else len(r["response_ids"])  # an episode: its own tokens
+    reward += overlong_penalty(sampled, cfg.rollout.max_new_tokens, w.overlong_buffer, w.overlong_penalty)
     return r | {"judge_text": verdict, "genrm_reward": genrm, "rule_reward": ruled, "format_reward": form, "rm_reward": rm,
                 "reward": reward}
 

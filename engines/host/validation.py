@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -11,6 +12,9 @@ from engines.backends.megatron import architectures  # imports no Megatron
 from engines.backends.megatron.vision import VISION_MODELS as MEGATRON_VISION_MODELS  # imports no Megatron
 from engines.host import rewards
 from storage import datasets, objectstore
+
+
+log = logging.getLogger("yattflow.host")
 
 
 class InputError(ValueError):
@@ -82,6 +86,7 @@ def validate_inputs(config) -> dict:
     check_lora_targets(config, policy)
     check_critic(config, policy)
     renderer = chat.Renderer(processor or AutoTokenizer.from_pretrained(policy), chat.PromptFormat.policy(config))
+    schemas = check_episodes(config, renderer, processor)  # the tools' schemas are part of every prompt
     counts = {}
     training = (("data.preferences", config.data.preferences, datasets.PREFERENCES) if config.data.preferences
                 else ("data.prompts", config.data.prompts, datasets.PROMPTS))  # the preferences are read instead
@@ -109,12 +114,13 @@ def validate_inputs(config) -> dict:
                 column = check_prompt_text(uri, row)
                 check_prompt_images(config, uri, row, processor, first=len(seen) == 1)
                 try:
-                    length = len(renderer.ids(chat.source(row)))
+                    length = len(renderer.ids(chat.source(row), schemas))
                 except chat.ChatTemplateError as e:
                     raise InputError(f"{uri}: field '{column}' (prompt_id {pid}): {e} (model.policy "
                                      f"{config.uri(config.model.policy)}, data.chat_template={config.data.chat_template})") from None
                 if length > config.data.max_prompt_tokens:
-                    shown = " with the chat template applied" if renderer.templated else ""
+                    shown = (" with the chat template applied" if renderer.templated else "") + (
+                        " and the tools' schemas" if schemas else "")
                     raise InputError(
                         f"{uri}: field '{column}' is {length} tokens{shown} (prompt_id {pid}); "
                         f"the limit is data.max_prompt_tokens={config.data.max_prompt_tokens}"
@@ -122,6 +128,44 @@ def validate_inputs(config) -> dict:
         check_answers(config, field, uri, first, unanswered, len(reader), rule, form)
         counts[field] = len(reader)
     return counts
+
+
+def check_episodes(config, renderer: chat.Renderer, processor) -> list[dict] | None:
+    """With rollout.env or rollout.tools: the environment class and the tools import and have the
+    right shape, the policy's chat template renders tools (when there are some), the sandbox runs
+    (the python tool), and the environment's ``reset`` takes the first training row; a template
+    that is not append-only is named in a warning (``chat.Renderer.append_only``). Answers the
+    tools' JSON schemas (None: no tools)."""
+    ro = config.rollout
+    if not ro.episodes:
+        return None
+    from engines.agents import environment, sandbox, tools
+    from engines.agents.episodes import Episodes
+
+    policy = config.uri(config.model.policy)
+    if processor is not None:
+        raise InputError(f"rollout.env / rollout.tools: model.policy {policy} is a vision-language model, and episodes "
+                         "run text policies only for now")
+    try:
+        episodes = Episodes(ro, renderer)
+    except (environment.EnvError, tools.ToolError) as e:
+        raise InputError(str(e)) from None
+    except chat.ChatTemplateError as e:
+        raise InputError(f"model.policy {policy}: {e}") from None
+    if any(fn is tools.python for fn in episodes.tools.values()) and (why := sandbox.unavailable()):
+        raise InputError(f"rollout.tools: {tools.__name__}:python runs model-written code in a sandbox, and {why}")
+    if episodes.not_append_only:
+        log.warning("model.policy %s: its chat template is not append-only: %s. Episodes keep every turn as sampled "
+                    "(token-in/token-out), so training is exact, but the model sees earlier turns as they were, not as "
+                    "the template would render them when it is served (docs/agents.md)", policy, episodes.not_append_only)
+    if episodes.env_class is not None:
+        uri = config.uri(config.data.prompts)
+        first = datasets.PromptReader(uri, datasets.PROMPTS, extra=True).rows([0])[0]
+        try:
+            episodes.first_prompt(first, episodes.env_class())
+        except environment.EnvError as e:
+            raise InputError(f"{uri}: {e}") from None
+    return episodes.schemas
 
 
 def check_reward_model(config) -> None:

@@ -34,9 +34,9 @@ from engines.host.prompts import PromptStream
 from engines.backends import chat, distributed, build, multimodal
 from engines.wire.channel import progress
 from engines.host.checkpointing import Checkpoints
-from engines.wire.commands import (Checkpoint, CheckpointResult, CheckpointWait, CheckpointWaitResult, DynamicFilter,
-                              DynamicFilterResult, Evaluate, EvaluateResult, ExportPolicy, ExportPolicyResult, GenRMScore,
-                              GenRMScoreResult, Ping, PingResult, Request, Result, Rollout, RolloutAndScore,
+from engines.wire.commands import (EPISODE_FIGURES, Checkpoint, CheckpointResult, CheckpointWait, CheckpointWaitResult,
+                              DynamicFilter, DynamicFilterResult, Evaluate, EvaluateResult, ExportPolicy, ExportPolicyResult,
+                              GenRMScore, GenRMScoreResult, Ping, PingResult, Request, Result, Rollout, RolloutAndScore,
                               RolloutAndScoreResult, RolloutResult, SetupEngines, SetupEnginesResult, SyncWeights,
                               SyncWeightsResult, TrainStep, TrainStepResult, ValidateInputs, ValidateInputsResult)
 from engines.config import RunConfig
@@ -74,6 +74,7 @@ class Worker:
         self.format_rule: rewards.Rule | None = None  # ``reward.format_rule``, imported
         self.prompts: PromptStream | None = None  # this group's stream of prompts (rows rank, rank+world, ...)
         self.preferences: PreferenceRows | None = None  # data.preferences: its rows are the samples (offline DPO)
+        self.episodes = None  # rollout.env / rollout.tools: multi-turn episodes (engines/agents/episodes.py)
         self.vision = False  # the policy is a vision-language model: prompts come with images
         self.judge_sees_images = False  # the judge is a vision-language model too
         self.placeholder = ""  # the policy's image placeholder (taken out of a text judge's prompt)
@@ -146,7 +147,15 @@ class Worker:
         self.awake = {"policy", "judge", "trainer", "critic"}  # all loaded, all on the devices
         self.engine_loads += 1
         self.prompts = PromptStream(prompts_uri, self.group, self.layout.dp, cfg.data.max_image_bytes,
-                                    datasets.PREFERENCES if cfg.data.preferences else datasets.PROMPTS)
+                                    datasets.PREFERENCES if cfg.data.preferences else datasets.PROMPTS,
+                                    extra=cfg.rollout.env is not None)  # an environment reads every column
+        if cfg.rollout.episodes and rolls:
+            from transformers import AutoTokenizer
+
+            from engines.agents.episodes import Episodes
+
+            self.episodes = Episodes(cfg.rollout, chat.Renderer(AutoTokenizer.from_pretrained(policy_dir),
+                                                                chat.PromptFormat.policy(cfg)))
         self.preferences = PreferenceRows(policy_dir, cfg, self.vision) if cfg.data.preferences else None
         self.rollout_weights.reset(self.trainer.version, int(cfg.rollout.sync_bucket_mb * 2**20))  # both engines loaded the same folder
         if request.resume:
@@ -453,18 +462,22 @@ class Worker:
         if self.preferences is not None:  # nothing to generate: the dataset's two responses are the samples
             return self.preferences.rollout_rows(chunk, wave, self.trainer.version)
         ro = self.config.rollout
+        seed = stable_seed(self.config.seed, step, self.group, wave, k)
+
+        def sample(j: int, row: dict, version: int) -> dict:  # sample j of the chunk, of prompt ``row``
+            return {"prompt_id": row["prompt_id"], "sample_index": j % ro.samples_per_prompt, "policy_version": version,
+                    "wave": wave, "prompt": row["prompt"], "answer": row["answer"],
+                    "prompt_row": row["prompt_row"]}  # where its images are: rollouts never copy them
+
         with self.rollout_weights as version:  # one policy version per chunk: a sync lands before or after it
+            if self.episodes is not None:  # multi-turn: an episode is a sample (engines/agents/episodes.py)
+                played = self.episodes.run(self.policy, chunk, ro.samples_per_prompt, seed)
+                return [sample(j, e.row, version) | e.columns(self.episodes.renderer.tokenizer) for j, e in enumerate(played)]
             gens = self.policy.generate([chat.source(row) for row in chunk], n=ro.samples_per_prompt, temperature=ro.temperature,
-                                        top_p=ro.top_p, max_new_tokens=ro.max_new_tokens,
-                                        seed=stable_seed(self.config.seed, step, self.group, wave, k), images=self._images_of(chunk))
-        return [{
-            "prompt_id": chunk[g.prompt_index]["prompt_id"], "sample_index": j % ro.samples_per_prompt,
-            "policy_version": version, "wave": wave, "prompt": chunk[g.prompt_index]["prompt"],
-            "answer": chunk[g.prompt_index]["answer"],
-            "prompt_row": chunk[g.prompt_index]["prompt_row"],  # where its images are: rollouts never copy them
-            "prompt_ids": g.prompt_ids, "response": g.response, "response_ids": g.response_ids,
-            "logprobs": g.logprobs, "truncated": g.truncated,
-        } for j, g in enumerate(gens)]
+                                        top_p=ro.top_p, max_new_tokens=ro.max_new_tokens, seed=seed, images=self._images_of(chunk))
+        return [sample(j, chunk[g.prompt_index], version) | {
+            "prompt_ids": g.prompt_ids, "response": g.response, "response_ids": g.response_ids, "logprobs": g.logprobs,
+            "truncated": g.truncated} for j, g in enumerate(gens)]
 
     def _images_of(self, prompts: list[dict]) -> list[list[bytes]] | None:
         """The images of a vision policy's prompts (rows read from the prompts dataset), else None."""
@@ -507,8 +520,9 @@ class Worker:
         tokens = sum(len(row["response_ids"]) for row in rows)
         log.info("%s rollout wave %d: %d prompts x %d samples, %d tokens in %.2fs", self.name, r.wave, r.count,
                  self.config.rollout.samples_per_prompt, tokens, seconds)
+        episodes = {name: float(sum(row[name] for row in rows)) for name in EPISODE_FIGURES} if self.episodes else {}
         return RolloutResult(uri=r.out, cursor=r.cursor + r.count, prompts=r.count, samples=len(rows), tokens=tokens, seconds=seconds,
-                             truncated=sum(row["truncated"] for row in rows), switch_s=switch)
+                             truncated=sum(row["truncated"] for row in rows), switch_s=switch, episodes=episodes)
 
     def params_sha(self) -> str:
         """Fingerprint of the trainer's parameters: equal on every replica after a step."""

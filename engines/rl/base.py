@@ -141,11 +141,12 @@ class LossStep:
             mean = s / max(n, 1.0)
             self.shift, self.scale = mean, math.sqrt(max(ss / max(n, 1.0) - mean * mean, 0.0)) + 1e-6
 
-    def count(self, response_ids: Sequence[Sequence[int]]) -> float:
-        """This rank's share of a minibatch's normaliser: response tokens, sequences, or pairs."""
+    def count(self, batch) -> float:
+        """This rank's share of a minibatch's (a ``TrainBatch``) normaliser: trained tokens (an
+        episode's observations not counted), sequences, or pairs."""
         if self.algorithm.needs.pairs:
-            return float(len(response_ids) // 2)
-        return float(sum(len(r) for r in response_ids)) if self.algorithm.loss_aggregation == "token" else float(len(response_ids))
+            return float(len(batch) // 2)
+        return float(sum(batch.trained_tokens())) if self.algorithm.loss_aggregation == "token" else float(len(batch))
 
     def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: Sequence[float | Sequence[float]],
                  mask: torch.Tensor, total: float, ref_logprobs: torch.Tensor | None = None,

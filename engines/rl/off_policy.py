@@ -34,29 +34,33 @@ LOG_CAP = 20.0  # log-ratios clamped to +-20 before exp: a token the old policy 
 
 
 def correction_weights(proximal: Sequence[Sequence[float]], behaviour: Sequence[Sequence[float]], correction: Correction,
-                       tis_cap: float = 2.0, mis_low: float = 0.5, mis_high: float = 2.0
-                       ) -> tuple[list[list[float]], dict[str, float]]:
+                       tis_cap: float = 2.0, mis_low: float = 0.5, mis_high: float = 2.0,
+                       masks: Sequence[Sequence[int] | None] | None = None) -> tuple[list[list[float]], dict[str, float]]:
     """Per-token loss weights of each sequence, and their statistics over all tokens:
     ``is_ratio_mean``/``is_ratio_max`` (of the raw w_t), ``is_truncated_fraction`` (tokens with
-    w_t > C under ``tis``), ``is_masked_fraction`` (tokens of masked sequences under ``mis``)."""
+    w_t > C under ``tis``), ``is_masked_fraction`` (tokens of masked sequences under ``mis``).
+    ``masks``: an episode's loss mask per sequence (``TrainBatch.loss_mask``): its observation
+    tokens (0) were not sampled, so they get weight 1 and count in no statistic and no ``mis`` mean."""
     weights: list[list[float]] = []
     tokens = truncated = masked = 0
     ratio_sum, ratio_max = 0.0, 0.0
-    for prox, beh in zip(proximal, behaviour):
+    for i, (prox, beh) in enumerate(zip(proximal, behaviour)):
         if len(prox) != len(beh):
             raise ValueError(f"old-policy and behaviour log-probabilities differ in length ({len(prox)} vs {len(beh)})")
-        logs = [max(-LOG_CAP, min(LOG_CAP, p - b)) for p, b in zip(prox, beh)]
+        sampled = masks[i] if masks is not None and masks[i] is not None else [1] * len(prox)
+        logs = [max(-LOG_CAP, min(LOG_CAP, p - b)) if m else 0.0 for p, b, m in zip(prox, beh, sampled)]
         raw = [math.exp(x) for x in logs]
-        tokens += len(raw)
-        ratio_sum += sum(raw)
-        ratio_max = max([ratio_max, *raw])
+        ours = [w for w, m in zip(raw, sampled) if m]
+        tokens += len(ours)
+        ratio_sum += sum(ours)
+        ratio_max = max([ratio_max, *ours])
         if correction == "tis":
-            truncated += sum(w > tis_cap for w in raw)
+            truncated += sum(w > tis_cap for w in ours)
             weights.append([min(w, tis_cap) for w in raw])
         elif correction == "mis":
-            rho = math.exp(sum(logs) / len(logs)) if logs else 1.0
+            rho = math.exp(sum(logs) / len(ours)) if ours else 1.0
             keep = mis_low <= rho <= mis_high
-            masked += 0 if keep else len(raw)
+            masked += 0 if keep else len(ours)
             weights.append(raw if keep else [0.0] * len(raw))
         else:
             weights.append(raw)

@@ -86,6 +86,10 @@ class SetupEngines(Request):
 # --------------------------------------------------------------------------- one RL step
 
 
+# What a step reports of its multi-turn episodes (engines/agents/episodes.py), per episode on average.
+EPISODE_FIGURES = ("turns", "tool_calls", "tool_errors", "tool_s", "truncated")
+
+
 class RolloutResult(Result):
     uri: str
     cursor: int  # the group's stream position after this wave
@@ -95,6 +99,8 @@ class RolloutResult(Result):
     truncated: int
     seconds: float
     switch_s: float = 0.0  # placement: seconds the engines took to hand the devices over
+    # multi-turn episodes (rollout.env / rollout.tools): sums over this wave's episodes of ``EPISODE_FIGURES``
+    episodes: dict[str, float] = {}
 
 
 class Rollout(Request):

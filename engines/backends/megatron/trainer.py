@@ -38,7 +38,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from engines.backends import multimodal
 from engines.backends.base import FrozenCheckpoint, TrainBatch
-from engines.backends.batching import micro_batches, pad_weights
+from engines.backends.batching import micro_batches, pad_weights, response_values
 from engines.backends.distributed import default_device
 from engines.backends.megatron import optimizer as megatron_optimizer, pipeline, vision
 from engines.backends.megatron.mapping import _param_to_hf, load_hf_state, padded_vocab_size
@@ -192,8 +192,7 @@ class MegatronTrainer(Sleeps):
         if not len(batch):
             return []
         def response_logprobs(micro, padded, lp, k):
-            lp = lp.cpu()
-            return [lp[i][padded.response[i].bool()].tolist() for i in range(len(micro))]
+            return response_values(lp.cpu(), micro)
 
         (lps,) = pipeline.schedule(self, self.model, [batch], response_logprobs, forward_only=True) or [None]
         return pipeline.from_last_stage(lps, self.device)
@@ -228,7 +227,7 @@ class MegatronTrainer(Sleeps):
         for part in batch.split(minibatches, step.unit):
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            (total,) = self._dp_sums([step.count(part.response_ids)])
+            (total,) = self._dp_sums([step.count(part)])
             passes = micro_batches(part, micro_batch_tokens, step.unit)
             refs = None
             if self.reference is not None and algorithm.needs.reference:
@@ -248,7 +247,7 @@ class MegatronTrainer(Sleeps):
                 losses = []
             _, grad_norm, _ = self.optimizer.step()
             loss_total += self._dp_sums([float(sum(x.item() for x in losses))])[0]  # the last stage's (0 elsewhere)
-            tokens += float(sum(len(r) for r in part.response_ids))
+            tokens += float(sum(part.trained_tokens()))
             grad_norm = float(grad_norm)
         self.version += 1
         return pipeline.from_last_stage(step.result(tokens, loss=loss_total, grad_norm=grad_norm), self.device)

@@ -46,15 +46,15 @@ class TorchGenerator:
         images: list[list[bytes]] | None = None,
     ) -> list[Generation]:
         tok, special = self.tokenizer, self.renderer.encode_kwargs
-        texts = [self.renderer.text(p) for p in prompts for _ in range(n)]
         if images is not None:
             if self.processor is None:
                 raise ValueError("images given to a text-only model")
+            texts = [self.renderer.text(p) for p in prompts for _ in range(n)]
             batch = multimodal.model_inputs(self.processor, texts, [im for im in images for _ in range(n)], **special)
             batch = batch.to(self.device)
-        else:
-            # input ids and mask only: a tokenizer that adds token_type_ids makes generate() refuse them
-            batch = tok(texts, return_tensors="pt", padding=True, return_token_type_ids=False, **special).to(self.device)
+        else:  # input ids and mask only (a tokenizer that adds token_type_ids makes generate() refuse them), left-padded
+            ids = [row for row in self.renderer.batch_ids(prompts) for _ in range(n)]
+            batch = tok.pad({"input_ids": ids}, return_tensors="pt", return_attention_mask=True).to(self.device)
         if not greedy:  # greedy draws nothing: leave the process-wide RNG alone (a judge on another
             torch.manual_seed(seed)  # thread must not reseed the rollout's sampling: placement.mode=partial)
         with forward_precision(self.device, self.autocast):

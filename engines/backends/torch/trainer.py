@@ -20,7 +20,7 @@ from torch.profiler import record_function
 
 from engines.backends import multimodal
 from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
-from engines.backends.batching import micro_batches, pad_batch, pad_weights
+from engines.backends.batching import micro_batches, pad_batch, pad_weights, response_values
 from engines.backends.torch import fsdp, lora as lora_adapter
 from engines.backends.torch.model import forward_precision, is_vision_tower, load_model, resolve_device, sequence_logprobs
 from engines.rl import registry
@@ -115,13 +115,13 @@ class TorchTrainer:
         """The trainer's log-probabilities of each response token under the current weights."""
         if not len(batch):
             return []
-        ids, attn, resp, _ = (t.to(self.device) for t in pad_batch(batch, self.tokenizer.pad_token_id))
+        ids, attn, _, _ = (t.to(self.device) for t in pad_batch(batch, self.tokenizer.pad_token_id))
         # with LoRA in eval mode: adapter dropout would make these random
         mode = lora_adapter.eval_mode(self.model) if self.lora is not None else contextlib.nullcontext()
         with forward_precision(self.device, self.autocast), mode:
             pixels = multimodal.pixels(self.processor, batch, self.device)
             lp = sequence_logprobs(self.model, ids, attn, self.temperature, pixels, self.banned)
-        return [lp[i][resp[i].bool()].tolist() for i in range(len(batch))]
+        return response_values(lp, batch)
 
     def train_step(
         self,
@@ -147,7 +147,7 @@ class TorchTrainer:
         for part in batch.split(minibatches, step.unit):
             self.optimizer.zero_grad(set_to_none=True)
             mine = part if self.mesh is None else fsdp.rows(part, step.unit, self.mesh)  # FSDP: the group's rows, split
-            (total,) = self._global_sums([step.count(mine.response_ids)])
+            (total,) = self._global_sums([step.count(mine)])
             loss_value = 0.0
             passes = micro_batches(mine, micro_batch_tokens, step.unit)
             real = len(passes)
@@ -182,7 +182,7 @@ class TorchTrainer:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
                 self.optimizer.step()
             loss_total += self._global_sums([loss_value])[0]
-            tokens += float(sum(len(r) for r in part.response_ids))
+            tokens += float(sum(part.trained_tokens()))
             grad_norm = float(fsdp.full(grad_norm))
         self.version += 1
         if self.mesh is not None:  # each rank's statistics are of its rows: the group's are their sums

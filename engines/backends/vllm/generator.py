@@ -215,7 +215,7 @@ class VLLMGenerator:
         if images is not None and self.processor is None:
             raise ValueError("images given to a text-only model")
         # plain text: BOS added, as TorchGenerator does; a rendered chat template holds its own
-        prompt_ids = self.tokenizer([self.renderer.text(p) for p in prompts], **self.renderer.encode_kwargs)["input_ids"]
+        prompt_ids = self.renderer.batch_ids(prompts)
         token_prompts, params = [], []
         for i, ids in enumerate(prompt_ids):
             request = {"prompt_token_ids": ids}

@@ -1,0 +1,166 @@
+"""Many episodes at once, token-in/token-out (``rollout.env``, ``rollout.tools``).
+
+Each sample of a prompt is an episode: its own environment instance (``reset(row)`` gives the
+first prompt), then turns. Every turn, the live episodes of a chunk go into **one** generate call
+(vLLM batches them continuously); then each episode's turn is read: tool calls in it are run (all
+episodes' calls at once, on threads) and answered as ``tool`` turns; else the environment's
+``step(text)`` answers the next observation, a reward and whether it is done; with neither, the
+first answer ends the episode.
+
+What is trained is exactly what the engine saw and sampled: the prompt's tokens, then each
+assistant turn's sampled tokens (loss mask 1, their rollout log-probs) and the observation's
+tokens after it (loss mask 0, log-prob 0), tokenized as the chat template renders the observation
+after an assistant turn (``chat.Renderer.observation_ids``). The conversation is never rendered
+again, so earlier turns are never re-tokenized: a template that is not append-only cannot put
+tokens the model never produced into training. The next turn's prompt is those same tokens
+(``chat.Tokens``).
+
+An episode ends when the environment says done, when the model answers without a tool call and
+there is no environment, or cut (``truncated``): at ``rollout.max_turns`` turns, at
+``rollout.episode_tokens`` response tokens, or when a turn hit ``rollout.max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from engines.agents import environment, sandbox, tools as toolbox
+from engines.backends import chat
+from engines.backends.base import Generation, Generator, report_progress
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Episode:
+    row: dict  # the prompts row (every column)
+    env: object | None
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_s: float = 0.0
+    env_reward: float | None = None
+    done: bool = False
+    truncated: bool = False
+    text: str = ""  # the last turn as sampled: what the tools and the environment read
+    cut_eos: bool = False  # the last turn ended without its end-of-sequence token
+
+    def columns(self, tokenizer) -> dict:
+        """The rollout row's fields of this episode (``storage.datasets.ROLLOUTS``)."""
+        return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids,
+                "response": tokenizer.decode(self.response_ids, skip_special_tokens=True), "logprobs": self.logprobs,
+                "truncated": self.truncated, "loss_mask": self.loss_mask, "turns": self.turns,
+                "tool_calls": self.tool_calls, "tool_errors": self.tool_errors, "tool_s": self.tool_s,
+                "env_reward": self.env_reward}
+
+
+class Episodes:
+    """The run's environment class and tools (``rollout``'s fields), loaded and checked once; ``run``
+    plays a chunk's episodes. ``renderer``: the policy's (its tokenizer and chat template)."""
+
+    def __init__(self, rollout, renderer: chat.Renderer):
+        self.config, self.renderer = rollout, renderer
+        self.env_class = environment.load(rollout.env) if rollout.env else None
+        self.tools = toolbox.load(rollout.tools)
+        self.schemas = [toolbox.schema(fn) for fn in self.tools.values()] or None
+        if self.tools and not renderer.supports_tools():
+            raise chat.ChatTemplateError(f"rollout.tools={rollout.tools}: the policy's chat template does not render "
+                                         "tools (it never reads 'tools'): use a model whose template does (Qwen3, Qwen2.5, "
+                                         "Llama 3.1+, Hermes)")
+        self.not_append_only = renderer.append_only(self.schemas)
+        sandbox.configure(wall_s=rollout.tool_timeout_s)
+
+    def run(self, generator: Generator, rows: list[dict], n: int, seed: int) -> list[Episode]:
+        """``n`` episodes of each row, prompt-major, on the rollout engine ``generator`` (with the
+        run's sampling settings: ``rollout.temperature``, ``top_p``, ``max_new_tokens``)."""
+        cfg = self.config
+        episodes = [self._start(row, j) for row in rows for j in range(n)]
+        turn = 0
+        while live := [e for e in episodes if not e.done]:
+            report_progress()
+            gens = generator.generate([chat.Tokens(tuple(e.prompt_ids + e.response_ids)) for e in live],
+                                      temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                                      seed=(seed * 1009 + turn) % 2**32)
+            for e, g in zip(live, gens):
+                self._sampled(e, g)
+            self._answer([e for e in live if not e.done], turn)
+            turn += 1
+        return episodes
+
+    def first_prompt(self, row: dict, env) -> chat.Prompt:
+        """The episode's first prompt: the environment's ``reset(row)`` (checked), else the row's own."""
+        if env is None:
+            return chat.source(row)
+        first = self._call(env, "reset", row, row, 0)
+        return first if isinstance(first, str) else environment.messages_of(first, self._where(row, 0))
+
+    def _start(self, row: dict, sample: int) -> Episode:
+        env = self.env_class() if self.env_class else None
+        return Episode(row, env, self.renderer.ids(self.first_prompt(row, env), self.schemas))
+
+    def _sampled(self, e: Episode, g: Generation) -> None:
+        """The turn the engine sampled, on the episode (cut at the episode's token budget)."""
+        room = self.config.episode_tokens - len(e.response_ids)
+        ids, logprobs = g.response_ids[:room], g.logprobs[:room]
+        e.response_ids += ids
+        e.loss_mask += [1] * len(ids)
+        e.logprobs += logprobs
+        e.turns += 1
+        e.text = g.response
+        e.cut_eos = g.truncated or len(ids) < len(g.response_ids)
+        if e.cut_eos:
+            e.done = e.truncated = True
+
+    def _answer(self, live: list[Episode], turn: int) -> None:
+        """Each live episode's observation after its turn: its tools' results, else the environment's."""
+        calls = {id(e): toolbox.parse(e.text) if self.tools else [] for e in live}
+        work = [(e, c) for e in live for c in calls[id(e)]]
+        results = []
+        if work:
+            with ThreadPoolExecutor(min(32, len(work)), thread_name_prefix="tool-calls") as pool:
+                results = list(pool.map(lambda ec: toolbox.call(self.tools, ec[1], self.config.tool_timeout_s), work))
+        answered: dict[int, list[dict]] = {}
+        for (e, _), r in zip(work, results):
+            e.tool_calls += 1
+            e.tool_errors += r.error
+            e.tool_s += r.seconds
+            answered.setdefault(id(e), []).append({"role": "tool", "content": r.content})
+        for e in live:
+            if id(e) in answered:
+                observation = answered[id(e)]
+            elif e.env is not None:
+                where = self._where(e.row, turn + 1)
+                step = environment.checked_step(self._call(e.env, "step", e.text, e.row, turn + 1), where)
+                if step.reward is not None:
+                    e.env_reward = (e.env_reward or 0.0) + float(step.reward)
+                if step.done:
+                    e.done = True
+                    continue
+                observation = environment.messages_of(step.observation, where)
+            else:
+                e.done = True  # answered without a tool
+                continue
+            if e.turns >= self.config.max_turns:
+                e.done = e.truncated = True
+                continue
+            ids = self.renderer.observation_ids(observation, after_eos=not e.cut_eos, tools=self.schemas)
+            ids = ids[: self.config.episode_tokens - len(e.response_ids)]
+            e.response_ids += ids
+            e.loss_mask += [0] * len(ids)
+            e.logprobs += [0.0] * len(ids)
+            if len(e.response_ids) >= self.config.episode_tokens:
+                e.done = e.truncated = True
+
+    def _call(self, env, method: str, argument, row: dict, turn: int):
+        try:
+            return getattr(env, method)(argument)
+        except Exception as e:  # noqa: BLE001 - the user's code: named, not retried (the same seed would fail again)
+            raise environment.EnvError(f"{self._where(row, turn)}: {method}() raised {type(e).__name__}: {e}") from e
+
+    def _where(self, row: dict, turn: int) -> str:
+        return f"rollout.env {self.config.env}: prompt_id {row.get('prompt_id')}, turn {turn}"

@@ -1,0 +1,328 @@
+"""Agentic RL (engines/agents): episodes are token-in/token-out with a loss mask; observation
+tokens get no gradient and a one-turn episode trains as today's single-turn sample; bad calls are
+observations; the sandbox contains escape attempts; bad environments and tools fail before any
+engine loads, naming what is wrong."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import textwrap
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from helpers import random_batch, save_tiny_model, save_tool_agent  # (also puts the checkout on sys.path)
+
+from engines.agents import environment, sandbox, tools
+from engines.agents.episodes import Episodes
+from engines.backends import chat
+from engines.backends.base import TrainBatch
+from engines.backends.batching import pad_batch
+from engines.backends.torch.generator import TorchGenerator
+from engines.backends.torch.trainer import TorchTrainer
+from engines.config import load_config
+from engines.config.sections import RolloutConfig
+from engines.host import validation
+from engines.rl.base import LossStep
+from engines.rl.grpo import GRPOConfig
+from engines.rl.off_policy import correction_weights
+from storage import datasets
+
+AUTO = chat.PromptFormat("auto")
+CALCULATOR = "engines.agents.tools:calculator"
+RETRY_ENV = '''
+from engines.agents.environment import Step
+
+class Retry:
+    """Feedback after a wrong answer, then a retry: truly multi-turn, no tools."""
+    def reset(self, row):
+        self.answer, self.tries = row["answer"], 0
+        return row["prompt"]
+    def step(self, text):
+        self.tries += 1
+        if text.strip().startswith(self.answer) or self.tries == 2:
+            return Step(None, reward=float(text.strip().startswith(self.answer)), done=True)
+        return Step("Wrong, try again.", reward=0.0)
+'''
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory) -> str:
+    return save_tool_agent(tmp_path_factory.mktemp("agent"))
+
+
+def _play(model: str, rows, n=2, **rollout):
+    generator = TorchGenerator(model, prompt_format=AUTO)
+    episodes = Episodes(RolloutConfig(**({"max_new_tokens": 80, "temperature": 0.3} | rollout)), generator.renderer)
+    played = episodes.run(generator, rows, n, 3)
+    return generator, episodes, played
+
+
+def test_episodes_are_token_in_token_out_and_the_trainer_agrees(agent):
+    rows = [{"prompt_id": 7, "prompt": "What is 2+3?", "answer": "5"}]
+    generator, episodes, played = _play(agent, rows, tools=[CALCULATOR], max_turns=3)
+    assert all(e.tool_calls == 1 and e.turns == 2 and not e.truncated for e in played)
+    for e in played:
+        # prompt, the sampled call (mask 1), the tool's turn as the template renders it after an assistant turn (mask 0), the answer
+        first = e.loss_mask.index(0)
+        result = tools.call(episodes.tools, tools.parse(generator.tokenizer.decode(e.response_ids[:first]))[0], 10)
+        observation = episodes.renderer.observation_ids([{"role": "tool", "content": result.content}], True, episodes.schemas)
+        assert e.response_ids[first:first + len(observation)] == observation and e.tool_errors == result.error
+        assert e.loss_mask == [1] * first + [0] * len(observation) + [1] * (len(e.loss_mask) - first - len(observation))
+        assert all(lp == 0.0 for lp, m in zip(e.logprobs, e.loss_mask) if not m)
+    print([generator.tokenizer.decode(e.response_ids) for e in played])  # one well-formed call, one broken (an observation)
+    assert generator.tokenizer.decode(played[0].response_ids).endswith(
+        "<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n5<|im_end|>")
+    assert "error: the call is not JSON" in generator.tokenizer.decode(played[1].response_ids)
+    # the trainer scores the very tokens the engine sampled: its log-probs of them are the rollout's
+    trainer = TorchTrainer(agent, temperature=0.3)
+    batch = TrainBatch([e.prompt_ids for e in played], [e.response_ids for e in played], [e.logprobs for e in played],
+                       [1.0, -1.0], loss_mask=[e.loss_mask for e in played])
+    recomputed = trainer.logprobs(batch)
+    gap = max(abs(a - b) for e, lps in zip(played, recomputed) for a, b, m in zip(lps, e.logprobs, e.loss_mask) if m)
+    print(f"train-vs-rollout log-prob gap over {sum(map(sum, batch.loss_mask))} sampled tokens of 2 episodes: {gap:.1e}")
+    assert gap < 1e-4
+    assert batch.trained_tokens() == [sum(m) for m in batch.loss_mask]
+
+
+def test_an_environment_gives_feedback_and_a_retry(agent, tmp_path):
+    (tmp_path / "retry_env.py").write_text(RETRY_ENV)
+    rows = [{"prompt_id": 1, "prompt": "What is 2+3?", "answer": "9"}]  # the model answers with a call: wrong, twice
+    _, _, played = _play(agent, rows, env=f"{tmp_path}/retry_env.py:Retry", max_turns=4)
+    for e in played:
+        assert e.turns == 2 and e.env_reward == 0.0 and not e.truncated and e.tool_calls == 0
+        assert "Wrong, try again." in generator_text(agent, e.response_ids)
+    _, _, cut = _play(agent, rows, env=f"{tmp_path}/retry_env.py:Retry", max_turns=1)
+    assert all(e.turns == 1 and e.truncated for e in cut)  # more turns wanted than allowed: cut and marked
+
+
+def generator_text(model: str, ids: list[int]) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model).decode(ids)
+
+
+def test_observation_tokens_get_no_gradient_and_one_turn_is_todays_sample(tmp_path):
+    model = save_tiny_model(tmp_path / "m")
+    batch = random_batch(4, seed=1)
+    observation = [5, 6, 7]
+    # the same samples with an observation after each response, masked out: the same update and statistics
+    masked = TrainBatch(batch.prompt_ids, [r + observation for r in batch.response_ids],
+                        [o + [0.0] * len(observation) for o in batch.old_logprobs], batch.advantages,
+                        loss_mask=[[1] * len(r) + [0] * len(observation) for r in batch.response_ids])
+    one_turn = TrainBatch(batch.prompt_ids, batch.response_ids, batch.old_logprobs, batch.advantages,
+                          loss_mask=[[1] * len(r) for r in batch.response_ids])
+    results = {}
+    for name, b in (("today", batch), ("one turn", one_turn), ("observations", masked)):
+        trainer = TorchTrainer(model, lr=1e-2)
+        stats = trainer.train_step(b, GRPOConfig())
+        results[name] = (stats, {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+    today, (one_stats, one_params), (obs_stats, obs_params) = results["today"], results["one turn"], results["observations"]
+    assert one_stats == today[0] and all(torch.equal(one_params[n], p) for n, p in today[1].items())
+    assert obs_stats["tokens"] == today[0]["tokens"]
+    for name in ("loss", "grad_norm", "entropy", "clip_fraction"):
+        assert obs_stats[name] == pytest.approx(today[0][name], rel=1e-5, abs=1e-9), name
+    # an Adam step of 1e-2 per parameter; a wider padded batch sums in another order
+    assert max((obs_params[n] - p).abs().max().item() for n, p in today[1].items()) < 1e-5
+    # and directly: the loss's gradient at every observation position is exactly zero
+    ids, _, resp, old = pad_batch(masked, 0)
+    logprobs = (old + 0.01 * torch.randn(resp.shape)).requires_grad_()  # ratios near 1: no sampled token clipped
+    step = LossStep(GRPOConfig(), masked.advantages, lambda v: v)
+    step(logprobs, old, masked.advantages, resp, step.count(masked)).backward()
+    positions = torch.zeros_like(resp, dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(masked.prompt_ids, masked.response_ids)):
+        positions[i, len(p) - 1 + len(r) - len(observation): len(p) - 1 + len(r)] = True
+    assert torch.all(logprobs.grad[positions] == 0) and torch.all(logprobs.grad[resp.bool()] != 0)
+
+
+def test_off_policy_weights_skip_observations():
+    proximal, behaviour = [[-1.0, -2.0, -0.5]], [[-1.5, -9.0, -0.5]]
+    weights, stats = correction_weights(proximal, behaviour, "mis", masks=[[1, 0, 1]])
+    plain, _ = correction_weights([[-1.0, -0.5]], [[-1.5, -0.5]], "mis")
+    assert [weights[0][0], weights[0][2]] == plain[0] and weights[0][1] == 1.0
+    assert stats["is_ratio_max"] == pytest.approx(max(plain[0]))
+
+
+def test_tools_answer_bad_calls_as_observations():
+    def slow(seconds: float) -> str:
+        """Sleep.
+
+        Args:
+            seconds: How long.
+        """
+        time.sleep(seconds)
+        return "slept"
+
+    def broken(x: int) -> str:
+        """Raise.
+
+        Args:
+            x: Anything.
+        """
+        raise RuntimeError("out of order")
+
+    box = {"calculator": tools.calculator, "slow": slow, "broken": broken}
+    text = ('<tool_call>{"name": "calculator", "arguments": {"expression": "123 * 45"}}</tool_call>'
+            '<tool_call>{"name": "nope", "arguments": {}}</tool_call><tool_call>{"name": "calculator", "arguments": </tool_call>'
+            '<tool_call>{"name": "broken", "arguments": {"x": 1}}</tool_call><tool_call>{"name": "slow", "arguments": {"seconds": 5}}</tool_call>'
+            '<tool_call>{"name": "calculator", "arguments": {"expression": "__import__(\'os\')"}}</tool_call>'
+            '<tool_call>{"name": "calculator", "arguments": {"x": 1}}</tool_call>')
+    results = [tools.call(box, c, timeout_s=0.5) for c in tools.parse(text)]
+    assert results[0].content == "5535" and not results[0].error
+    expected = ["no tool named 'nope'", "the call is not JSON", "broken raised RuntimeError: out of order", "slow ran past 0.5 s",
+                "calculator raised ValueError: not arithmetic", "bad arguments for calculator"]
+    for r, why in zip(results[1:], expected):
+        assert r.error and r.content.startswith("error: ") and why in r.content, r.content
+    assert tools.schema(tools.calculator)["function"]["parameters"]["required"] == ["expression"]
+
+
+@pytest.mark.skipif(sandbox.unavailable() is not None, reason=f"no sandbox here: {sandbox.unavailable()}")
+def test_the_sandbox_contains_escape_attempts(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "state.json").write_text('{"step": 3}')
+    os.environ["YATTFLOW_TEST_SECRET"] = "hunter2"  # a host's secret, in its environment
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()  # an engine host's port
+    port = listener.getsockname()[1]
+    limits = sandbox.Limits(wall_s=3, cpu_s=2)
+    probes = {
+        "read the run's state.json": (f"print(open({str(run_dir / 'state.json')!r}).read())", "FileNotFoundError"),
+        "read a host's secret": ("import os; print(os.environ.get('YATTFLOW_TEST_SECRET'), open('/proc/1/environ').read())",
+                                 "None"),
+        "write outside its directory": ("open('/usr/escaped', 'w').write('x')", "Read-only file system"),
+        "connect to an engine host's port": (f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=1)",
+                                             "ConnectionRefusedError"),
+        "a fork bomb": ("import os\nwhile True:\n    os.fork()", "BlockingIOError"),
+        "allocate 8 GB": ("x = bytearray(8 << 30)", "MemoryError"),
+        "an endless loop": ("while True: pass", None),
+        "kill its parent": ("import os, signal; os.kill(os.getppid(), signal.SIGKILL); print('still here')", "still here"),
+        "leave a process behind": ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('left')", "left"),
+    }
+    for name, (code, shows) in probes.items():
+        run = sandbox.run_python(code, limits)
+        print(f"{name}: exit {run.exit_code}, timed out {run.timed_out}: {run.output.strip().splitlines()[-1:]}")
+        if shows is None:
+            assert run.timed_out or run.exit_code != 0, name
+        else:
+            assert shows in run.output, (name, run.output)
+        assert "hunter2" not in run.output and '"step": 3' not in run.output
+        running = subprocess.run(["ps", "-eo", "uid=,stat="], capture_output=True, text=True).stdout.split("\n")
+        assert not [line for line in running if line.split() and int(line.split()[0]) >= 200000 and not line.split()[1].startswith("Z")], name
+    assert (run_dir / "state.json").read_text() == '{"step": 3}' and not os.path.exists("/usr/escaped")
+    listener.settimeout(0.1)
+    with pytest.raises(socket.timeout):
+        listener.accept()  # nobody got through
+    assert "45" in tools.python("print(sum(range(10)))")
+    assert tools.python("raise SystemExit(3)").startswith("error: exit code 3")
+
+
+def _write_prompts(path, rows) -> str:
+    datasets.write_table(str(path), pa.Table.from_pylist(rows), datasets.PROMPTS)
+    return str(path)
+
+
+def test_bad_environments_and_tools_fail_before_engines_load(agent, tmp_path):
+    prompts = _write_prompts(tmp_path / "p.parquet", [{"prompt_id": 4, "prompt": "What is 2+3?", "answer": "5"}])
+    (tmp_path / "envs.py").write_text(textwrap.dedent('''
+        class Fine:
+            def reset(self, row): return row["prompt"]
+            def step(self, text): return (None, 1.0, True)
+        class Raises:
+            def reset(self, row): raise KeyError("tests")
+            def step(self, text): return (None, 1.0, True)
+        class Number:
+            def reset(self, row): return 42
+            def step(self, text): return (None, 1.0, True)
+        class NoStep:
+            def reset(self, row): return row["prompt"]
+        def undocumented(x): return x
+    '''))
+
+    def config(*overrides):
+        return load_config(None, [f"storage.root={tmp_path}", f"model.policy={agent}", f"data.prompts={prompts}",
+                                  "data.heldout=null", "reward.genrm_weight=0", "reward.rule_weight=1",
+                                  "data.chat_template=auto", *overrides])
+
+    assert validation.validate_inputs(config(f"rollout.env={tmp_path}/envs.py:Fine", f"rollout.tools=[{CALCULATOR}]")) \
+        == {"data.prompts": 1}
+    cases = [
+        (["rollout.env=no_such_module:Env"], r"rollout.env: cannot import module 'no_such_module'"),
+        ([f"rollout.env={tmp_path}/envs.py:NoStep"], r"envs.py:NoStep has no method step\(text\)"),
+        ([f"rollout.env={tmp_path}/envs.py:Raises"], r"p.parquet: rollout.env .*Raises: prompt_id 4, turn 0: reset\(\) raised KeyError"),
+        ([f"rollout.env={tmp_path}/envs.py:Number"], r"prompt_id 4, turn 0: an observation is text or .* not int 42"),
+        ([f"rollout.tools=[{tmp_path}/envs.py:undocumented]"], r"rollout.tools: .*undocumented: no JSON schema"),
+    ]
+    for overrides, pattern in cases:
+        with pytest.raises(validation.InputError, match=pattern):
+            validation.validate_inputs(config(*overrides))
+    bare = save_tiny_model(tmp_path / "bare")  # a tokenizer without a chat template
+    (tmp_path / "bare" / "tokenizer_config.json").write_text((tmp_path / "bare" / "tokenizer_config.json").read_text()
+                                                            .replace('"model_max_length"', '"chat_template": "{{ messages }}", "model_max_length"'))
+    with pytest.raises(validation.InputError, match=r"does not render tools"):
+        validation.validate_inputs(config(f"model.policy={bare}", f"rollout.tools=[{CALCULATOR}]"))
+    with pytest.raises(Exception, match=r"data.chat_template=none renders none"):
+        config("data.chat_template=none", f"rollout.tools=[{CALCULATOR}]")
+    with pytest.raises(Exception, match=r"train.algorithm.name=ppo is not trained on episodes"):
+        config(f"rollout.tools=[{CALCULATOR}]", "train.algorithm.name=ppo")
+
+
+def test_an_environment_that_raises_mid_episode_is_named(agent, tmp_path):
+    (tmp_path / "bad_env.py").write_text(textwrap.dedent('''
+        class Bad:
+            def reset(self, row): return row["prompt"]
+            def step(self, text): return {"observation": "not a Step"}
+    '''))
+    with pytest.raises(environment.EnvError, match=r"bad_env.py:Bad: prompt_id 9, turn 1: step\(\) answers a Step or "
+                                                   r"\(observation, reward, done\), not dict"):
+        _play(agent, [{"prompt_id": 9, "prompt": "What is 2+3?", "answer": "5"}], env=f"{tmp_path}/bad_env.py:Bad")
+
+
+
+CHECKED_ENV = '''
+from engines.agents.environment import Step
+
+class Checked:
+    """One answer, checked: reward 1 when it is the row's answer (the tools' turns come before it)."""
+    def reset(self, row):
+        self.answer = row["answer"]
+        return row["prompt"]
+    def step(self, text):
+        return Step(None, reward=float(text.strip() == self.answer), done=True)
+'''
+
+
+def test_a_run_trains_on_episodes_with_a_tool_and_an_environment(agent, prefect_server, tmp_path):
+    """Two RL steps over two DP groups on the real flow, the rollout lane one step ahead
+    (rollout.max_staleness=1, decoupled correction): episodes with the calculator and an
+    environment's reward; the experience holds each episode's loss mask and the trainer counts
+    only the tokens the policy sampled; the step's figures show turns and tool calls."""
+    from flows.training import step_figures, train
+    from flows.metrics import StepMetrics
+
+    (tmp_path / "checked_env.py").write_text(CHECKED_ENV)
+    prompts = _write_prompts(tmp_path / "prompts.parquet",
+                             [{"prompt_id": i, "prompt": "What is 2+3?", "answer": "5"} for i in range(8)])
+    summary = asyncio.run(train(overrides=[
+        f"storage.root={tmp_path}", "name=agents", f"model.policy={agent}", f"data.prompts={prompts}", "data.heldout=null",
+        "data.chat_template=auto", "data.max_prompt_tokens=600", "reward.genrm_weight=0", "reward.rule=null",
+        "reward.env_weight=1", f"rollout.env={tmp_path}/checked_env.py:Checked", f"rollout.tools=[{CALCULATOR}]",
+        "rollout.max_new_tokens=80", "rollout.temperature=0.3", "rollout.samples_per_prompt=4", "sampling.prompts_per_wave=2", "sampling.target_groups=1",
+        "sampling.filter_equal_rewards=false", "steps=2", "dp=2", "checkpoint.every=1",
+        "rollout.max_staleness=1", "train.old_policy=decoupled", "train.off_policy_correction=tis"]))
+    history = [StepMetrics(**m, checkpoint_files=[]) for m in summary["history"]]
+    for m in history:
+        print(step_figures(m))
+        assert m.episodes["turns"] >= 1 and m.episodes["tool_calls"] > 0 and 0 <= m.episodes["truncated"] <= 1
+        assert " turns, " in step_figures(m) and " calls (" in step_figures(m)
+    rows = pq.read_table(tmp_path / "runs" / "agents" / "steps" / "000001" / "experience").to_pylist()
+    assert rows and all(len(r["loss_mask"]) == len(r["response_ids"]) == len(r["logprobs"]) for r in rows)
+    assert any(0 in r["loss_mask"] for r in rows)  # tool turns between the sampled ones
+    assert history[1].train_tokens == sum(sum(r["loss_mask"]) for r in rows)  # the trainers counted sampled tokens only
+    assert 0 < history[1].train["is_ratio_mean"] < 2  # the correction's statistics, over sampled tokens
