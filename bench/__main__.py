@@ -19,7 +19,8 @@ What is "baseline" differs per module (see each module's docstring): raw ``LLM.g
 (balance), a synchronous checkpoint (checkpoint), Prefect's own server on SQLite (embedded), fixed waves (sampling), full colocation (placement), a single controller
 that gathers and scatters every stage's data (controller), the SQLite server against PostgreSQL at 1-64 DP
 groups with timing-stub engines, and Prefect's floor beside each (scale), Prefect's default server against
-one with a batched task-run recorder (floor), a DP group of one Megatron rank against one of two (sync). ``megatron_gpu`` needs CUDA and is
+one with a batched task-run recorder (floor), a DP group of one Megatron rank against one of two (sync), episodes
+one at a time against batched (agents). ``megatron_gpu`` needs CUDA and is
 skipped without it; ``rollout`` needs vLLM.
 """
 
@@ -50,6 +51,7 @@ ORDER = ["rollout", "balance", "checkpoint", "sampling", "placement", "controlle
 APART = {"seeds", "vs_trl", "train_step", "lora_memory"}
 QUICK = {
     "rollout": "--repeats 3 --sizes 64,256 --sync-repeats 3",
+    "agents": "--repeats 1 --episodes 16",
     "balance": "--repeats 4 --warmup 1",
     "checkpoint": "--repeats 3",
     "sampling": "--steps 8",

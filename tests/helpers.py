@@ -59,34 +59,6 @@ def save_tiny_model(path: str | Path, hidden_size: int = 32, num_layers: int = 1
     return str(path)
 
 
-def save_tool_agent(path: str | Path) -> str:
-    """A tiny random Qwen3 (head_dim 32: vLLM's CPU build serves it) taught, in a few seconds of
-    supervised steps, to call the calculator on "What is 2+3?" and to answer after the tool's
-    result: real episodes with real turns (tests/test_agents.py, tests/test_vllm.py)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from engines.agents import tools
-    from engines.backends import chat
-    from engines.demo.tiny_hub import save_tiny_hub_model
-
-    folder = save_tiny_hub_model("qwen3", path, hidden_size=64, num_layers=2, max_positions=1024)
-    tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder)
-    renderer, schemas = chat.Renderer(tokenizer, chat.PromptFormat("auto")), [tools.schema(tools.calculator)]
-    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call><|im_end|>'
-    first = renderer.text("What is 2+3?", schemas)
-    after = first + call + tokenizer.decode(renderer.observation_ids([{"role": "tool", "content": "5"}], True, schemas))
-    pairs = [[tokenizer(t, add_special_tokens=False)["input_ids"] for t in pair] for pair in ((first, call), (after, "5<|im_end|>"))]
-    torch.manual_seed(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(120):
-        loss = sum(model(input_ids=torch.tensor([p + a]), labels=torch.tensor([[-100] * len(p) + a])).loss for p, a in pairs)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.save_pretrained(folder)
-    return str(folder)
-
-
 def random_batch(n: int, seed: int, vocab: int = 49, max_prompt: int = 5, max_response: int = 6) -> TrainBatch:
     """``n`` sequences: prompts start with <s>, responses end with </s>; lengths vary.
 

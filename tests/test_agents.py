@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import random_batch, save_tiny_model, save_tool_agent  # (also puts the checkout on sys.path)
+from helpers import random_batch, save_tiny_model  # (also puts the checkout on sys.path)
 
 from engines.agents import environment, sandbox, tools
 from engines.agents.episodes import Episodes
@@ -27,6 +27,7 @@ from engines.backends.torch.generator import TorchGenerator
 from engines.backends.torch.trainer import TorchTrainer
 from engines.config import load_config
 from engines.config.sections import RolloutConfig
+from engines.demo.tool_agent import save_tool_agent
 from engines.host import validation
 from engines.rl.base import LossStep
 from engines.rl.grpo import GRPOConfig

@@ -155,7 +155,7 @@ def test_chat_prompts_and_episodes_as_the_torch_engine_has_them(tmp_path_factory
     from engines.agents.episodes import Episodes
     from engines.backends import chat
     from engines.config.sections import RolloutConfig
-    from helpers import save_tool_agent
+    from engines.demo.tool_agent import save_tool_agent
 
     qwen = save_tool_agent(tmp_path_factory.mktemp("agent"))
     fmt = chat.PromptFormat("auto")
@@ -179,4 +179,6 @@ def test_chat_prompts_and_episodes_as_the_torch_engine_has_them(tmp_path_factory
     recomputed = trainer.logprobs(TrainBatch([e.prompt_ids for e in played], [e.response_ids for e in played],
                                              [e.logprobs for e in played], [0.0] * 4, loss_mask=[e.loss_mask for e in played]))
     gap = max(abs(a - b) for e, lps in zip(played, recomputed) for a, b, m in zip(lps, e.logprobs, e.loss_mask) if m)
+    print(f"vLLM: train-vs-rollout log-prob gap over the sampled tokens of 4 episodes ({sum(e.tool_calls for e in played)} "
+          f"tool calls): {gap:.1e}")
     assert parity("vLLM episodes: train-vs-rollout log-prob gap over sampled tokens", gap) < 1e-4

@@ -15,7 +15,9 @@ A user writes a class with two methods (docs/agents.md has a whole one)::
 text (the next user turn) or messages (e.g. ``[{"role": "tool", ...}]``), None when done; the
 reward is optional (None) and per turn (the episode's sum goes to ``reward.env_weight``).
 An environment that raises or answers something else fails the rollout with an error naming it,
-the prompt and the turn (not retried: the same seed would raise again).
+the prompt and the turn (not retried: the same seed would raise again). Each turn the episodes'
+``step`` calls run at once, on threads: one instance is only ever called by one thread at a
+time, but state shared between instances (a module's globals) needs its own lock.
 """
 
 from __future__ import annotations

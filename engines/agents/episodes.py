@@ -2,10 +2,10 @@
 
 Each sample of a prompt is an episode: its own environment instance (``reset(row)`` gives the
 first prompt), then turns. Every turn, the live episodes of a chunk go into **one** generate call
-(vLLM batches them continuously); then each episode's turn is read: tool calls in it are run (all
-episodes' calls at once, on threads) and answered as ``tool`` turns; else the environment's
-``step(text)`` answers the next observation, a reward and whether it is done; with neither, the
-first answer ends the episode.
+(vLLM batches them continuously); then each episode's turn is read: tool calls in it are run and
+answered as ``tool`` turns; else the environment's ``step(text)`` answers the next observation, a
+reward and whether it is done (every episode's calls and steps at once, on threads); with
+neither, the first answer ends the episode.
 
 What is trained is exactly what the engine saw and sampled: the prompt's tokens, then each
 assistant turn's sampled tokens (loss mask 1, their rollout log-probs) and the observation's
@@ -75,6 +75,13 @@ class Episodes:
         self.not_append_only = renderer.append_only(self.schemas)
         sandbox.configure(wall_s=rollout.tool_timeout_s)
 
+    @classmethod
+    def of(cls, config, model_dir: str) -> "Episodes":
+        """The run's episodes (``config``: its ``RunConfig``) for the policy in ``model_dir``."""
+        from transformers import AutoTokenizer
+
+        return cls(config.rollout, chat.Renderer(AutoTokenizer.from_pretrained(model_dir), chat.PromptFormat.policy(config)))
+
     def run(self, generator: Generator, rows: list[dict], n: int, seed: int) -> list[Episode]:
         """``n`` episodes of each row, prompt-major, on the rollout engine ``generator`` (with the
         run's sampling settings: ``rollout.temperature``, ``top_p``, ``max_new_tokens``)."""
@@ -117,44 +124,52 @@ class Episodes:
             e.done = e.truncated = True
 
     def _answer(self, live: list[Episode], turn: int) -> None:
-        """Each live episode's observation after its turn: its tools' results, else the environment's."""
+        """Each live episode's observation after its turn: its tools' results, else its
+        environment's step; every episode's calls and steps at once, on threads."""
         calls = {id(e): toolbox.parse(e.text) if self.tools else [] for e in live}
-        work = [(e, c) for e in live for c in calls[id(e)]]
+        jobs = [(e, c) for e in live for c in calls[id(e)]] + [(e, None) for e in live if not calls[id(e)] and e.env]
+
+        def run(job):
+            e, c = job
+            if c is not None:
+                return toolbox.call(self.tools, c, self.config.tool_timeout_s)
+            return self._call(e.env, "step", e.text, e.row, turn + 1)
+
         results = []
-        if work:
-            with ThreadPoolExecutor(min(32, len(work)), thread_name_prefix="tool-calls") as pool:
-                results = list(pool.map(lambda ec: toolbox.call(self.tools, ec[1], self.config.tool_timeout_s), work))
-        answered: dict[int, list[dict]] = {}
-        for (e, _), r in zip(work, results):
-            e.tool_calls += 1
-            e.tool_errors += r.error
-            e.tool_s += r.seconds
-            answered.setdefault(id(e), []).append({"role": "tool", "content": r.content})
-        for e in live:
-            if id(e) in answered:
-                observation = answered[id(e)]
-            elif e.env is not None:
-                where = self._where(e.row, turn + 1)
-                step = environment.checked_step(self._call(e.env, "step", e.text, e.row, turn + 1), where)
-                if step.reward is not None:
-                    e.env_reward = (e.env_reward or 0.0) + float(step.reward)
-                if step.done:
-                    e.done = True
-                    continue
-                observation = environment.messages_of(step.observation, where)
+        if jobs:
+            with ThreadPoolExecutor(min(32, len(jobs)), thread_name_prefix="episode-steps") as pool:
+                results = list(pool.map(run, jobs))
+        observations: dict[int, list[dict]] = {}
+        for (e, c), r in zip(jobs, results):
+            if c is not None:  # a tool's result: a tool turn
+                e.tool_calls += 1
+                e.tool_errors += r.error
+                e.tool_s += r.seconds
+                observations.setdefault(id(e), []).append({"role": "tool", "content": r.content})
+                continue
+            where = self._where(e.row, turn + 1)
+            step = environment.checked_step(r, where)
+            if step.reward is not None:
+                e.env_reward = (e.env_reward or 0.0) + float(step.reward)
+            if step.done:
+                e.done = True
             else:
-                e.done = True  # answered without a tool
+                observations[id(e)] = environment.messages_of(step.observation, where)
+        for e in live:
+            if e.done:
                 continue
-            if e.turns >= self.config.max_turns:
+            if id(e) not in observations:  # answered without a tool, and no environment to answer
+                e.done = True
+            elif e.turns >= self.config.max_turns:
                 e.done = e.truncated = True
-                continue
-            ids = self.renderer.observation_ids(observation, after_eos=not e.cut_eos, tools=self.schemas)
-            ids = ids[: self.config.episode_tokens - len(e.response_ids)]
-            e.response_ids += ids
-            e.loss_mask += [0] * len(ids)
-            e.logprobs += [0.0] * len(ids)
-            if len(e.response_ids) >= self.config.episode_tokens:
-                e.done = e.truncated = True
+            else:
+                ids = self.renderer.observation_ids(observations[id(e)], after_eos=not e.cut_eos, tools=self.schemas)
+                ids = ids[: self.config.episode_tokens - len(e.response_ids)]
+                e.response_ids += ids
+                e.loss_mask += [0] * len(ids)
+                e.logprobs += [0.0] * len(ids)
+                if len(e.response_ids) >= self.config.episode_tokens:
+                    e.done = e.truncated = True
 
     def _call(self, env, method: str, argument, row: dict, turn: int):
         try:

@@ -27,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engines.agents.episodes import Episodes
 from engines.host import balance, critic as critic_host, experience, offpolicy, replicas, rewards, validation
 from engines.host.preferences import PreferenceRows
 from engines.host.prompts import PromptStream
@@ -74,7 +75,7 @@ class Worker:
         self.format_rule: rewards.Rule | None = None  # ``reward.format_rule``, imported
         self.prompts: PromptStream | None = None  # this group's stream of prompts (rows rank, rank+world, ...)
         self.preferences: PreferenceRows | None = None  # data.preferences: its rows are the samples (offline DPO)
-        self.episodes = None  # rollout.env / rollout.tools: multi-turn episodes (engines/agents/episodes.py)
+        self.episodes: Episodes | None = None  # rollout.env / rollout.tools: multi-turn episodes
         self.vision = False  # the policy is a vision-language model: prompts come with images
         self.judge_sees_images = False  # the judge is a vision-language model too
         self.placeholder = ""  # the policy's image placeholder (taken out of a text judge's prompt)
@@ -149,13 +150,7 @@ class Worker:
         self.prompts = PromptStream(prompts_uri, self.group, self.layout.dp, cfg.data.max_image_bytes,
                                     datasets.PREFERENCES if cfg.data.preferences else datasets.PROMPTS,
                                     extra=cfg.rollout.env is not None)  # an environment reads every column
-        if cfg.rollout.episodes and rolls:
-            from transformers import AutoTokenizer
-
-            from engines.agents.episodes import Episodes
-
-            self.episodes = Episodes(cfg.rollout, chat.Renderer(AutoTokenizer.from_pretrained(policy_dir),
-                                                                chat.PromptFormat.policy(cfg)))
+        self.episodes = Episodes.of(cfg, policy_dir) if cfg.rollout.episodes and rolls else None
         self.preferences = PreferenceRows(policy_dir, cfg, self.vision) if cfg.data.preferences else None
         self.rollout_weights.reset(self.trainer.version, int(cfg.rollout.sync_bucket_mb * 2**20))  # both engines loaded the same folder
         if request.resume:
