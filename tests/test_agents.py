@@ -90,6 +90,14 @@ def test_episodes_are_token_in_token_out_and_the_trainer_agrees(agent):
     assert gap < 1e-4
     assert batch.trained_tokens() == [sum(m) for m in batch.loss_mask]
 
+    # two lanes (rollout.overlap_tools): one half's tools run while the other half generates; the same record
+    _, _, lanes = _play(agent, rows * 2, tools=[CALCULATOR], max_turns=3, overlap_tools=True)
+    assert all(e.turns == 2 and e.tool_calls == 1 for e in lanes)
+    batch = TrainBatch([e.prompt_ids for e in lanes], [e.response_ids for e in lanes], [e.logprobs for e in lanes],
+                       [0.0] * 4, loss_mask=[e.loss_mask for e in lanes])
+    assert max(abs(a - b) for e, lps in zip(lanes, trainer.logprobs(batch))
+               for a, b, m in zip(lps, e.logprobs, e.loss_mask) if m) < 1e-4
+
 
 def test_an_environment_gives_feedback_and_a_retry(agent, tmp_path):
     (tmp_path / "retry_env.py").write_text(RETRY_ENV)

@@ -87,16 +87,31 @@ class Episodes:
         run's sampling settings: ``rollout.temperature``, ``top_p``, ``max_new_tokens``)."""
         cfg = self.config
         episodes = [self._start(row, j) for row in rows for j in range(n)]
-        turn = 0
-        while live := [e for e in episodes if not e.done]:
-            report_progress()
-            gens = generator.generate([chat.Tokens(tuple(e.prompt_ids + e.response_ids)) for e in live],
-                                      temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                                      seed=(seed * 1009 + turn) % 2**32)
-            for e, g in zip(live, gens):
-                self._sampled(e, g)
-            self._answer([e for e in live if not e.done], turn)
-            turn += 1
+        half = len(episodes) // 2
+        lanes = [episodes[:half], episodes[half:]] if cfg.overlap_tools and half else [episodes]
+        turns = [0] * len(lanes)
+        pending = None  # (lane, its episodes, their observations: a future) being answered
+        with ThreadPoolExecutor(1, thread_name_prefix="episode-answers") as background:
+            while pending is not None or any(not e.done for e in episodes):
+                for k, lane in enumerate(lanes):
+                    if pending is not None and pending[0] == k:  # this lane's own answers first
+                        self._continue(pending[1], pending[2].result())
+                        pending = None
+                    live = [e for e in lane if not e.done]
+                    if live:
+                        report_progress()
+                        gens = generator.generate([chat.Tokens(tuple(e.prompt_ids + e.response_ids)) for e in live],
+                                                  temperature=cfg.temperature, top_p=cfg.top_p,
+                                                  max_new_tokens=cfg.max_new_tokens,
+                                                  seed=(seed * 1009 + turns[k] * len(lanes) + k) % 2**32)
+                        for e, g in zip(live, gens):
+                            self._sampled(e, g)
+                    if pending is not None:  # the other lane's tools ran while this lane generated
+                        self._continue(pending[1], pending[2].result())
+                        pending = None
+                    if answering := [e for e in live if not e.done]:
+                        pending = (k, answering, background.submit(self._observe, answering, turns[k]))
+                    turns[k] += bool(live)
         return episodes
 
     def first_prompt(self, row: dict, env) -> chat.Prompt:
@@ -123,9 +138,10 @@ class Episodes:
         if e.cut_eos:
             e.done = e.truncated = True
 
-    def _answer(self, live: list[Episode], turn: int) -> None:
-        """Each live episode's observation after its turn: its tools' results, else its
-        environment's step; every episode's calls and steps at once, on threads."""
+    def _observe(self, live: list[Episode], turn: int) -> dict[int, list[dict]]:
+        """Each live episode's observation after its turn (by ``id``): its tools' results, else its
+        environment's step; every episode's calls and steps at once, on threads. An episode the
+        environment ends, or that answered without a tool and has no environment, is done."""
         calls = {id(e): toolbox.parse(e.text) if self.tools else [] for e in live}
         jobs = [(e, c) for e in live for c in calls[id(e)]] + [(e, None) for e in live if not calls[id(e)] and e.env]
 
@@ -156,20 +172,26 @@ class Episodes:
             else:
                 observations[id(e)] = environment.messages_of(step.observation, where)
         for e in live:
+            if id(e) not in observations:
+                e.done = True
+        return observations
+
+    def _continue(self, live: list[Episode], observations: dict[int, list[dict]]) -> None:
+        """Each episode that goes on gets its observation's tokens (mask 0), unless a limit cuts it
+        there (tokenized on the caller's thread: the tokenizer is not shared between threads)."""
+        for e in live:
             if e.done:
                 continue
-            if id(e) not in observations:  # answered without a tool, and no environment to answer
-                e.done = True
-            elif e.turns >= self.config.max_turns:
+            if e.turns >= self.config.max_turns:
                 e.done = e.truncated = True
-            else:
-                ids = self.renderer.observation_ids(observations[id(e)], after_eos=not e.cut_eos, tools=self.schemas)
-                ids = ids[: self.config.episode_tokens - len(e.response_ids)]
-                e.response_ids += ids
-                e.loss_mask += [0] * len(ids)
-                e.logprobs += [0.0] * len(ids)
-                if len(e.response_ids) >= self.config.episode_tokens:
-                    e.done = e.truncated = True
+                continue
+            ids = self.renderer.observation_ids(observations[id(e)], after_eos=not e.cut_eos, tools=self.schemas)
+            ids = ids[: self.config.episode_tokens - len(e.response_ids)]
+            e.response_ids += ids
+            e.loss_mask += [0] * len(ids)
+            e.logprobs += [0.0] * len(ids)
+            if len(e.response_ids) >= self.config.episode_tokens:
+                e.done = e.truncated = True
 
     def _call(self, env, method: str, argument, row: dict, turn: int):
         try:

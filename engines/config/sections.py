@@ -239,6 +239,10 @@ class RolloutConfig(Section):
                                 "(its assistant turns and the observations between them); one cut there is truncated.")
     tool_timeout_s: float = Field(10.0, gt=0, description="rollout.tools: a call running longer is answered with an error "
                                   "the model sees (the sandboxed python tool is killed; a Python function runs on).")
+    overlap_tools: bool = Field(False, description="rollout.env or rollout.tools: a chunk's episodes in two halves that take "
+                                "turns, one half generating while the other's tools and environment steps run. Worth it "
+                                "when those take about as long as a turn of generation; each generate call then has half "
+                                "the episodes.")
 
     @property
     def episodes(self) -> bool:

@@ -106,8 +106,9 @@ def scored(cfg, row: dict, verdict: str | None, rm: float | None, rule: Rule | N
     env = r.get("env_reward")  # an episode's environment's rewards (engines/agents)
     reward = sum(weight * value for weight, value in ((w.genrm_weight, genrm), (w.rule_weight, ruled), (w.format_weight, form),
                                                       (w.reward_model_weight, rm), (w.env_weight, env)) if value is not None)
-    sampled = sum(r["loss_mask"]) if r.get("loss_mask") is not None else len(r["response_ids"])  # an episode: its own tokens
-    reward += overlong_penalty(sampled, cfg.rollout.max_new_tokens, w.overlong_buffer, w.overlong_penalty)
+    # the cap that cuts the response: rollout.max_new_tokens, or an episode's rollout.episode_tokens (observations included)
+    cap = cfg.rollout.episode_tokens if r.get("loss_mask") is not None else cfg.rollout.max_new_tokens
+    reward += overlong_penalty(len(r["response_ids"]), cap, w.overlong_buffer, w.overlong_penalty)
     return r | {"judge_text": verdict, "genrm_reward": genrm, "rule_reward": ruled, "format_reward": form, "rm_reward": rm,
                 "reward": reward}
 
