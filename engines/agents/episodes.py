@@ -22,15 +22,12 @@ there is no environment, or cut (``truncated``): at ``rollout.max_turns`` turns,
 
 from __future__ import annotations
 
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
 from engines.agents import environment, sandbox, tools as toolbox
 from engines.backends import chat
 from engines.backends.base import Generation, Generator, report_progress
-
-log = logging.getLogger(__name__)
-
 
 @dataclass
 class Episode:
@@ -86,7 +83,7 @@ class Episodes:
         """``n`` episodes of each row, prompt-major, on the rollout engine ``generator`` (with the
         run's sampling settings: ``rollout.temperature``, ``top_p``, ``max_new_tokens``)."""
         cfg = self.config
-        episodes = [self._start(row, j) for row in rows for j in range(n)]
+        episodes = [self._start(row) for row in rows for _ in range(n)]
         half = len(episodes) // 2
         lanes = [episodes[:half], episodes[half:]] if cfg.overlap_tools and half else [episodes]
         turns = [0] * len(lanes)
@@ -121,7 +118,7 @@ class Episodes:
         first = self._call(env, "reset", row, row, 0)
         return first if isinstance(first, str) else environment.messages_of(first, self._where(row, 0))
 
-    def _start(self, row: dict, sample: int) -> Episode:
+    def _start(self, row: dict) -> Episode:
         env = self.env_class() if self.env_class else None
         return Episode(row, env, self.renderer.ids(self.first_prompt(row, env), self.schemas))
 

@@ -17,6 +17,7 @@ arguments, a tool that raises or runs past ``rollout.tool_timeout_s`` — is ans
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import operator
 import re
@@ -111,6 +112,10 @@ def call(tools: dict[str, Callable], c: Call, timeout_s: float) -> Result:
     fn = tools.get(c.name)
     if fn is None:
         return Result(f"error: no tool named {c.name!r} (tools: {', '.join(tools)})", True, 0.0)
+    try:
+        inspect.signature(fn).bind(**c.arguments)
+    except TypeError as e:
+        return Result(f"error: bad arguments for {c.name}: {e}", True, 0.0)
     box: dict = {}
 
     def work():
@@ -127,8 +132,6 @@ def call(tools: dict[str, Callable], c: Call, timeout_s: float) -> Result:
         return Result(f"error: {c.name} ran past {timeout_s:g} s", True, seconds)
     if "error" in box:
         e = box["error"]
-        if isinstance(e, TypeError) and "argument" in str(e):
-            return Result(f"error: bad arguments for {c.name}: {e}", True, seconds)
         return Result(f"error: {c.name} raised {type(e).__name__}: {e}", True, seconds)
     out = box.get("out")
     return Result(out if isinstance(out, str) else json.dumps(out, default=str), False, seconds)
