@@ -78,7 +78,7 @@ def unavailable() -> str | None:
     return None
 
 
-def command(program: Path, work: Path, limits: Limits) -> list[str]:
+def command(program: Path, limits: Limits) -> list[str]:
     """The bwrap command line that runs ``program`` (a file the sandbox's user can read)."""
     cmd = [shutil.which("bwrap"), "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/work", "--hostname", "sandbox",
@@ -116,7 +116,7 @@ def run_python(code: str, limits: Limits | None = None) -> Run:
                 ids = {"user": uid, "group": uid, "extra_groups": []}
             # bwrap itself gets no environment either: its own process is the sandbox's PID 1, whose
             # /proc/1/environ the program can read
-            proc = subprocess.Popen(command(program, folder_path, limits), stdin=subprocess.DEVNULL, stdout=out,
+            proc = subprocess.Popen(command(program, limits), stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
                                     env={"PATH": "/usr/bin:/bin"}, **ids)
             try:
