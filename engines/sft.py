@@ -125,7 +125,9 @@ def sft(
             ids[i, : len(p) + len(c)] = torch.tensor(p + c)
             labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
             attn[i, : len(p) + len(c)] = 1
-        pixels = pixel_cache.batch([images[k] for _, _, k in chunk], "cpu") if processor is not None else {}
+        pixels = {}
+        if processor is not None:  # the images, and the token types a Qwen-VL derives its positions from
+            pixels = pixel_cache.batch([images[k] for _, _, k in chunk], "cpu") | multimodal.token_types(processor, ids)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels, **pixels).loss
         optimiser.step(loss)
         step += 1

@@ -177,6 +177,43 @@ def test_torch_engines_on_cuda(tmp_path):
     assert len(outs) == 4 and all(len(o.logprobs) == len(o.response_ids) > 0 for o in outs)
 
 
+@pytest.mark.gpu
+def test_agent_episodes_on_cuda_are_token_in_token_out(tmp_path):
+    """Issue 45's episodes on the GPU (tests/test_agents.py on the CPU): the tool agent's calls, the
+    calculator's turns and its answers sampled on CUDA, prompted with the episodes' own token ids;
+    in fp32 the trainer's log-probabilities of every sampled token are the rollout's, observation
+    tokens carry no loss; with the CUDA default (bf16 autocast) the gap is reported."""
+    import torch
+
+    from engines.agents.episodes import Episodes
+    from engines.backends import chat
+    from engines.backends.base import TrainBatch
+    from engines.backends.torch.generator import TorchGenerator
+    from engines.backends.torch.trainer import TorchTrainer
+    from engines.config.sections import RolloutConfig
+    from engines.demo.tool_agent import save_tool_agent
+
+    agent = save_tool_agent(tmp_path / "agent")
+    rows = [{"prompt_id": 7, "prompt": "What is 2+3?", "answer": "5"}]
+    config = RolloutConfig(max_new_tokens=80, temperature=0.3, tools=["engines.agents.tools:calculator"], max_turns=3)
+    for autocast, tolerance in ((False, 1e-4), (None, 0.1)):
+        generator = TorchGenerator(agent, prompt_format=chat.PromptFormat("auto"), autocast=autocast)
+        assert generator.device.type == "cuda"
+        played = Episodes(config, generator.renderer).run(generator, rows * 2, 2, 3)
+        assert sum(e.tool_calls for e in played) >= 1 and all(e.turns >= 1 for e in played)
+        assert all(len(e.loss_mask) == len(e.response_ids) == len(e.logprobs) for e in played)
+        trainer = TorchTrainer(agent, temperature=0.3, autocast=autocast)
+        batch = TrainBatch([e.prompt_ids for e in played], [e.response_ids for e in played], [e.logprobs for e in played],
+                           [1.0, -1.0] * 2, loss_mask=[e.loss_mask for e in played])
+        gap = max(abs(a - b) for e, lps in zip(played, trainer.logprobs(batch))
+                  for a, b, m in zip(lps, e.logprobs, e.loss_mask) if m)
+        print(f"autocast={autocast}: train-vs-rollout gap {gap:.2e} over {sum(batch.trained_tokens())} sampled tokens")
+        assert gap < tolerance
+        assert trainer.train_step(batch)["tokens"] == sum(batch.trained_tokens())
+        del generator, trainer
+        torch.cuda.empty_cache()
+
+
 def _nccl_worker(rank: int, port: int, model_dir: str, out: str) -> None:
     from datetime import timedelta
 

@@ -152,14 +152,29 @@ class PixelCache:
         return out
 
 
-def pixels(processor, batch, device, cache: PixelCache | None = None) -> dict[str, torch.Tensor] | None:
+def pixels(processor, batch, device, cache: PixelCache | None = None,
+           input_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor] | None:
     """A trainer's pixel inputs for a ``TrainBatch`` with images (from ``cache``, which a trainer
-    keeps for one train step), else None."""
+    keeps for one train step), with ``input_ids``' token types where the model takes them
+    (``token_types``), else None."""
     if batch.images is None:
         return None
     if processor is None:
         raise ValueError("a batch with images for a text-only policy")
-    return (cache or PixelCache(processor)).batch(batch.images, device)
+    out = (cache or PixelCache(processor)).batch(batch.images, device)
+    return out | token_types(processor, input_ids) if input_ids is not None else out
+
+
+def token_types(processor, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``mm_token_type_ids`` (0 text, 1 image, 2 video) where the processor gives them to its model,
+    as it does inside ``generate()``: Qwen2.5-VL and later derive every token's 3-D rotary position
+    from them and, without them, fall back to 1-D positions, so a trainer that left them out scored
+    other positions than the rollout sampled at (3e-3 apart in log-probability on a tiny
+    Qwen2.5-VL: the H200 run of 2026-11-27). Nothing for a processor that has none (Idefics3)."""
+    if "mm_token_type_ids" not in getattr(processor, "model_input_names", ()):
+        return {}
+    types = processor.create_mm_token_type_ids(input_ids.tolist())
+    return {"mm_token_type_ids": torch.tensor(types, device=input_ids.device)}
 
 
 def is_vision_folder(model_dir: str) -> bool:

@@ -119,7 +119,7 @@ class TorchTrainer:
         # with LoRA in eval mode: adapter dropout would make these random
         mode = lora_adapter.eval_mode(self.model) if self.lora is not None else contextlib.nullcontext()
         with forward_precision(self.device, self.autocast), mode:
-            pixels = multimodal.pixels(self.processor, batch, self.device)
+            pixels = multimodal.pixels(self.processor, batch, self.device, input_ids=ids)
             lp = sequence_logprobs(self.model, ids, attn, self.temperature, pixels, self.banned)
         return response_values(lp, batch)
 
@@ -161,7 +161,7 @@ class TorchTrainer:
                 # the named regions are what a profile of the step shows (bench/train_step.py)
                 with record_function("pad_batch"):
                     ids, attn, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
-                    pixels = multimodal.pixels(self.processor, micro, self.device, pixel_cache)
+                    pixels = multimodal.pixels(self.processor, micro, self.device, pixel_cache, ids)
                 with record_function("forward"), forward_precision(self.device, self.autocast):  # the loss: fp32 either way
                     logprobs = sequence_logprobs(self.model, ids, attn, self.temperature, pixels, self.banned)
                     ref = None
