@@ -72,9 +72,10 @@ def check_image(blob: bytes, where: str, max_bytes: int, pixels: bool = False) -
 
 
 def image_token_ids(processor) -> list[int]:
-    """The special tokens a processor puts around and in place of images: never to be generated."""
+    """The special tokens a processor puts around and in place of images (and videos): never to be
+    generated (a sampled video placeholder would send a Qwen-VL's trainer looking for a video)."""
     tok = processor.tokenizer
-    names = [getattr(processor, a, None) for a in ("image_token", "fake_image_token", "global_image_tag",
+    names = [getattr(processor, a, None) for a in ("image_token", "video_token", "fake_image_token", "global_image_tag",
                                                    "vision_start_token", "vision_end_token", "boi_token", "eoi_token")]
     ids = {tok.convert_tokens_to_ids(n) for n in names if isinstance(n, str)}
     return sorted(i for i in ids if i is not None and i != tok.unk_token_id)
