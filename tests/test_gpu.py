@@ -178,6 +178,29 @@ def test_torch_engines_on_cuda(tmp_path):
 
 
 @pytest.mark.gpu
+def test_generation_on_cuda_runs_without_cudnn_attention(tmp_path):
+    """torch 2.11 prefers cuDNN attention on Hopper, which sets up a plan for every shape it has not
+    seen: every decode step of a batch size not generated before paid it (3.1 s against 0.24 s for
+    a repeat on the H200, docs/gpu). generate() runs flash or memory-efficient attention instead
+    (``model.decode_attention``); the trainer's forward keeps torch's choice (printed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engines.backends.torch.generator import TorchGenerator
+    from engines.backends.torch.trainer import TorchTrainer
+    from helpers import random_batch, save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "model", hidden_size=128, num_layers=2)
+    sdpa = lambda prof: {e.key for e in prof.key_averages() if "scaled_dot_product" in e.key}  # noqa: E731
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        TorchGenerator(model_dir).generate(["12+7=", "3+4=", "5+5="], max_new_tokens=4, seed=0)
+    generating = sdpa(prof)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        TorchTrainer(model_dir).logprobs(random_batch(3, seed=0))
+    print(f"generate: {sorted(generating)}; the trainer: {sorted(sdpa(prof))}")
+    assert generating and not any("cudnn" in op for op in generating)
+
+
+@pytest.mark.gpu
 def test_agent_episodes_on_cuda_are_token_in_token_out(tmp_path):
     """Issue 45's episodes on the GPU (tests/test_agents.py on the CPU): the tool agent's calls, the
     calculator's turns and its answers sampled on CUDA, prompted with the episodes' own token ids;

@@ -13,7 +13,7 @@ import torch
 
 from engines.backends import chat, multimodal
 from engines.backends.base import Generation, WeightSyncError, fingerprint, refuse_unwritten
-from engines.backends.torch.model import forward_precision, load_model, resolve_device, without
+from engines.backends.torch.model import decode_attention, forward_precision, load_model, resolve_device, without
 
 
 class TorchGenerator:
@@ -57,7 +57,7 @@ class TorchGenerator:
             batch = tok.pad({"input_ids": ids}, return_tensors="pt", return_attention_mask=True).to(self.device)
         if not greedy:  # greedy draws nothing: leave the process-wide RNG alone (a judge on another
             torch.manual_seed(seed)  # thread must not reseed the rollout's sampling: placement.mode=partial)
-        with forward_precision(self.device, self.autocast):
+        with forward_precision(self.device, self.autocast), decode_attention(self.device):
             out = self.model.generate(
                 **batch,
                 do_sample=not greedy,

@@ -62,6 +62,19 @@ def forward_precision(device: torch.device, autocast: bool | None):
     return contextlib.nullcontext()
 
 
+def decode_attention(device: torch.device):
+    """The attention kernels ``generate()`` runs with: on CUDA, SDPA without cuDNN's. torch 2.11
+    prefers cuDNN attention on Hopper, and cuDNN builds an execution plan for every shape it has
+    not seen; a decode step's key length is new at every token, so on an H200 a generate call at a
+    batch size not seen before took 3.1 s where a repeat took 0.24 s, 2.7 s of it inside SDPA
+    (2026-11-28, docs/gpu). Flash and memory-efficient attention have no per-shape set-up."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
                       pixels: dict[str, torch.Tensor] | None = None, banned: list[int] | None = None) -> torch.Tensor:
     """log p(token t | tokens < t) for every position t >= 1; shape [batch, len-1]. ``pixels``: a
