@@ -334,7 +334,8 @@ def main(argv=None) -> int:
 
 def _commit() -> str | None:
     try:
-        proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        # "-dirty": the tree that ran is not the commit (a device run carries the working tree, not always its history)
+        proc = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
     except OSError:  # no git where the check runs (a copied tree)
         return None
     return proc.stdout.strip() or None
