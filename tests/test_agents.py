@@ -311,20 +311,22 @@ def test_a_run_trains_on_episodes_with_a_tool_and_an_environment(agent, prefect_
     """Two RL steps over two DP groups on the real flow, the rollout lane one step ahead
     (rollout.max_staleness=1, decoupled correction): episodes with the calculator and an
     environment's reward; the experience holds each episode's loss mask and the trainer counts
-    only the tokens the policy sampled; the step's figures show turns and tool calls."""
+    only the tokens the policy sampled; the step's figures show turns and tool calls. The same
+    command for one step more resumes from the last checkpoint and goes on playing episodes."""
     from flows.training import step_figures, train
     from flows.metrics import StepMetrics
 
     (tmp_path / "checked_env.py").write_text(CHECKED_ENV)
     prompts = _write_prompts(tmp_path / "prompts.parquet",
                              [{"prompt_id": i, "prompt": "What is 2+3?", "answer": "5"} for i in range(8)])
-    summary = asyncio.run(train(overrides=[
+    overrides = [
         f"storage.root={tmp_path}", "name=agents", f"model.policy={agent}", f"data.prompts={prompts}", "data.heldout=null",
         "data.chat_template=auto", "data.max_prompt_tokens=600", "reward.genrm_weight=0", "reward.rule=null",
         "reward.env_weight=1", f"rollout.env={tmp_path}/checked_env.py:Checked", f"rollout.tools=[{CALCULATOR}]",
         "rollout.max_new_tokens=80", "rollout.temperature=0.3", "rollout.samples_per_prompt=4", "sampling.prompts_per_wave=2", "sampling.target_groups=1",
-        "sampling.filter_equal_rewards=false", "steps=2", "dp=2", "checkpoint.every=1",
-        "rollout.max_staleness=1", "train.old_policy=decoupled", "train.off_policy_correction=tis"]))
+        "sampling.filter_equal_rewards=false", "dp=2", "checkpoint.every=1",
+        "rollout.max_staleness=1", "train.old_policy=decoupled", "train.off_policy_correction=tis"]
+    summary = asyncio.run(train(overrides=overrides + ["steps=2"]))
     history = [StepMetrics(**m, checkpoint_files=[]) for m in summary["history"]]
     for m in history:
         print(step_figures(m))
@@ -335,3 +337,8 @@ def test_a_run_trains_on_episodes_with_a_tool_and_an_environment(agent, prefect_
     assert any(0 in r["loss_mask"] for r in rows)  # tool turns between the sampled ones
     assert history[1].train_tokens == sum(sum(r["loss_mask"]) for r in rows)  # the trainers counted sampled tokens only
     assert 0 < history[1].train["is_ratio_mean"] < 2  # the correction's statistics, over sampled tokens
+    # the same command for one step more resumes from step 1's checkpoint and plays its episodes on
+    resumed = asyncio.run(train(overrides=overrides + ["steps=3"]))["history"]
+    assert [m["step"] for m in resumed] == [2] and resumed[0]["episodes"]["tool_calls"] > 0
+    rows = pq.read_table(tmp_path / "runs" / "agents" / "steps" / "000002" / "experience").to_pylist()
+    assert rows and any(0 in r["loss_mask"] for r in rows)
