@@ -74,9 +74,9 @@ SCORED = ROLLOUTS.append(pa.field("judge_text", pa.string())).append(pa.field("g
     pa.field("reward", pa.float32(), nullable=False))
 
 EXPERIENCE = SCORED.append(pa.field("advantage", pa.float32(), nullable=False)).append(
-    # an algorithm with a critic (engines/host/critic.py): per response token, the advantages, the
-    # critic's targets and the values they were computed with (null otherwise; ``advantage`` is then
-    # the first token's)
+    # an algorithm with a critic (engines/host/critic.py): per response token (an episode's: per
+    # sampled token, its loss_mask's ones), the advantages, the critic's targets and the values they
+    # were computed with (null otherwise; ``advantage`` is then the first token's)
     pa.field("token_advantages", pa.list_(pa.float32()))).append(pa.field("returns", pa.list_(pa.float32()))).append(
     pa.field("values", pa.list_(pa.float32())))
 

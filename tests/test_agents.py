@@ -149,6 +149,32 @@ def test_observation_tokens_get_no_gradient_and_one_turn_is_todays_sample(tmp_pa
     assert torch.all(logprobs.grad[positions] == 0) and torch.all(logprobs.grad[resp.bool()] != 0)
 
 
+def test_ppo_values_advantages_and_returns_are_on_sampled_tokens_only(agent):
+    """PPO on episodes: the critic values the tokens the policy sampled, GAE runs over them as one
+    chain (an observation is a step of the environment, never valued or trained), and the critic's
+    and the policy's steps read those tokens only: the critic's first loss is half the mean squared
+    advantage over them (its values are still the old ones, so R - V = A)."""
+    from engines.backends.torch.critic import TorchCritic
+    from engines.host.critic import with_token_advantages
+    from engines.rl.ppo import PPOConfig
+
+    _, _, played = _play(agent, [{"prompt_id": 7, "prompt": "What is 2+3?", "answer": "5"}], tools=[CALCULATOR], max_turns=3)
+    rows = [{"prompt_ids": e.prompt_ids, "response_ids": e.response_ids, "logprobs": e.logprobs, "loss_mask": e.loss_mask,
+             "reward": reward} for e, reward in zip(played, (1.0, 0.0))]
+    ppo = PPOConfig(lam=0.9)
+    critic = TorchCritic(agent, lr=1e-3)
+    rows = with_token_advantages(ppo, critic, rows, None)
+    for r in rows:
+        assert len(r["values"]) == len(r["token_advantages"]) == len(r["returns"]) == sum(r["loss_mask"]) < len(r["response_ids"])
+    batch = TrainBatch([r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows], [r["logprobs"] for r in rows],
+                       [r["token_advantages"] for r in rows], returns=[r["returns"] for r in rows],
+                       values=[r["values"] for r in rows], loss_mask=[r["loss_mask"] for r in rows])
+    squares = [a * a for r in rows for a in r["token_advantages"]]
+    stats = critic.train_step(batch, ppo)
+    assert stats["value_loss"] == pytest.approx(0.5 * sum(squares) / len(squares), rel=1e-4)
+    assert TorchTrainer(agent, temperature=0.3).train_step(batch, ppo)["tokens"] == len(squares)
+
+
 def test_off_policy_weights_skip_observations():
     proximal, behaviour = [[-1.0, -2.0, -0.5]], [[-1.5, -9.0, -0.5]]
     weights, stats = correction_weights(proximal, behaviour, "mis", masks=[[1, 0, 1]])
@@ -278,8 +304,8 @@ def test_bad_environments_and_tools_fail_before_engines_load(agent, tmp_path):
         validation.validate_inputs(config(f"model.policy={bare}", f"rollout.tools=[{CALCULATOR}]"))
     with pytest.raises(Exception, match=r"data.chat_template=none renders none"):
         config("data.chat_template=none", f"rollout.tools=[{CALCULATOR}]")
-    with pytest.raises(Exception, match=r"train.algorithm.name=ppo is not trained on episodes"):
-        config(f"rollout.tools=[{CALCULATOR}]", "train.algorithm.name=ppo")
+    with pytest.raises(Exception, match=r"train.algorithm.name=dpo trains on a preference dataset, not on episodes"):
+        config(f"rollout.tools=[{CALCULATOR}]", "train.algorithm.name=dpo", "data.preferences=p.parquet")
 
 
 def test_an_environment_that_raises_mid_episode_is_named(agent, tmp_path):

@@ -132,10 +132,9 @@ class RunConfig(Section):
         if not r.episodes:
             return self
         what = f"rollout.env={r.env}" if r.env else f"rollout.tools={r.tools}"
-        if algorithm.needs.critic or algorithm.needs.preferences:
-            raise ValueError(f"{what}: train.algorithm.name={algorithm.name} is not trained on episodes yet (a critic's "
-                             "per-token values, or a preference dataset); use grpo, dapo, gspo, cispo, rloo, "
-                             "reinforce_pp or online_dpo")
+        if algorithm.needs.preferences:
+            raise ValueError(f"{what}: train.algorithm.name={algorithm.name} trains on a preference dataset, not on "
+                             "episodes; use grpo, dapo, gspo, cispo, rloo, reinforce_pp, ppo or online_dpo")
         if r.backend == "stub" or self.judge.backend == "stub":
             raise ValueError(f"{what}: the timing stubs generate no text an environment or a tool could read; use "
                              "rollout.backend torch or vllm")

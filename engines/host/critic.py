@@ -5,6 +5,11 @@ experience holds (``storage.datasets.EXPERIENCE``: ``token_advantages``, ``retur
 Run by the dynamic filter, once per step on the rows it keeps, before ``train_step``: the values
 are those of the critic the step starts from (the "old" values of the value clip), computed by
 each DP group on its own rows (no collective).
+
+An episode (``rollout.env`` / ``rollout.tools``) has values, advantages and returns on the tokens
+the policy sampled only (its ``loss_mask``): GAE runs over them as one chain, an assistant turn's
+last token followed by the next turn's first, the observation between them a step of the
+environment that costs nothing and is never valued or trained (veRL's multi-turn PPO does the same).
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ def with_token_advantages(algorithm, critic, rows: list[dict], max_tokens: int |
     for start, end in _passes([len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows], max_tokens):
         part = rows[start:end]
         values += critic.values(TrainBatch([r["prompt_ids"] for r in part], [r["response_ids"] for r in part],
-                                           [r["logprobs"] for r in part], [0.0] * len(part)))
+                                           [r["logprobs"] for r in part], [0.0] * len(part),
+                                           loss_mask=[r.get("loss_mask") for r in part]))
     advantages, returns = algorithm.token_advantages([r["reward"] for r in rows], values)
     return [row | {"advantage": a[0] if a else 0.0, "token_advantages": a, "returns": g, "values": v}
             for row, a, g, v in zip(rows, advantages, returns, values)]

@@ -151,7 +151,7 @@ class MegatronCritic(Sleeps):
         for part in batch.split(minibatches):
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            (total,) = self._dp_sums([float(sum(len(r) for r in part.response_ids))])
+            (total,) = self._dp_sums([float(sum(part.trained_tokens()))])
             passes = micro_batches(part, micro_batch_tokens)
             for k, micro in enumerate(passes):
                 report_progress()
@@ -167,7 +167,7 @@ class MegatronCritic(Sleeps):
             finalize_model_grads([self.model])  # the DP all-reduce (a sum: calculate_per_token_loss)
             _, norm, _ = self.optimizer.step()
             grad_norm = float(norm)
-        tokens = float(sum(len(r) for r in batch.response_ids))
+        tokens = float(sum(batch.trained_tokens()))
         out = {name: float(value) / max(tokens, 1.0) for name, value in sums.items()}
         moments = self._dp_sums(variance_sums(batch.returns or [], batch.values or []))
         return out | {"explained_variance": explained_variance(moments), "critic_grad_norm": grad_norm}

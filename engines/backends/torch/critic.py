@@ -95,14 +95,14 @@ class TorchCritic:
                    ) -> dict[str, float]:
         """``minibatches`` optimizer steps on ``batch.returns`` (the same split as the policy's),
         the per-token loss ``algorithm.critic_loss(values, batch.values, batch.returns)`` averaged
-        over the minibatch's DP-global response tokens. Returns this rank's ``value_loss`` and the
+        over the minibatch's DP-global trained tokens (an episode's sampled ones). Returns this rank's ``value_loss`` and the
         loss's statistics per token, ``explained_variance`` of the returns by the step's old values
         (1 - Var(R - V) / Var(R) over its tokens), and ``critic_grad_norm``."""
         sums: dict[str, torch.Tensor] = {}
         grad_norm = 0.0
         for part in batch.split(minibatches):
             self.optimizer.zero_grad(set_to_none=True)
-            total = torch.tensor([float(sum(len(r) for r in part.response_ids))], dtype=torch.float64, device=self.device)
+            total = torch.tensor([float(sum(part.trained_tokens()))], dtype=torch.float64, device=self.device)
             if self.distributed:
                 dist.all_reduce(total)
             for micro in micro_batches(part, micro_batch_tokens):
@@ -117,7 +117,7 @@ class TorchCritic:
             all_reduce_grads(self.model, self.distributed)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
             self.optimizer.step()
-        tokens = float(sum(len(r) for r in batch.response_ids))
+        tokens = float(sum(batch.trained_tokens()))
         out = {name: float(value) / max(tokens, 1.0) for name, value in sums.items()}
         # over every DP group's tokens (one all-reduce): equal on every group, like the gradient norm
         moments = torch.tensor(variance_sums(batch.returns or [], batch.values or []), dtype=torch.float64, device=self.device)
