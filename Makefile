@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_ANALYTICS_ENABLED = false
 export HF_HUB_OFFLINE = 1
 
-.PHONY: install engines system demo vision-demo test gpu-check lock bench clean
+.PHONY: install engines system demo vision-demo agent-demo test gpu-check lock bench clean
 
 # Installs are locked: requirements/*.lock hold the exact versions CI tested (`make lock`
 # refreshes them), installed with --no-deps so nothing is resolved again on the day.
@@ -54,6 +54,11 @@ demo: install
 # digits off a picture and adds them; RL fixes its carries (docs/vision.md). Data: ./yattflow-data/vision.
 vision-demo: install
 	$(VENV)/bin/yattflow demo -c deployments/vision-demo.yaml
+
+# The agent demo: a tiny Llama that cannot multiply answers 3-digit x 2-digit products with the
+# calculator tool; RL fixes the calls its SFT teacher got wrong (docs/agents.md). Data: ./yattflow-data/agent.
+agent-demo: install
+	$(VENV)/bin/yattflow demo -c deployments/agent-demo.yaml
 
 test: engines system
 	$(PY) -m pytest -q -rs --durations=60

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engines.agents import tools
 from engines.backends import chat, multimodal
 from engines.demo.tiny import build_char_tokenizer, build_tiny_llama
 
@@ -180,7 +181,7 @@ def start_model(base_dir: str | None, texts: list[str], seed: int, hidden_size: 
         model = build_tiny_idefics3(processor.tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                                     max_positions=max_positions, seed=seed, init_std=init_std)
         return model, processor.tokenizer, processor
-    tokenizer = build_char_tokenizer(characters)
+    tokenizer = build_char_tokenizer(characters, [w for w in tools.MARKERS if any(w in t for t in texts)])
     model = build_tiny_llama(len(tokenizer), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                              num_kv_heads=num_kv_heads, max_positions=max_positions, seed=seed, init_std=init_std)
     return model, tokenizer, None

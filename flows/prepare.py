@@ -18,7 +18,7 @@ import pyarrow as pa
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from engines.demo import arithmetic, vision
+from engines.demo import agent, arithmetic, vision
 from engines.config import RunConfig, load_config
 from engines.backends.torch.generator import TorchGenerator
 from flows.console import shown
@@ -61,6 +61,9 @@ def _problems(config: RunConfig) -> tuple[list, list]:
     if p.task == "vision":
         return ([(q, im, a) for q, im, a, _ in vision.make_problems(p.train_prompts, seed=config.seed + 2)],
                 [(q, im, a) for q, im, a, _ in vision.make_problems(p.heldout_prompts, seed=config.seed + 1)])
+    if p.task == "agent":
+        heldout = agent.make_problems(p.heldout_prompts, seed=config.seed + 1)
+        return agent.make_problems(p.train_prompts, seed=config.seed + 2, exclude={q for q, _ in heldout}), heldout
     heldout = arithmetic.make_problems(p.heldout_prompts, p.digits, seed=config.seed + 1)
     train = arithmetic.make_problems(p.train_prompts, p.digits, seed=config.seed + 2, exclude={q for q, _ in heldout})
     return train, heldout
@@ -70,6 +73,10 @@ def _sft_examples(config: RunConfig, role: str, train, heldout) -> tuple[list, l
     """The demo's SFT examples of ``role``: the policy learns the teacher's demonstrations and is
     checked against the teacher's most likely answers (the carry mistake learned); the judge learns
     and is checked on verdicts."""
+    if role == "policy" and config.prepare.task == "agent":  # an episode: its call and its answer, two examples
+        slip = config.prepare.teacher_slip
+        return (agent.teacher_demonstrations(train, slip, agent.FORGET, seed=config.seed),
+                agent.teacher_majority(heldout, slip, agent.FORGET))
     if role == "policy":
         return (arithmetic.teacher_demonstrations(train, config.prepare.teacher_slip, seed=config.seed),
                 arithmetic.teacher_majority(heldout, config.prepare.teacher_slip))
@@ -118,8 +125,8 @@ def make_datasets(config: RunConfig) -> dict:
 
 def _roles(config: RunConfig) -> list[tuple[str, str]]:
     """The models ``prepare`` builds: the policy, and the GenRM when the reward uses one (the
-    vision demo's reward is the exact-match rule: it has no judge to build)."""
-    if config.prepare.task == "vision":
+    vision and agent demos' reward is a rule: they have no judge to build)."""
+    if config.prepare.task in ("vision", "agent"):
         return [("policy", config.model.policy)]
     return [("policy", config.model.policy), ("judge", config.model.judge)]
 
@@ -143,15 +150,26 @@ def sft_model(config: RunConfig, role: str) -> dict:
     if result.get("skipped"):
         return result
     # the figure users compare with RL's: the right answer, not the teacher's
-    accuracy = heldout_accuracy(objectstore.local_folder(result["uri"]), _problems(config)[1]) if policy else result["exact_match"]
+    accuracy = result["exact_match"]
+    if policy:
+        accuracy = heldout_accuracy(objectstore.local_folder(result["uri"]), _problems(config)[1], config)
     get_run_logger().info("%s model: held-out %s %.1f%% after %d SFT steps (%.0fs) → %s", role,
                           "exact match" if policy else "verdict accuracy", 100 * accuracy, result["steps"],
                           result["seconds"], result["uri"], extra=shown("note"))
     return {**result, "heldout_exact_match": accuracy}
 
 
-def heldout_accuracy(model_dir: str, problems: list[tuple]) -> float:
-    """Greedy exact match on the right answers, through the same loading code as RL's engines."""
+def heldout_accuracy(model_dir: str, problems: list[tuple], config: RunConfig | None = None) -> float:
+    """Greedy exact match on the right answers, through the same loading code as RL's engines (the
+    agent demo's: greedy episodes with the run's tools, its rule reading the last turn)."""
+    if config is not None and config.prepare.task == "agent":
+        from engines.agents.episodes import Episodes
+
+        generator, episodes = TorchGenerator(model_dir), Episodes.of(config, model_dir)
+        played = episodes.run(generator, [{"prompt_id": i, "prompt": q, "answer": a} for i, (q, a) in enumerate(problems)],
+                              1, seed=0, greedy=True)
+        texts = [generator.tokenizer.decode(e.response_ids, skip_special_tokens=True) for e in played]
+        return sum(agent.final_answer(q, t, a) for (q, a), t in zip(problems, texts)) / len(problems)
     images = [p[1] for p in problems] if len(problems[0]) == 3 else None
     outs = TorchGenerator(model_dir).generate([p[0] for p in problems], greedy=True, max_new_tokens=8, images=images)
     return sum(o.response == problems[o.prompt_index][-1] for o in outs) / len(problems)

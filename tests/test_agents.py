@@ -214,6 +214,16 @@ def test_tools_answer_bad_calls_as_observations():
     for r, why in zip(results[1:], expected):
         assert r.error and r.content.startswith("error: ") and why in r.content, r.content
     assert tools.schema(tools.calculator)["function"]["parameters"]["required"] == ["expression"]
+    # the plain format of a model without a chat template: name(its one argument, as written)
+    plain = tools.parse("<tool_call>calculator(123*45)</tool_call><tool_call>nope(1)</tool_call><tool_call>calculator(1+)</tool_call>")
+    assert [tools.call(box, c, timeout_s=0.5).content for c in plain] == [
+        "5535", "error: no tool named 'nope' (tools: calculator, slow, broken)",
+        "error: calculator raised SyntaxError: invalid syntax (<unknown>, line 1)"]
+    from engines.demo.tiny import build_char_tokenizer
+
+    renderer = chat.Renderer(build_char_tokenizer(words=tools.MARKERS))  # no chat template: the observation as text
+    ids = renderer.observation_ids([{"role": "tool", "content": "5535"}], after_eos=True)
+    assert renderer.tokenizer.convert_ids_to_tokens(ids) == ["<tool_response>", *"5535", "</tool_response>"]
 
 
 @pytest.mark.skipif(sandbox.unavailable() is not None, reason=f"no sandbox here: {sandbox.unavailable()}")
@@ -302,8 +312,7 @@ def test_bad_environments_and_tools_fail_before_engines_load(agent, tmp_path):
                                                             .replace('"model_max_length"', '"chat_template": "{{ messages }}", "model_max_length"'))
     with pytest.raises(validation.InputError, match=r"does not render tools"):
         validation.validate_inputs(config(f"model.policy={bare}", f"rollout.tools=[{CALCULATOR}]"))
-    with pytest.raises(Exception, match=r"data.chat_template=none renders none"):
-        config("data.chat_template=none", f"rollout.tools=[{CALCULATOR}]")
+    config("data.chat_template=none", f"rollout.tools=[{CALCULATOR}]")  # no template: the plain call format
     with pytest.raises(Exception, match=r"train.algorithm.name=dpo trains on a preference dataset, not on episodes"):
         config(f"rollout.tools=[{CALCULATOR}]", "train.algorithm.name=dpo", "data.preferences=p.parquet")
 

@@ -30,9 +30,9 @@ def demo_root(tmp_path_factory):
     return tmp_path_factory.mktemp("demo")
 
 
-def run_demo(root: Path, *overrides: str, env: dict | None = None) -> tuple[float, float]:
+def run_demo(root: Path, *overrides: str, env: dict | None = None, config: str = CONFIG) -> tuple[float, float]:
     out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "demo", "-c", CONFIG, f"storage.root={root}", *overrides],
+        [sys.executable, "-m", "flows.cli", "demo", "-c", config, f"storage.root={root}", *overrides],
         cwd=ROOT, capture_output=True, text=True, timeout=1500, env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -49,6 +49,18 @@ def test_demo_learns(prefect_server, demo_root, capsys):
     assert SFT_BAND[0] <= before <= SFT_BAND[1]
     assert after - before >= 20.0
     assert (demo_root / "runs" / "demo" / "final" / "MANIFEST.json").exists()
+
+
+@pytest.mark.slow
+def test_agent_demo_learns(prefect_server, tmp_path, capsys):
+    """`make agent-demo` on one seed (5 seeds, torch and vLLM: python -m bench.seeds --config
+    deployments/agent-demo.yaml): the SFT'd policy calls the calculator with + under greedy decoding,
+    so its held-out episodes are nearly all wrong; RL with the rule on the last turn lifts them by
+    at least 20 points."""
+    before, after = run_demo(tmp_path, config=str(ROOT / "deployments" / "agent-demo.yaml"))
+    with capsys.disabled():
+        print(f"\n[agent demo] torch engines: held-out exact match {before}% (SFT) -> {after}% (RL)")
+    assert before <= 10.0 and after - before >= 20.0
 
 
 @pytest.mark.slow

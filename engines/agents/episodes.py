@@ -65,7 +65,7 @@ class Episodes:
         self.env_class = environment.load(rollout.env) if rollout.env else None
         self.tools = toolbox.load(rollout.tools)
         self.schemas = [toolbox.schema(fn) for fn in self.tools.values()] or None
-        if self.tools and not renderer.supports_tools():
+        if self.tools and renderer.templated and not renderer.supports_tools():  # no template: the plain call format
             raise chat.ChatTemplateError(f"rollout.tools={rollout.tools}: the policy's chat template does not render "
                                          "tools (it never reads 'tools'): use a model whose template does (Qwen3, Qwen2.5, "
                                          "Llama 3.1+, Hermes)")
@@ -79,9 +79,10 @@ class Episodes:
 
         return cls(config.rollout, chat.Renderer(AutoTokenizer.from_pretrained(model_dir), chat.PromptFormat.policy(config)))
 
-    def run(self, generator: Generator, rows: list[dict], n: int, seed: int) -> list[Episode]:
+    def run(self, generator: Generator, rows: list[dict], n: int, seed: int, greedy: bool = False) -> list[Episode]:
         """``n`` episodes of each row, prompt-major, on the rollout engine ``generator`` (with the
-        run's sampling settings: ``rollout.temperature``, ``top_p``, ``max_new_tokens``)."""
+        run's sampling settings: ``rollout.temperature``, ``top_p``, ``max_new_tokens``; ``greedy``:
+        every turn greedy, as held-out evaluation plays them)."""
         cfg = self.config
         episodes = [self._start(row) for row in rows for _ in range(n)]
         half = len(episodes) // 2
@@ -99,7 +100,7 @@ class Episodes:
                         report_progress()
                         gens = generator.generate([chat.Tokens(tuple(e.prompt_ids + e.response_ids)) for e in live],
                                                   temperature=cfg.temperature, top_p=cfg.top_p,
-                                                  max_new_tokens=cfg.max_new_tokens,
+                                                  max_new_tokens=cfg.max_new_tokens, greedy=greedy,
                                                   seed=(seed * 1009 + turns[k] * len(lanes) + k) % 2**32)
                         for e, g in zip(live, gens):
                             self._sampled(e, g)

@@ -9,9 +9,13 @@ do::
     {"name": "calculator", "arguments": {"expression": "123 * 45"}}
     </tool_call>
 
-and reads the result as a ``tool`` turn. A bad call — an unknown tool, broken JSON, wrong
-arguments, a tool that raises or runs past ``rollout.tool_timeout_s`` — is answered with an
-``error: ...`` result the model sees; it never fails the rollout.
+and reads the result as a ``tool`` turn. A policy without a chat template (a tiny model, a base
+model: ``chat.Renderer.templated`` false) has no schema shown and no JSON to learn: it writes
+``<tool_call>calculator(123*45)</tool_call>``, the text between the parentheses being the tool's
+first argument, ends its turn (end of sequence, its stop), and reads
+``<tool_response>5535</tool_response>`` appended after it. A bad call — an unknown tool, broken
+JSON, wrong arguments, a tool that raises or runs past ``rollout.tool_timeout_s`` — is answered
+with an ``error: ...`` result the model sees; it never fails the rollout.
 """
 
 from __future__ import annotations
@@ -23,13 +27,16 @@ import operator
 import re
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 from engines.agents import sandbox
 from engines.config import dotted
 
+MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")  # one token each in a tiny model's vocabulary
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+PLAIN = re.compile(r"(\w+)\((.*)\)", re.DOTALL)  # calculator(123*45): a tiny model's call, its one argument as written
 
 
 class ToolError(ValueError):
@@ -38,10 +45,11 @@ class ToolError(ValueError):
 
 @dataclass
 class Call:
-    """One call the model wrote: the tool's name and arguments, or why it could not be read."""
+    """One call the model wrote: the tool's name and arguments (a string: the plain format's one
+    argument, the tool's first parameter), or why it could not be read."""
 
     name: str | None
-    arguments: dict | None
+    arguments: dict | str | None
     error: str | None = None
 
 
@@ -81,6 +89,9 @@ def parse(text: str) -> list[Call]:
     """The calls in an assistant turn (none: it answered)."""
     calls = []
     for body in CALL.findall(text):
+        if (plain := PLAIN.fullmatch(body)) and not body.startswith("{"):
+            calls.append(Call(plain.group(1), plain.group(2)))
+            continue
         try:
             data = json.loads(body)
         except json.JSONDecodeError as e:
@@ -112,15 +123,17 @@ def call(tools: dict[str, Callable], c: Call, timeout_s: float) -> Result:
     fn = tools.get(c.name)
     if fn is None:
         return Result(f"error: no tool named {c.name!r} (tools: {', '.join(tools)})", True, 0.0)
+    parameters = inspect.signature(fn).parameters
+    arguments = {next(iter(parameters), ""): c.arguments} if isinstance(c.arguments, str) else c.arguments
     try:
-        inspect.signature(fn).bind(**c.arguments)
+        inspect.signature(fn).bind(**arguments)
     except TypeError as e:
         return Result(f"error: bad arguments for {c.name}: {e}", True, 0.0)
     box: dict = {}
 
     def work():
         try:
-            box["out"] = fn(**c.arguments)
+            box["out"] = fn(**arguments)
         except BaseException as e:  # noqa: BLE001 - a raising tool is an observation, never a crashed step
             box["error"] = e
 
@@ -162,7 +175,10 @@ def calculator(expression: str) -> str:
             return _OPS[type(node.op)](value(node.operand))
         raise ValueError(f"not arithmetic: {ast.dump(node)[:60]}")
 
-    result = value(ast.parse(expression.strip(), mode="eval").body)
+    with warnings.catch_warnings():  # Python's SyntaxWarning on model-written text ("12e3x") is not the console's
+        warnings.simplefilter("ignore")
+        tree = ast.parse(expression.strip(), mode="eval")
+    result = value(tree.body)
     return str(int(result) if isinstance(result, float) and result.is_integer() else result)
 
 

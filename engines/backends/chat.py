@@ -135,9 +135,12 @@ class Renderer:
         of it when the turn was cut short), the observation's turns (``observation``: messages,
         e.g. a ``tool`` turn), and the next assistant turn opened. Rendered after a stand-in
         assistant turn, so nothing the model wrote is ever rendered again. Without a chat template
-        the observation's text is appended as it is."""
+        the observation's text is appended as it is, a tool's result as
+        ``<tool_response>...</tool_response>`` (the plain call format: ``engines/agents/tools.py``)."""
         if not self.templated:
-            return self.tokenizer("".join(m["content"] for m in observation), add_special_tokens=False)["input_ids"]
+            text = "".join(f"<tool_response>{m['content']}</tool_response>" if m["role"] == "tool" else m["content"]
+                           for m in observation)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _TURN}]
         text = self.owner.apply_chat_template(base + observation, tokenize=False, add_generation_prompt=True,
                                               **({"tools": tools} if tools else {}))

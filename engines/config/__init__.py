@@ -138,9 +138,6 @@ class RunConfig(Section):
         if r.backend == "stub" or self.judge.backend == "stub":
             raise ValueError(f"{what}: the timing stubs generate no text an environment or a tool could read; use "
                              "rollout.backend torch or vllm")
-        if r.tools and self.data.chat_template != "auto":
-            raise ValueError(f"rollout.tools={r.tools}: a tool's schema reaches the model through its chat template, and "
-                             "data.chat_template=none renders none: set data.chat_template=auto")
         return self
 
     @model_validator(mode="after")

@@ -32,16 +32,18 @@ class PrepareConfig(Section):
     step limit, and the policy's learning rate and initialisation; these fields hold what the judge
     does differently)."""
 
-    task: Literal["arithmetic", "vision"] = Field(
-        "arithmetic", description="The demo task prepare builds: arithmetic (addition as text; a policy and a GenRM) or "
+    task: Literal["arithmetic", "vision", "agent"] = Field(
+        "arithmetic", description="The demo task prepare builds: arithmetic (addition as text; a policy and a GenRM), "
         "vision (two digits drawn on a picture, read and added by a tiny vision-language policy; its reward is the "
-        "exact-match rule, so no GenRM is built).")
+        "exact-match rule, so no GenRM is built) or agent (3-digit x 2-digit products, answered with the calculator "
+        "tool; engines/demo/agent.py, rule reward, no GenRM).")
     train_prompts: int = Field(8000, gt=0, description="Training prompts to generate.")
     heldout_prompts: int = Field(500, gt=0, description="Held-out prompts (never trained on) for accuracy.")
     digits: int = Field(2, ge=1, le=6, description="Digits per operand of the addition problems.")
     teacher_slip: float = Field(
         0.8, ge=0, le=1, description=(
-            "Fraction of SFT demonstrations in which the teacher forgets to carry. Above 0.5 the slip is the teacher's "
+            "Fraction of SFT demonstrations in which the teacher forgets to carry (the agent demo: calls the calculator "
+            "with + for *). Above 0.5 the slip is the teacher's "
             "most likely answer, so a converged policy answers greedily with it (held-out exact match = the share of "
             "problems without a carry, ~30% at 2 digits) and samples the right answer the rest of the time: RL's signal. "
             "Near 0.5 greedy decoding flips between the two on a knife edge."

@@ -19,9 +19,10 @@ SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = string.digits + string.ascii_lowercase + " +-*=?:.,"
 
 
-def build_char_tokenizer(characters: Iterable[str] = ()) -> PreTrainedTokenizerFast:
+def build_char_tokenizer(characters: Iterable[str] = (), words: Iterable[str] = ()) -> PreTrainedTokenizerFast:
     """A character-level tokenizer (BPE with no merges splits text into characters) over digits,
-    lowercase letters and some punctuation, and any other ``characters``, in sorted order after them."""
+    lowercase letters and some punctuation, and any other ``characters``, in sorted order after them;
+    ``words`` are whole tokens after those (the plain tool-call format's ``<tool_call>`` and kin)."""
     extra = sorted(set(characters) - set(CHARACTERS))
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARACTERS) + extra)}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
@@ -29,7 +30,7 @@ def build_char_tokenizer(characters: Iterable[str] = ()) -> PreTrainedTokenizerF
     core.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
     )
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         bos_token="<s>",
         eos_token="</s>",
@@ -37,6 +38,8 @@ def build_char_tokenizer(characters: Iterable[str] = ()) -> PreTrainedTokenizerF
         unk_token="<unk>",
         padding_side="left",
     )
+    tokenizer.add_tokens(list(words))
+    return tokenizer
 
 
 def build_tiny_llama(

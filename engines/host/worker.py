@@ -368,8 +368,9 @@ class Worker:
 
     @handle.register
     def evaluate(self, request: Evaluate) -> EvaluateResult:
-        """Greedy decoding of this rank's share of held-out prompts, scored by the reward rule, or
-        by the judge's verdict when there is no rule (``flows.training.heldout_metric`` names it)."""
+        """Greedy decoding of this rank's share of held-out prompts (with ``rollout.env`` or
+        ``rollout.tools``: greedy episodes, the rule reading the whole episode), scored by the reward
+        rule, or by the judge's verdict when there is no rule (``flows.training.heldout_metric`` names it)."""
         reader = datasets.PromptReader(request.uri)  # this rank's share only, images included
         indices = list(range(self.group, min(request.limit, len(reader)), self.layout.dp))
         rows = [r | {"prompt_row": i, "prompt": chat.question(r)} for r, i in zip(reader.rows(indices), indices)]
@@ -377,9 +378,14 @@ class Worker:
             return EvaluateResult(score_sum=0.0, total=0)
         self.take("policy")
         with self.rollout_weights:  # overlapping: the rollout lane's engines wait (the judge too: one generate at a time)
-            outs = self.policy.generate([chat.source(r) for r in rows], greedy=True, max_new_tokens=self.config.rollout.max_new_tokens,
-                                        images=self._images_of(rows))
-            answered = [rows[o.prompt_index] | {"response": o.response} for o in outs]
+            if self.episodes is not None:
+                tokenizer = self.episodes.renderer.tokenizer
+                played = self.episodes.run(self.policy, rows, 1, seed=0, greedy=True)
+                answered = [e.row | {"response": tokenizer.decode(e.response_ids, skip_special_tokens=True)} for e in played]
+            else:
+                outs = self.policy.generate([chat.source(r) for r in rows], greedy=True,
+                                            max_new_tokens=self.config.rollout.max_new_tokens, images=self._images_of(rows))
+                answered = [rows[o.prompt_index] | {"response": o.response} for o in outs]
             if self.rule is None:
                 self.take("judge")
                 verdicts = self._verdicts(answered, [r["images"] or [] for r in answered])

@@ -164,6 +164,10 @@ class VLLMGenerator:
         kwargs: dict = {"kv_cache_memory_bytes": kv_cache_memory_bytes, "tensor_parallel_size": tensor_parallel}
         if _ON_CPU:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes or 256 * 2**20
+            # whole prefills only: a prompt split over two engine steps has its first step's sample discarded,
+            # and vLLM 0.32 then rewinds the request's seeded generator, which a CPU generator cannot do
+            # ("CPU Generator does not use offset": more than 4096 prompt tokens in a wave, e.g. episodes)
+            kwargs["enable_chunked_prefill"] = False
             bind = cpu_bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             if tensor_parallel > 1 and bind in ("nobind", "auto"):  # its workers need a core list each ("0|1")
                 bind, threads = split_cores(sorted(os.sched_getaffinity(0)), tensor_parallel)
