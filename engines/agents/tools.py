@@ -123,10 +123,10 @@ def call(tools: dict[str, Callable], c: Call, timeout_s: float) -> Result:
     fn = tools.get(c.name)
     if fn is None:
         return Result(f"error: no tool named {c.name!r} (tools: {', '.join(tools)})", True, 0.0)
-    parameters = inspect.signature(fn).parameters
-    arguments = {next(iter(parameters), ""): c.arguments} if isinstance(c.arguments, str) else c.arguments
+    signature = inspect.signature(fn)
+    arguments = {next(iter(signature.parameters), ""): c.arguments} if isinstance(c.arguments, str) else c.arguments
     try:
-        inspect.signature(fn).bind(**arguments)
+        signature.bind(**arguments)
     except TypeError as e:
         return Result(f"error: bad arguments for {c.name}: {e}", True, 0.0)
     box: dict = {}

@@ -95,9 +95,10 @@ class TorchCritic:
                    ) -> dict[str, float]:
         """``minibatches`` optimizer steps on ``batch.returns`` (the same split as the policy's),
         the per-token loss ``algorithm.critic_loss(values, batch.values, batch.returns)`` averaged
-        over the minibatch's DP-global trained tokens (an episode's sampled ones). Returns this rank's ``value_loss`` and the
-        loss's statistics per token, ``explained_variance`` of the returns by the step's old values
-        (1 - Var(R - V) / Var(R) over its tokens), and ``critic_grad_norm``."""
+        over the minibatch's DP-global trained tokens (an episode's: sampled ones). Returns this
+        rank's ``value_loss`` and the loss's statistics per token, ``explained_variance`` of the
+        returns by the step's old values (1 - Var(R - V) / Var(R) over its tokens), and
+        ``critic_grad_norm``."""
         sums: dict[str, torch.Tensor] = {}
         grad_norm = 0.0
         for part in batch.split(minibatches):
