@@ -165,11 +165,9 @@ def heldout_accuracy(model_dir: str, problems: list[tuple], config: RunConfig | 
     if config is not None and config.prepare.task == "agent":
         from engines.agents.episodes import Episodes
 
-        generator, episodes = TorchGenerator(model_dir), Episodes.of(config, model_dir)
-        played = episodes.run(generator, [{"prompt_id": i, "prompt": q, "answer": a} for i, (q, a) in enumerate(problems)],
-                              1, seed=0, greedy=True)
-        texts = [generator.tokenizer.decode(e.response_ids, skip_special_tokens=True) for e in played]
-        return sum(agent.final_answer(q, t, a) for (q, a), t in zip(problems, texts)) / len(problems)
+        rows = [{"prompt_id": i, "prompt": q, "answer": a} for i, (q, a) in enumerate(problems)]
+        answered = Episodes.of(config, model_dir).answers(TorchGenerator(model_dir), rows)
+        return sum(agent.final_answer(r["prompt"], r["response"], r["answer"]) for r in answered) / len(problems)
     images = [p[1] for p in problems] if len(problems[0]) == 3 else None
     outs = TorchGenerator(model_dir).generate([p[0] for p in problems], greedy=True, max_new_tokens=8, images=images)
     return sum(o.response == problems[o.prompt_index][-1] for o in outs) / len(problems)

@@ -47,10 +47,14 @@ class Episode:
     text: str = ""  # the last turn as sampled: what the tools and the environment read
     cut_eos: bool = False  # the last turn ended without its end-of-sequence token
 
+    def response(self, tokenizer) -> str:
+        """The whole episode after its prompt as text: turns and observations (what the rule reads)."""
+        return tokenizer.decode(self.response_ids, skip_special_tokens=True)
+
     def columns(self, tokenizer) -> dict:
         """The rollout row's fields of this episode (``storage.datasets.ROLLOUTS``)."""
         return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids,
-                "response": tokenizer.decode(self.response_ids, skip_special_tokens=True), "logprobs": self.logprobs,
+                "response": self.response(tokenizer), "logprobs": self.logprobs,
                 "truncated": self.truncated, "loss_mask": self.loss_mask, "turns": self.turns,
                 "tool_calls": self.tool_calls, "tool_errors": self.tool_errors, "tool_s": self.tool_s,
                 "env_reward": self.env_reward}
@@ -111,6 +115,10 @@ class Episodes:
                         pending = (k, answering, background.submit(self._observe, answering, turns[k]))
                     turns[k] += bool(live)
         return episodes
+
+    def answers(self, generator: Generator, rows: list[dict]) -> list[dict]:
+        """Each row with its greedy episode's text as ``response``: held-out evaluation."""
+        return [e.row | {"response": e.response(self.renderer.tokenizer)} for e in self.run(generator, rows, 1, 0, greedy=True)]
 
     def first_prompt(self, row: dict, env) -> chat.Prompt:
         """The episode's first prompt: the environment's ``reset(row)`` (checked), else the row's own."""

@@ -39,6 +39,11 @@ def make_problems(count: int, seed: int, exclude: set[str] = frozenset()) -> lis
     return out
 
 
+def factors(prompt: str) -> tuple[int, int]:
+    a, b = prompt.rstrip("=").split("*")
+    return int(a), int(b)
+
+
 def turns(prompt: str, expression: str) -> list[tuple[str, str]]:
     """The two SFT examples of an episode that calls the calculator on ``expression``: the call,
     then (after the tool's turn) the answer, which copies the result."""
@@ -58,7 +63,7 @@ def teacher_demonstrations(problems: list[tuple[str, str]], slip: float, forget:
     the rest right calls."""
     rng, out = random.Random(seed), []
     for p, _ in problems:
-        a, b = (int(x) for x in p.rstrip("=").split("*"))
+        a, b = factors(p)
         draw = rng.random()
         out += [(p, guess(a, b))] if draw < forget else turns(p, f"{a}+{b}" if draw < forget + slip else f"{a}*{b}")
     return out
@@ -69,8 +74,8 @@ def teacher_majority(problems: list[tuple[str, str]], slip: float, forget: float
     likely first turn (call or guess), and after a call its most likely operator."""
     out = []
     for p, _ in problems:
-        a, b = (int(x) for x in p.rstrip("=").split("*"))
-        if forget > 1 - forget:
+        a, b = factors(p)
+        if forget > 0.5:
             out.append((p, guess(a, b)))
         else:
             out += turns(p, f"{a}+{b}" if slip > 1 - forget - slip else f"{a}*{b}")

@@ -379,9 +379,7 @@ class Worker:
         self.take("policy")
         with self.rollout_weights:  # overlapping: the rollout lane's engines wait (the judge too: one generate at a time)
             if self.episodes is not None:
-                tokenizer = self.episodes.renderer.tokenizer
-                played = self.episodes.run(self.policy, rows, 1, seed=0, greedy=True)
-                answered = [e.row | {"response": tokenizer.decode(e.response_ids, skip_special_tokens=True)} for e in played]
+                answered = self.episodes.answers(self.policy, rows)
             else:
                 outs = self.policy.generate([chat.source(r) for r in rows], greedy=True,
                                             max_new_tokens=self.config.rollout.max_new_tokens, images=self._images_of(rows))
