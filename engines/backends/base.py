@@ -118,6 +118,7 @@ class Generation:
     response: str
     logprobs: list[float]  # per response token, under the sampling temperature
     truncated: bool  # hit max_new_tokens before end-of-sequence
+    routed_experts: list[int] | None = None  # a MoE policy's routes, when recorded (engines/backends/torch/routing.py)
 
 
 @dataclass
@@ -136,6 +137,7 @@ class TrainBatch:
     images: list[list[bytes]] | None = None  # encoded images of each sequence's prompt (None: a text batch)
     is_weights: list[list[float]] | None = None  # per response token: the off-policy correction (engines/rl/off_policy.py)
     loss_mask: list[list[int]] | None = None  # per response token: 1 sampled by the policy, 0 an observation (engines/agents)
+    routed_experts: list[list[int] | None] | None = None  # the rollout's MoE routes, replayed (train.router_replay)
 
     def trained_tokens(self) -> list[int]:
         """Each sequence's tokens that the loss reads: its response tokens, less an episode's observations."""

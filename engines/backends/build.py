@@ -40,7 +40,7 @@ def make_trainer(cfg: RunConfig, model_dir: str, device=None) -> Trainer:
     from engines.backends.torch.trainer import TorchTrainer
 
     return TorchTrainer(model_dir, device=device, freeze_vision=t.freeze_vision, lora=t.lora, seed=cfg.seed, shards=t.fsdp,
-                        **kwargs)
+                        router_replay=t.router_replay, router_balance=t.router_balance, **kwargs)
 
 
 def make_critic(cfg: RunConfig, model_dir: str, device=None):
@@ -62,10 +62,12 @@ def make_critic(cfg: RunConfig, model_dir: str, device=None):
 
 
 def make_generator(backend: str, model_dir: str, cfg: RunConfig, threads: int, device=None,
-                   prompt_format: chat.PromptFormat | None = None, tensor_parallel: int = 1) -> Generator:
+                   prompt_format: chat.PromptFormat | None = None, tensor_parallel: int = 1,
+                   record_routes: bool = False) -> Generator:
     """A generation engine (policy rollout or GenRM judge) of the named backend, rendering prompts
     with ``prompt_format`` (None: the policy's, ``chat.PromptFormat.policy(cfg)``); vLLM over
-    ``tensor_parallel`` devices (``rollout.tensor_parallel``, ``judge.tensor_parallel``)."""
+    ``tensor_parallel`` devices (``rollout.tensor_parallel``, ``judge.tensor_parallel``);
+    ``record_routes``: a MoE policy's routes recorded for router replay (torch only: the config refuses others)."""
     prompt_format = prompt_format or chat.PromptFormat.policy(cfg)
     if backend == "stub":  # timing stub for scale benchmarks, not training (engines/backends/stub/engines.py)
         from engines.backends.stub.engines import TimingStubGenerator
@@ -79,7 +81,8 @@ def make_generator(backend: str, model_dir: str, cfg: RunConfig, threads: int, d
                              tensor_parallel=tensor_parallel)
     from engines.backends.torch.generator import TorchGenerator
 
-    return TorchGenerator(model_dir, dtype=cfg.model.dtype, device=device, prompt_format=prompt_format)
+    return TorchGenerator(model_dir, dtype=cfg.model.dtype, device=device, prompt_format=prompt_format,
+                          record_routes=record_routes)
 
 
 def make_judge(cfg: RunConfig, model_dir: str, threads: int, device=None) -> Generator:

@@ -124,6 +124,19 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _routes_recorded_where_wired(self):
+        if not self.train.router_replay:
+            return self
+        if self.rollout.backend != "torch":
+            raise ValueError(f"train.router_replay: the routes are recorded by rollout.backend=torch only (now "
+                             f"{self.rollout.backend}): vLLM records them (enable_return_routed_experts) only with its "
+                             "Model Runner V2, which needs Triton, a GPU; that recording is not wired yet")
+        if self.rollout.episodes:
+            raise ValueError("train.router_replay: multi-turn episodes (rollout.env / rollout.tools) do not keep their "
+                             "turns' routes yet; set train.router_replay=false")
+        return self
+
+    @model_validator(mode="after")
     def _episodes_are_wired(self):
         r, algorithm = self.rollout, self.train.algorithm
         if self.reward.env_weight > 0 and r.env is None:

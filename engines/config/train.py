@@ -121,6 +121,16 @@ class TrainConfig(Section):
         "checkpoints hold the adapter and record the policy folder it adapts; the rollout engine receives merged "
         "weights). null: train every weight. Set a field to turn it on (train.lora.rank=16), or train.lora={} for the "
         "defaults below. train.backend torch only.")
+    router_replay: bool = Field(
+        False, description="A mixture-of-experts policy: the rollout records the experts its router chose for each token, "
+        "and the trainer's forward takes them (router replay, R3), its own router still weighting them. Where the two "
+        "engines compute routing differently (bf16 against fp32, another kernel) a near-tie flips an expert and the "
+        "trainer scores a token under another network than sampled it; replay keeps them one network "
+        "(docs/engines.md#mixture-of-experts). train.backend and rollout.backend torch; a dense policy is refused.")
+    router_balance: float = Field(
+        0.0, ge=0, description="A mixture-of-experts policy: the weight of the router's load-balancing loss (the Switch "
+        "Transformer's, which Qwen3-MoE was pre-trained with at 0.001) added to the RL loss. Its value is the step's "
+        "router_balance figure in TensorBoard either way: experts per token when the load is even, more as it gathers.")
     balance_tokens: bool = Field(
         True,
         description="Whether to spread each minibatch's sequences over the DP groups by token count "
@@ -199,6 +209,13 @@ class TrainConfig(Section):
                 "adapter tensors; use train.backend=torch")
         if self.lora is not None and self.backend == "stub":
             raise ValueError("train.lora: the timing stub trains nothing; LoRA needs train.backend=torch")
+        return self
+
+    @model_validator(mode="after")
+    def _routes_replayed_where_wired(self):
+        if self.router_replay and self.backend != "torch":
+            raise ValueError(f"train.router_replay: wired for train.backend=torch only (now {self.backend}): the Megatron "
+                             "trainer's MoE layers are not mapped yet, and the timing stub routes nothing")
         return self
 
     @model_validator(mode="after")

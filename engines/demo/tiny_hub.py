@@ -2,8 +2,8 @@
 chat template of the real model, built locally.
 
 No weights can be downloaded here, so every architecture is checked from a tiny configuration of
-its own Hugging Face class (``Qwen3ForCausalLM``, ``Qwen2ForCausalLM``, ``LlamaForCausalLM``,
-``Gemma3ForCausalLM``) with random weights, and a tokenizer trained here with ``tokenizers`` and
+its own Hugging Face class (``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``, ``Qwen2ForCausalLM``,
+``LlamaForCausalLM``, ``Gemma3ForCausalLM``) with random weights, and a tokenizer trained here with ``tokenizers`` and
 saved with a chat template in the style of the real model's (ChatML for Qwen, header tokens for
 Llama 3, turns for Gemma 3). ``save_tiny_hub_model`` writes an ordinary Hugging Face folder, so
 everything downstream loads it through the same ``from_pretrained`` code a downloaded
@@ -23,7 +23,8 @@ from typing import Iterable
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 # The real models' chat templates, cut down to what a prompt/response dataset uses (system, user
 # and assistant turns; ChatML also tools, as Qwen's: their schemas in the system turn, each result a
@@ -71,7 +72,7 @@ FAMILIES = {
                      extra=("<|start_header_id|>", "<|end_header_id|>", "<|end_of_text|>")),
     "gemma": Family(GEMMA3, bos="<bos>", eos="<end_of_turn>", pad="<pad>", extra=("<start_of_turn>", "<eos>")),
 }
-ARCHITECTURES = {"qwen3": "qwen", "qwen2": "qwen", "llama": "llama3", "gemma3_text": "gemma"}
+ARCHITECTURES = {"qwen3": "qwen", "qwen3_moe": "qwen", "qwen2": "qwen", "llama": "llama3", "gemma3_text": "gemma"}
 
 # What the tokenizer is trained on: enough for BPE merges over digits, words and math notation.
 CORPUS = [
@@ -107,10 +108,11 @@ def build_bpe_tokenizer(family: str, corpus: Iterable[str] = CORPUS, vocab_size:
 
 def build_tiny_model(model_type: str, tokenizer: PreTrainedTokenizerFast, hidden_size: int = 64, num_layers: int = 2,
                      num_heads: int = 2, num_kv_heads: int = 1, max_positions: int = 512, seed: int = 0,
-                     init_std: float = 0.02) -> PreTrainedModel:
+                     init_std: float = 0.02, experts: int = 4, experts_per_token: int = 2) -> PreTrainedModel:
     """A randomly initialised model of ``model_type`` (``ARCHITECTURES``) in float32, with the
     traits of the real family's small models: Qwen2.5 has Q/K/V biases, Qwen3 per-head q/k norms,
-    Llama 3.2 rope scaling, Gemma 3 sliding-window layers; the small Qwen, Llama 3.2 and Gemma 3
+    Qwen3-MoE (Qwen3-30B-A3B's kind) a mixture of experts in every layer, 4 experts of which each
+    token takes 2 (``experts``, ``experts_per_token``; the real one takes 8 of 128), Llama 3.2 rope scaling, Gemma 3 sliding-window layers; the small Qwen, Llama 3.2 and Gemma 3
     models tie their input and output embeddings. Head size is hidden_size / num_heads (vLLM's CPU
     attention needs 32 or more)."""
     torch.manual_seed(seed)
@@ -123,6 +125,12 @@ def build_tiny_model(model_type: str, tokenizer: PreTrainedTokenizerFast, hidden
     if model_type == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=head_dim, rms_norm_eps=1e-6,
                                              rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    elif model_type == "qwen3_moe":  # Qwen3-30B-A3B normalises the chosen experts' weights (norm_topk_prob) and ties nothing
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common | {"tie_word_embeddings": False}, head_dim=head_dim,
+                                                   rms_norm_eps=1e-6, num_experts=experts,
+                                                   num_experts_per_tok=experts_per_token,
+                                                   moe_intermediate_size=hidden_size, norm_topk_prob=True,
+                                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
     elif model_type == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, rms_norm_eps=1e-6,
                                              rope_parameters={"rope_type": "default", "rope_theta": 1e6}))

@@ -196,7 +196,7 @@ def to_batch(rows: list[dict]) -> TrainBatch:
     return TrainBatch([r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows],
                       [r["logprobs"] for r in rows], per_token or [r["advantage"] for r in rows],
                       prompt_rows=[r.get("prompt_row") for r in rows], returns=column("returns"), values=column("values"),
-                      loss_mask=column("loss_mask"))
+                      loss_mask=column("loss_mask"), routed_experts=column("routed_experts"))
 
 
 def balanced_batch(group: int, layout: Layout | int, experience: str, rows: list[dict], minibatches: int,

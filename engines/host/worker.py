@@ -133,7 +133,8 @@ class Worker:
         # the rollout engine and the scorers: the group's leader's, and its next ranks' with replicas
         rolls, judges = self.replicas["rollout"].here, self.replicas["judge"].here
         self.policy = (build.make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads, device,
-                                            tensor_parallel=cfg.rollout.tensor_parallel) if rolls else None)
+                                            tensor_parallel=cfg.rollout.tensor_parallel,
+                                            record_routes=cfg.train.router_replay) if rolls else None)
         self.judge = None
         if cfg.reward.genrm_weight > 0 and judges:
             judge_dir = objectstore.local_folder(cfg.uri(cfg.model.judge))
@@ -476,7 +477,7 @@ class Worker:
                                         top_p=ro.top_p, max_new_tokens=ro.max_new_tokens, seed=seed, images=self._images_of(chunk))
         return [sample(j, chunk[g.prompt_index], version) | {
             "prompt_ids": g.prompt_ids, "response": g.response, "response_ids": g.response_ids, "logprobs": g.logprobs,
-            "truncated": g.truncated} for j, g in enumerate(gens)]
+            "truncated": g.truncated, "routed_experts": g.routed_experts} for j, g in enumerate(gens)]
 
     def _images_of(self, prompts: list[dict]) -> list[list[bytes]] | None:
         """The images of a vision policy's prompts (rows read from the prompts dataset), else None."""

@@ -7,12 +7,14 @@ methods.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable
 
 import torch
 
 from engines.backends import chat, multimodal
 from engines.backends.base import Generation, WeightSyncError, fingerprint, refuse_unwritten
+from engines.backends.torch import routing
 from engines.backends.torch.model import decode_attention, forward_precision, load_model, resolve_device, without
 
 
@@ -21,10 +23,12 @@ class TorchGenerator:
 
     ``device``: where the model lives and computes (None: the current CUDA device, else the CPU);
     ``autocast``: bf16 autocast of the forward passes (None: on CUDA only); ``prompt_format``: how
-    prompts are rendered (``engines.backends.chat``; None: as they are, no chat template)."""
+    prompts are rendered (``engines.backends.chat``; None: as they are, no chat template);
+    ``record_routes``: each generation carries a MoE model's routes (``routing``, router replay)."""
 
     def __init__(self, model_dir: str, dtype: str = "float32", device: torch.device | str | None = None,
-                 autocast: bool | None = None, prompt_format: chat.PromptFormat | None = None):
+                 autocast: bool | None = None, prompt_format: chat.PromptFormat | None = None,
+                 record_routes: bool = False):
         self.device = resolve_device(device)
         self.autocast = autocast
         self.tokenizer, self.model, self.processor = load_model(model_dir, dtype, self.device)
@@ -32,6 +36,7 @@ class TorchGenerator:
         self.model.eval()
         # a vision model's image tokens are input only: sampling one would start a fake image
         self.suppress = multimodal.image_token_ids(self.processor) if self.processor is not None else None
+        self.record_routes = record_routes and bool(routing.routers(self.model))
 
     @torch.no_grad()
     def generate(
@@ -57,7 +62,8 @@ class TorchGenerator:
             batch = tok.pad({"input_ids": ids}, return_tensors="pt", return_attention_mask=True).to(self.device)
         if not greedy:  # greedy draws nothing: leave the process-wide RNG alone (a judge on another
             torch.manual_seed(seed)  # thread must not reseed the rollout's sampling: placement.mode=partial)
-        with forward_precision(self.device, self.autocast), decode_attention(self.device):
+        recording = routing.recording(self.model) if self.record_routes else contextlib.nullcontext()
+        with forward_precision(self.device, self.autocast), decode_attention(self.device), recording as calls:
             out = self.model.generate(
                 **batch,
                 do_sample=not greedy,
@@ -74,10 +80,11 @@ class TorchGenerator:
         new_tokens = out.sequences[:, batch["input_ids"].shape[1] :]
         logits = without(torch.stack(out.logits, dim=1).float(), self.suppress) / (1.0 if greedy else temperature)
         token_logprobs = torch.log_softmax(logits, -1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        ends = [ids.index(tok.eos_token_id) + 1 if tok.eos_token_id in ids else len(ids) for ids in new_tokens.tolist()]
+        routes = routing.generated_routes(calls, batch["attention_mask"], ends) if self.record_routes else [None] * len(ends)
         results = []
-        for row in range(new_tokens.shape[0]):
+        for row, end in enumerate(ends):
             ids = new_tokens[row].tolist()
-            end = ids.index(tok.eos_token_id) + 1 if tok.eos_token_id in ids else len(ids)
             prompt_ids = batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist()
             results.append(
                 Generation(
@@ -87,6 +94,7 @@ class TorchGenerator:
                     response=tok.decode(ids[:end], skip_special_tokens=True),
                     logprobs=token_logprobs[row, :end].tolist(),
                     truncated=tok.eos_token_id not in ids[:end],
+                    routed_experts=routes[row],
                 )
             )
         return results

@@ -21,7 +21,7 @@ from torch.profiler import record_function
 from engines.backends import multimodal
 from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
 from engines.backends.batching import micro_batches, pad_batch, pad_weights, response_values
-from engines.backends.torch import fsdp, lora as lora_adapter
+from engines.backends.torch import fsdp, lora as lora_adapter, routing
 from engines.backends.torch.model import forward_precision, is_vision_tower, load_model, resolve_device, sequence_logprobs
 from engines.rl import registry
 from engines.rl.base import AlgorithmConfig, LossStep
@@ -63,6 +63,8 @@ class TorchTrainer:
         lora=None,
         seed: int = 0,
         shards: int = 1,
+        router_replay: bool = False,
+        router_balance: float = 0.0,
     ):
         self.device = resolve_device(device)
         self.autocast = autocast
@@ -80,6 +82,10 @@ class TorchTrainer:
             for name, p in self.model.named_parameters():
                 if is_vision_tower(name):
                     p.requires_grad_(False)
+        if router_replay:
+            routing.check_replayable(self.model, model_dir)
+        self.router_replay, self.router_balance = router_replay, router_balance
+        self.routed = bool(routing.routers(self.model))  # a mixture of experts: its load balance is a step figure
         self.mesh = None  # with train.fsdp > 1: the replicate x shard mesh the model is sharded over
         if shards > 1:
             if self.processor is not None:
@@ -118,7 +124,7 @@ class TorchTrainer:
         ids, attn, _, _ = (t.to(self.device) for t in pad_batch(batch, self.tokenizer.pad_token_id))
         # with LoRA in eval mode: adapter dropout would make these random
         mode = lora_adapter.eval_mode(self.model) if self.lora is not None else contextlib.nullcontext()
-        with forward_precision(self.device, self.autocast), mode:
+        with forward_precision(self.device, self.autocast), mode, self._replaying(batch, ids.shape[1]):
             pixels = multimodal.pixels(self.processor, batch, self.device, input_ids=ids)
             lp = sequence_logprobs(self.model, ids, attn, self.temperature, pixels, self.banned)
         return response_values(lp, batch)
@@ -142,7 +148,7 @@ class TorchTrainer:
         Returns ``loss``, ``grad_norm``, ``tokens`` and the algorithm's statistics per trained token."""
         algorithm = algorithm if algorithm is not None else registry.DEFAULT()
         step = LossStep(algorithm, batch.advantages, self._global_sums)
-        loss_total, tokens, grad_norm = 0.0, 0.0, 0.0
+        loss_total, tokens, grad_norm, balance = 0.0, 0.0, 0.0, 0.0
         pixel_cache = multimodal.PixelCache(self.processor) if self.processor is not None else None  # this step's images
         for part in batch.split(minibatches, step.unit):
             self.optimizer.zero_grad(set_to_none=True)
@@ -162,7 +168,8 @@ class TorchTrainer:
                 with record_function("pad_batch"):
                     ids, attn, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
                     pixels = multimodal.pixels(self.processor, micro, self.device, pixel_cache, ids)
-                with record_function("forward"), forward_precision(self.device, self.autocast):  # the loss: fp32 either way
+                with record_function("forward"), forward_precision(self.device, self.autocast), \
+                        self._replaying(micro, ids.shape[1]), self._router_logits() as router_logits:  # the loss: fp32 either way
                     logprobs = sequence_logprobs(self.model, ids, attn, self.temperature, pixels, self.banned)
                     ref = None
                     if algorithm.needs.reference and (self.reference is not None or self.lora is not None):
@@ -172,6 +179,11 @@ class TorchTrainer:
                     # global ``total`` (not this pass's own count): the passes' losses sum to the minibatch's
                     loss = step(logprobs, old, micro.advantages, resp, total, ref, pad_weights(micro)) if k < real \
                         else logprobs.sum() * 0.0  # a filler pass
+                    if router_logits:  # the router's load balance over the pass's tokens, its share of the minibatch by rows
+                        share = len(micro) / max(len(mine), 1) if k < real else 0.0
+                        aux = routing.balance_loss(router_logits, attn, routing.shape(self.model)[1]) * share
+                        loss = loss + self.router_balance * aux
+                        balance += aux.item() / minibatches
                 with record_function("backward"):
                     loss.backward()  # accumulates into .grad
                 loss_value += loss.item()
@@ -187,7 +199,19 @@ class TorchTrainer:
         self.version += 1
         if self.mesh is not None:  # each rank's statistics are of its rows: the group's are their sums
             step.add_up(lambda values: fsdp.group_sums(values, self.mesh, self.device))
-        return step.result(tokens, loss=loss_total, grad_norm=grad_norm)
+        figures = {"router_balance": balance} if self.routed else {}
+        return step.result(tokens, loss=loss_total, grad_norm=grad_norm, **figures)
+
+    def _replaying(self, batch: TrainBatch, width: int):
+        """The forward's routers take the rollout's experts (``train.router_replay`` and a batch that
+        has them; ``routing``), else their own."""
+        if not self.router_replay or batch.routed_experts is None:
+            return contextlib.nullcontext()
+        return routing.replaying(self.model, routing.padded_routes(batch.routed_experts, width, *routing.shape(self.model)))
+
+    def _router_logits(self):
+        """A MoE policy's router logits of the forward, for its load-balance figure and loss (else nothing kept)."""
+        return routing.router_logits(self.model) if self.routed else contextlib.nullcontext([])
 
     def _reference(self):
         """The KL reference model, for a ``with`` block."""

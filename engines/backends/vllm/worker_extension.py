@@ -46,6 +46,7 @@ class WorkerExtension:
         runner.reset_encoder_cache()
         runner.reset_mm_cache()
         self.repack_tied_output_layer()
+        self.repack_experts()
         return digests
 
     def repack_tied_output_layer(self) -> bool:
@@ -66,6 +67,23 @@ class WorkerExtension:
         if tied:
             head.quant_method.process_weights_after_loading(head)
         return tied
+
+    def repack_experts(self) -> int:
+        """After a reload, prepack a mixture-of-experts model's expert weights again (CPU backend).
+
+        vLLM's CPU MoE kernel computes from a grouped-GEMM layout of the experts' weights made when
+        the model loads. A weight update copies the new weights in plain layout and, seeing a kernel
+        already built, skips that step (vLLM 0.32, ``UnquantizedFusedMoEMethod._setup_kernel``): every
+        fingerprint matches and the experts compute from garbage (a tiny Qwen3-MoE's log-probs off by
+        ~3 nats after re-sending its own weights, tests/test_architectures.py). On CUDA the unquantized
+        kernels read the weights as they are. Answers how many layers it repacked."""
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+        layers = [m for m in self.model_runner.model.modules()
+                  if isinstance(m, RoutedExperts) and m.w13_weight.device.type == "cpu"]
+        for layer in layers:
+            layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+        return len(layers)
 
 
 def _streamed(folder: str, rank: int):
