@@ -154,11 +154,12 @@ def _pct(fraction: float | None) -> str:
 
 
 def start_model(base_dir: str | None, texts: list[str], seed: int, hidden_size: int = 64, num_layers: int = 2,
-                num_heads: int = 2, num_kv_heads: int = 1, init_std: float = 0.1, vision: bool = False):
+                num_heads: int = 2, num_kv_heads: int = 1, init_std: float = 0.1, experts: int = 0, vision: bool = False):
     """(model, tokenizer, processor) SFT starts from: the Hugging Face folder ``base_dir`` (a
     vision-language folder comes with its processor), or (None) a tiny model drawn with ``seed``
     over a character tokenizer that spells every character of ``texts``, with room for sequences
-    twice the longest of them: a Llama, or with ``vision`` an Idefics3 (``engines/demo/tiny_vision.py``;
+    twice the longest of them: a Llama, with ``experts`` a Qwen3-MoE of that many experts
+    (``engines/demo/tiny_hub.py``), or with ``vision`` an Idefics3 (``engines/demo/tiny_vision.py``;
     its language model has ``hidden_size``, ``num_layers`` and ``num_heads``). The processor is None
     for a text model."""
     if base_dir is not None:
@@ -182,6 +183,13 @@ def start_model(base_dir: str | None, texts: list[str], seed: int, hidden_size: 
                                     max_positions=max_positions, seed=seed, init_std=init_std)
         return model, processor.tokenizer, processor
     tokenizer = build_char_tokenizer(characters, [w for w in tools.MARKERS if any(w in t for t in texts)])
+    if experts:
+        from engines.demo.tiny_hub import build_tiny_model
+
+        model = build_tiny_model("qwen3_moe", tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                                 num_kv_heads=num_kv_heads, max_positions=max_positions, seed=seed, init_std=init_std,
+                                 experts=experts)
+        return model, tokenizer, None
     model = build_tiny_llama(len(tokenizer), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                              num_kv_heads=num_kv_heads, max_positions=max_positions, seed=seed, init_std=init_std)
     return model, tokenizer, None

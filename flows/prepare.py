@@ -140,7 +140,7 @@ def sft_model(config: RunConfig, role: str) -> dict:
     settings = config.sft.model_copy(update={
         "data": data, "heldout": heldout, "base": None, "output": config.model.policy if policy else config.model.judge,
         "target": p.sft_target if policy else p.judge_target, "vision": p.task == "vision",
-        **({} if policy else {"lr": p.judge_sft_lr, "init_std": p.judge_init_std}),
+        **({} if policy else {"lr": p.judge_sft_lr, "init_std": p.judge_init_std, "experts": 0}),  # the judge: dense
     })
     fields = {"output": _MODEL_FIELD[role], "data": "storage.root", "heldout": "storage.root",
               "target": "prepare.sft_target" if policy else "prepare.judge_target"}

@@ -41,7 +41,7 @@ DATASET_MANIFEST = "_MANIFEST.json"
 # SFT's resume state, in runs/<name>/<sft name>/: the whole training state, and the step it holds
 STATE, PROGRESS = "state.pt", "progress.json"
 SETUP_FIELDS = ("data", "prompt_field", "response_field", "base", "batch_size", "lr", "hidden_size", "layers", "heads",
-                "kv_heads", "init_std", "vision")
+                "kv_heads", "init_std", "experts", "vision")
 
 
 class WouldOverwrite(RuntimeError):
@@ -110,7 +110,7 @@ def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields:
     model, tokenizer, processor = start_model(
         base, [text for pair in pairs + check for text in pair], config.seed, hidden_size=settings.hidden_size,
         num_layers=settings.layers, num_heads=settings.heads, num_kv_heads=settings.kv_heads, init_std=settings.init_std,
-        vision=settings.vision,
+        experts=settings.experts, vision=settings.vision,
     )
     if (images is not None or check_images is not None) and processor is None:
         raise ConfigError(f"{field['data']}: the examples have an 'images' column, but the model SFT starts from is a text "
@@ -118,7 +118,8 @@ def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields:
     if processor is not None and (images is None or (check and check_images is None)):
         raise ConfigError(f"{field['data']}: a vision-language model learns from examples with an 'images' column "
                           "(a list of encoded images per example; the prompt holds one image placeholder per image)")
-    scratch = "scratch (a tiny Idefics3, character tokenizer)" if settings.vision else "scratch (a tiny Llama, character tokenizer)"
+    kind = "Idefics3" if settings.vision else f"Qwen3-MoE of {settings.experts} experts" if settings.experts else "Llama"
+    scratch = f"scratch (a tiny {kind}, character tokenizer)"
     logger.info("%s: %d examples, %d held out, from %s, %s parameters", name, len(pairs), len(check),
                 settings.base or scratch, f"{sum(p.numel() for p in model.parameters()):,}",
                 extra=shown("start", name=name, run=config.name, done=resume["step"] if resume else 0, total=settings.max_steps))

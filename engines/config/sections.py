@@ -122,6 +122,10 @@ class SFTConfig(Section):
         "attention starts less uniform, and the demo's policy leaves its loss plateau in 400-800 SFT steps instead of "
         "1000-2500.",
     )
+    experts: int = Field(
+        0, ge=0, description="From scratch: 0, a dense Llama; N >= 2, a mixture of experts instead (Qwen3-MoE, "
+        "Qwen3-30B-A3B's architecture: N experts of hidden_size width in every layer, 2 per token) for "
+        "train.router_replay and train.router_balance (docs/engines.md#mixture-of-experts).")
     vision: bool = Field(
         False, description="From scratch: a tiny vision-language model (Idefics3, SmolVLM's architecture: a vision tower "
         "of 56-pixel images, a pixel-shuffle connector and a Llama of hidden_size, layers and heads) instead of a tiny "
@@ -132,6 +136,9 @@ class SFTConfig(Section):
     def _target_needs_heldout(self):
         if self.target is not None and self.heldout is None:
             raise ValueError("sft.target needs sft.heldout: exact match is measured on held-out examples")
+        if self.experts == 1 or (self.experts and self.vision):
+            raise ValueError(f"sft.experts={self.experts}: a mixture needs 2 or more experts (each token takes 2), and a "
+                             "tiny vision-language model has none; set sft.experts=0 for a dense model")
         return self
 
 

@@ -24,7 +24,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 # The real models' chat templates, cut down to what a prompt/response dataset uses (system, user
 # and assistant turns; ChatML also tools, as Qwen's: their schemas in the system turn, each result a
@@ -72,7 +72,7 @@ FAMILIES = {
                      extra=("<|start_header_id|>", "<|end_header_id|>", "<|end_of_text|>")),
     "gemma": Family(GEMMA3, bos="<bos>", eos="<end_of_turn>", pad="<pad>", extra=("<start_of_turn>", "<eos>")),
 }
-ARCHITECTURES = {"qwen3": "qwen", "qwen3_moe": "qwen", "qwen2": "qwen", "llama": "llama3", "gemma3_text": "gemma"}
+ARCHITECTURES = {"qwen3": "qwen", "qwen3_moe": "qwen", "qwen3_5_text": "qwen", "qwen2": "qwen", "llama": "llama3", "gemma3_text": "gemma"}
 
 # What the tokenizer is trained on: enough for BPE merges over digits, words and math notation.
 CORPUS = [
@@ -112,7 +112,9 @@ def build_tiny_model(model_type: str, tokenizer: PreTrainedTokenizerFast, hidden
     """A randomly initialised model of ``model_type`` (``ARCHITECTURES``) in float32, with the
     traits of the real family's small models: Qwen2.5 has Q/K/V biases, Qwen3 per-head q/k norms,
     Qwen3-MoE (Qwen3-30B-A3B's kind) a mixture of experts in every layer, 4 experts of which each
-    token takes 2 (``experts``, ``experts_per_token``; the real one takes 8 of 128), Llama 3.2 rope scaling, Gemma 3 sliding-window layers; the small Qwen, Llama 3.2 and Gemma 3
+    token takes 2 (``experts``, ``experts_per_token``; the real one takes 8 of 128), Qwen3.5 (text) its
+    hybrid layers, Gated DeltaNet linear attention and full attention alternating (the real one: 3 to 1),
+    Llama 3.2 rope scaling, Gemma 3 sliding-window layers; the small Qwen, Llama 3.2 and Gemma 3
     models tie their input and output embeddings. Head size is hidden_size / num_heads (vLLM's CPU
     attention needs 32 or more)."""
     torch.manual_seed(seed)
@@ -131,6 +133,11 @@ def build_tiny_model(model_type: str, tokenizer: PreTrainedTokenizerFast, hidden
                                                    num_experts_per_tok=experts_per_token,
                                                    moe_intermediate_size=hidden_size, norm_topk_prob=True,
                                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    elif model_type == "qwen3_5_text":
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+            **common, head_dim=head_dim, rms_norm_eps=1e-6, linear_num_key_heads=num_kv_heads,
+            linear_num_value_heads=num_heads, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+            layer_types=["linear_attention", "full_attention"] * (num_layers // 2) + ["linear_attention"] * (num_layers % 2)))
     elif model_type == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, rms_norm_eps=1e-6,
                                              rope_parameters={"rope_type": "default", "rope_theta": 1e6}))

@@ -25,6 +25,11 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates
 
 # vLLM's CPU attention kernels (vllm/v1/attention/backends/cpu_attn.py, vLLM 0.32)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# what vLLM's CPU build cannot load here, by model_type, and why (docs/engines.md#architectures)
+VLLM_CPU_REFUSED = {
+    "qwen3_5_text": "vLLM's Qwen3.5 module imports the Qwen2-VL image processor, which needs torchvision, and torchvision "
+                    "has no build for the CPU torch here (its Gated DeltaNet layers do have CPU kernels)",
+}
 
 
 def check_model_folder(field: str, uri: str, backend: str = "torch") -> str:
@@ -40,6 +45,9 @@ def check_model_folder(field: str, uri: str, backend: str = "torch") -> str:
     check_weights(field, uri, path)
     text = getattr(config, "text_config", None) or config  # a vision-language model: its language model's heads
     head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if backend == "vllm" and not torch.cuda.is_available() and config.model_type in VLLM_CPU_REFUSED:
+        raise InputError(f"{field}: {uri}/config.json: model_type {config.model_type!r}: "
+                         f"{VLLM_CPU_REFUSED[config.model_type]}; use the torch backend on a CPU (vLLM on a GPU)")
     if backend == "vllm" and not torch.cuda.is_available() and head_size not in VLLM_CPU_HEAD_SIZES:
         raise InputError(
             f"{field}: {uri}/config.json: head size {head_size} (hidden_size / num_attention_heads) is not one "
