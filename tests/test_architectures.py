@@ -1,5 +1,5 @@
-"""Architectures by backend: Qwen3 (dense), Qwen2.5, Llama 3.x and Gemma 3 (text) on torch, vLLM
-and the Megatron trainer (Gemma 3: refused there, naming why).
+"""Architectures by backend: Qwen3 (dense), Qwen2.5, Llama 3.x, Gemma 3 (text) and Qwen3-MoE on
+torch, vLLM and the Megatron trainer (Gemma 3: refused there, naming why).
 
 No weights can be downloaded, so each architecture is a tiny random folder of its own Hugging Face
 class with a byte-level BPE tokenizer and its family's chat template (``engines.demo.tiny_hub``),
@@ -8,11 +8,14 @@ after the random init (transformers sets them to ones and zeros, where a swapped
 dropped bias would go unseen), and the weights are drawn with std 0.1 (at 0.02 the attention is
 almost uniform and a wrong mapping moves log-probs by little more than the tolerance).
 
-Per architecture: Megatron's log-probs equal the torch trainer's (fp32, 1e-5), HF -> Megatron ->
-HF is bit-exact at TP 1 and 2, a load fails naming tensors left over on either side; vLLM's
+Per architecture: Megatron's log-probs equal the torch trainer's (fp32, 1e-5), its exported weights
+are the transformers model's parameters (Qwen3-MoE's experts fused, as transformers holds them),
+HF -> Megatron -> HF is bit-exact at TP 1 and 2, a load fails naming tensors left over on either
+side; vLLM's
 sampled log-probs are within ``VLLM_TOL`` of the torch trainer's and of Megatron's, its greedy
 output is transformers', and after a weight sync from the trainer (one train step) vLLM's greedy
-output is the trainer's model's. Qwen3 runs at TP 2 over two gloo processes. vLLM runs in a
+output is the trainer's model's. Qwen3 runs at TP 2 and PP 2, Qwen3-MoE at expert parallel 2, over
+two gloo processes. vLLM runs in a
 process of its own (vLLM and Megatron keep process-wide state), once for all architectures.
 """
 
@@ -49,7 +52,7 @@ from helpers import STEP_RTOL, free_port, parity, step_gap  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
 
 ARCHS = ["qwen3", "qwen2", "llama", "gemma3_text", "qwen3_moe"]
-MEGATRON = ["qwen3", "qwen2", "llama"]  # Gemma 3 is refused (architectures.py says why); Qwen3-MoE is not mapped yet
+MEGATRON = ["qwen3", "qwen2", "llama", "qwen3_moe"]  # Gemma 3 is refused (architectures.py says why)
 # head size 32 (vLLM's CPU attention needs >= 32); 4 query heads in 2 groups: GQA, and whole groups per TP rank
 SHAPE = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, init_std=0.1)
 ATOL = 1e-5  # Megatron vs the torch trainer, fp32
@@ -114,13 +117,21 @@ def probe_batch(folder: str, n: int = 6, seed: int = 0) -> TrainBatch:
 
 
 @pytest.mark.parametrize("arch", MEGATRON)
-def test_megatron_logprobs_equal_torch_and_weights_come_back_exactly(folders, arch):
+def test_megatron_logprobs_equal_torch_and_weights_come_back_exactly(folders, arch, tmp_path):
+    """The export is what the rollout engines load by: the transformers model's parameters, names
+    and shapes (Qwen3-MoE: [experts, 2 x moe_intermediate, hidden] gate_up_proj per layer); the saved
+    folder is the checkpoint's names (Qwen3-MoE: one tensor per expert), and loads back equal."""
     megatron, torch_trainer = MegatronTrainer(folders[arch]), TorchTrainer(folders[arch])
     batch = probe_batch(folders[arch])
-    assert parity("architectures: megatron vs torch trainer, log-probs", lp_diff(megatron.logprobs(batch), torch_trainer.logprobs(batch))) <= ATOL
-    hf = load_hf_state(folders[arch])
+    assert parity("architectures: megatron vs torch trainer, log-probs",
+                  lp_diff(megatron.logprobs(batch), torch_trainer.logprobs(batch))) <= ATOL
+    model = dict(torch_trainer.export_weights())  # the transformers model's named_parameters
     exported = dict(megatron.export_weights())
-    assert exported.keys() == hf.keys() and all(torch.equal(exported[k], hf[k]) for k in hf)
+    assert exported.keys() == model.keys() and all(torch.equal(exported[k], model[k]) for k in model)
+    megatron.save_hf(str(tmp_path))
+    assert load_file(str(tmp_path / "model.safetensors")).keys() == load_hf_state(folders[arch]).keys()
+    loaded = dict(AutoModelForCausalLM.from_pretrained(str(tmp_path)).named_parameters())
+    assert loaded.keys() == model.keys() and all(torch.equal(loaded[k], model[k]) for k in model)
 
 
 @pytest.mark.parametrize("arch", MEGATRON)
@@ -131,24 +142,40 @@ def test_hf_megatron_round_trip_is_exact_at_tp_1_and_2(folders, arch):
         back = megatron_to_hf(shards, config)
         assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf), tp
     names = set(hf_to_megatron(hf, config))
-    assert ("decoder.layers.1.self_attention.q_layernorm.weight" in names) == (arch == "qwen3")
+    assert ("decoder.layers.1.self_attention.q_layernorm.weight" in names) == (arch in ("qwen3", "qwen3_moe"))
     assert ("decoder.layers.1.self_attention.linear_qkv.bias" in names) == (arch == "qwen2")
-    assert "output_layer.weight" not in names  # the small models of all three families tie their embeddings
+    assert ("decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" in names) == (arch == "qwen3_moe")
+    assert ("decoder.layers.1.mlp.linear_fc1.weight" in names) == (arch != "qwen3_moe")
+    # the small dense models tie their embeddings, Qwen3-MoE (as Qwen3-30B-A3B) does not
+    assert ("output_layer.weight" in names) == (arch == "qwen3_moe")
+    if arch == "qwen3_moe":  # the fused tensors of transformers' model map alike; 2 expert-parallel ranks hold 2 experts each
+        model = dict(AutoModelForCausalLM.from_pretrained(folders[arch]).named_parameters())
+        assert "model.layers.1.mlp.experts.gate_up_proj" in model
+        assert all(torch.equal(a, b) for a, b in zip(hf_to_megatron(model, config).values(), hf_to_megatron(hf, config).values()))
+        halves = [hf_to_megatron(hf, config, ep_rank=r, ep_size=2) for r in range(2)]
+        assert halves[1]["decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"].equal(hf["model.layers.1.mlp.experts.2.down_proj.weight"])
+        assert "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight" not in halves[0]
 
 
 def test_the_tolerance_tells_a_wrong_mapping_apart(folders, tmp_path):
-    """Qwen3 with its q and k norms swapped, and Llama 3 without its rope scaling, land far outside
-    1e-5 (so passing it means the mapping is right, not that the model is insensitive)."""
+    """Qwen3 with its q and k norms swapped, Llama 3 without its rope scaling, and Qwen3-MoE's router
+    weighting the top k by the softmax over all experts (no renormalisation: Megatron's
+    moe_router_pre_softmax, transformers' norm_topk_prob=false) land far outside 1e-5 (so passing it
+    means the mapping is right, not that the model is insensitive)."""
     from engines.backends.megatron.model import _init_distributed, build_gpt, transformer_config
 
     _init_distributed(1, torch.device("cpu"))
-    for arch, spoil in (("qwen3", "swap-qk-norm"), ("llama", "no-rope-scaling")):
+    for arch, spoil in (("qwen3", "swap-qk-norm"), ("llama", "no-rope-scaling"), ("qwen3_moe", "pre-softmax")):
         config, hf = AutoConfig.from_pretrained(folders[arch]), load_hf_state(folders[arch])
         if spoil == "swap-qk-norm":
             for i in range(config.num_hidden_layers):
                 q, k = f"model.layers.{i}.self_attn.q_norm.weight", f"model.layers.{i}.self_attn.k_norm.weight"
                 hf[q], hf[k] = hf[k], hf[q]
-        model = build_gpt(config, transformer_config(config, 1, torch.float32), hf)
+        tc = transformer_config(config, 1, torch.float32)
+        if spoil == "pre-softmax":
+            assert not tc.moe_router_pre_softmax  # norm_topk_prob: the softmax over the top k logits
+            tc.moe_router_pre_softmax = True
+        model = build_gpt(config, tc, hf)
         reference = AutoModelForCausalLM.from_pretrained(folders[arch])
         if spoil == "no-rope-scaling":
             # the frequencies are transformers' own (Megatron's _apply_scaling with all four parameters)
@@ -193,12 +220,23 @@ def test_a_load_fails_naming_what_is_left_over_on_either_side(folders):
         hf_to_megatron(hf | {"lm_head.weight": torch.zeros_like(hf["model.embed_tokens.weight"])}, config)
     with pytest.raises(ValueError, match="2 key/value heads do not split over 4 TP ranks"):
         hf_to_megatron(hf, config, 0, 4)
+    # a mixture of experts: an expert's tensor absent, or given both alone and fused
+    moe, moe_hf = AutoConfig.from_pretrained(folders["qwen3_moe"]), load_hf_state(folders["qwen3_moe"])
+    absent = {k: v for k, v in moe_hf.items() if k != "model.layers.1.mlp.experts.2.up_proj.weight"}
+    with pytest.raises(MappingError, match=r"absent: \['model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight'\]"):
+        hf_to_megatron(absent, moe)
+    fused = {"model.layers.1.mlp.experts.down_proj": torch.stack([moe_hf[f"model.layers.1.mlp.experts.{e}.down_proj.weight"] for e in range(4)])}
+    with pytest.raises(MappingError, match=r"model\.layers\.1\.mlp\.experts\.0\.down_proj\.weight is given twice"):
+        hf_to_megatron(moe_hf | fused, moe)
+    with pytest.raises(ValueError, match=r"a mixture of experts trains on Megatron at tensor_parallel=1 and pipeline_parallel=1 only"):
+        transformer_config(moe, 2, torch.float32)
 
 
 REFUSED = {
     "gemma3_text": r"model_type 'gemma3_text' \(Gemma 3 \(text\)\): its layers alternate sliding-window",
     "mistral": r"model_type 'mistral' is not mapped to Megatron-Core; the mapped architectures are Llama 3.x \(llama\), "
-               r"Qwen2 / Qwen2.5 \(qwen2\), Qwen3 \(dense\) \(qwen3\)",
+               r"Qwen2 / Qwen2.5 \(qwen2\), Qwen3 \(dense\) \(qwen3\), Qwen3-MoE \(qwen3_moe\)",
+    "qwen3_moe-dense-layers": r"model_type 'qwen3_moe' \(Qwen3-MoE\): dense MLP layers among the expert layers",
     "qwen2-sliding": r"model_type 'qwen2' .*sliding-window attention layers",
     "llama-attention-bias": r"attention_bias=true is not mapped",
     "llama-sliding-window": r"model_type 'llama' .*sliding-window attention layers",  # a Mistral-style window
@@ -214,6 +252,9 @@ def test_unmapped_architectures_are_refused_naming_why(folders, case):
         config = MistralConfig()
     elif case == "qwen2-sliding":
         config = Qwen2Config(use_sliding_window=True, max_window_layers=0)
+    elif case == "qwen3_moe-dense-layers":
+        config = AutoConfig.from_pretrained(folders["qwen3_moe"])
+        config.mlp_only_layers = [1]
     else:
         config = AutoConfig.from_pretrained(folders["llama"])
         if case == "llama-attention-bias":
@@ -243,14 +284,14 @@ def test_validation_refuses_an_unmapped_policy_before_engines_load(folders, tmp_
                                                     r"cannot train it: model_type 'gemma3_text' .*sliding-window") as e:
         validation.validate_inputs(config("gemma3_text", "megatron"))
     assert "train.backend=torch" in str(e.value)  # what to do instead
-    for arch, backend in (("gemma3_text", "torch"), ("qwen3", "megatron")):
+    for arch, backend in (("gemma3_text", "torch"), ("qwen3", "megatron"), ("qwen3_moe", "megatron")):
         assert validation.validate_inputs(config(arch, backend)) == {"data.prompts": 1}
 
 
-# --- Qwen3 at TP = 2 and at PP = 2 over two gloo processes -------------------------------------
+# --- Qwen3 at TP = 2 and at PP = 2, Qwen3-MoE at EP = 2, over two gloo processes ---------------
 
 
-def _tp_worker(rank: int, port: int, folder: str, batch: TrainBatch, out: str) -> None:
+def _two_rank_worker(rank: int, port: int, folders: dict, batches: dict, out: str) -> None:
     from datetime import timedelta
 
     torch.set_num_threads(1)
@@ -258,8 +299,9 @@ def _tp_worker(rank: int, port: int, folder: str, batch: TrainBatch, out: str) -
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
     try:
         results = {}
-        for layout in LAYOUTS:
-            trainer = MegatronTrainer(folder, **TP_HYPER, **{layout: 2})
+        for layout, arch in TWO_RANKS.items():
+            trainer = MegatronTrainer(folders[arch], **TP_HYPER, **{layout: 2})
+            batch = batches[arch]
             results[layout] = {"logprobs": trainer.logprobs(batch), "initial": dict(trainer.export_weights()),
                                "stats": trainer.train_step(batch), "after": dict(trainer.export_weights())}
             del trainer
@@ -271,17 +313,18 @@ def _tp_worker(rank: int, port: int, folder: str, batch: TrainBatch, out: str) -
 
 
 LAYOUTS = ("tensor_parallel", "pipeline_parallel")
+TWO_RANKS = {"tensor_parallel": "qwen3", "pipeline_parallel": "qwen3", "expert_parallel": "qwen3_moe"}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_qwen3_over_two_ranks_matches_one_rank_and_torch(folders, qwen3_two_ranks, layout):
+def test_qwen3_over_two_ranks_matches_one_rank_and_torch(folders, two_ranks, layout):
     """Qwen3 over two TP ranks: each rank holds one of the two key/value groups (and its query heads);
     the q/k norms are replicated, their gradients summed over TP (Megatron's finalize_model_grads
     does so when ``qk_layernorm`` is set): the ranks' copies stay identical after a step. Over two
     pipeline stages: its tied embedding is the first stage's input and, as a copy, the last stage's
     output layer, their gradients summed over the two (the embedding group)."""
-    ranks, batch = qwen3_two_ranks
-    ranks = [r[layout] for r in ranks]
+    ranks, batches = two_ranks
+    ranks, batch = [r[layout] for r in ranks], batches["qwen3"]
     folder = folders["qwen3"]
     torch_trainer = TorchTrainer(folder, **TP_HYPER)
     single = MegatronTrainer(folder, **TP_HYPER)
@@ -301,18 +344,43 @@ def test_qwen3_over_two_ranks_matches_one_rank_and_torch(folders, qwen3_two_rank
         assert parity(f"qwen3 megatron {layout}=2 vs {what}, step", step_gap(ranks[0]["after"], reference, hf)) <= STEP_RTOL
 
 
-@pytest.fixture(scope="module")
-def qwen3_two_ranks(folders, tmp_path_factory):
-    """Both layouts' runs in one spawn of two processes (their imports are the slow part): each
-    rank's results per layout, and the batch they stepped on."""
-    folder = folders["qwen3"]
+def test_qwen3_moe_over_two_expert_parallel_ranks_matches_one_rank_and_torch(folders, two_ranks):
+    """Qwen3-MoE over two expert-parallel ranks, each holding 2 of the 4 experts (Megatron's allgather
+    dispatcher over gloo: every rank's tokens to every rank's experts), given one batch as the ranks
+    of a DP group are: log-probs equal one rank's, the export gathers every expert, and the step (its
+    expert gradients each rank's own, the rest all-reduced) is one rank's and the torch trainer's."""
+    ranks, batches = two_ranks
+    ranks, batch = [r["expert_parallel"] for r in ranks], batches["qwen3_moe"]
+    folder = folders["qwen3_moe"]
     torch_trainer = TorchTrainer(folder, **TP_HYPER)
-    batch = probe_batch(folder, n=6, seed=3)
-    batch = TrainBatch(batch.prompt_ids, batch.response_ids, [[x + 0.1 for x in r] for r in torch_trainer.logprobs(batch)],
-                       batch.advantages)
-    out = tmp_path_factory.mktemp("qwen3-two-ranks")
-    mp.spawn(_tp_worker, args=(free_port(), folder, batch, str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], batch
+    single = MegatronTrainer(folder, **TP_HYPER)
+    before = {k: v.clone() for k, v in torch_trainer.export_weights()}  # fused experts, as transformers holds them
+    for result in ranks:
+        assert parity("qwen3_moe megatron expert_parallel=2 vs one rank, log-probs", lp_diff(result["logprobs"], single.logprobs(batch))) <= ATOL
+        assert lp_diff(result["logprobs"], torch_trainer.logprobs(batch)) <= ATOL
+        assert result["initial"].keys() == before.keys() and all(torch.equal(result["initial"][k], before[k]) for k in before)
+    stats = single.train_step(batch)
+    torch_trainer.train_step(batch)
+    assert all(torch.equal(ranks[0]["after"][k], ranks[1]["after"][k]) for k in before)
+    assert ranks[0]["stats"]["grad_norm"] == pytest.approx(stats["grad_norm"], rel=1e-5)
+    assert ranks[0]["stats"]["loss"] == pytest.approx(stats["loss"], rel=1e-5, abs=1e-7)
+    for what, reference in (("one rank", dict(single.export_weights())), ("torch trainer", dict(torch_trainer.export_weights()))):
+        assert parity(f"qwen3_moe megatron expert_parallel=2 vs {what}, step", step_gap(ranks[0]["after"], reference, before)) <= STEP_RTOL
+
+
+@pytest.fixture(scope="module")
+def two_ranks(folders, tmp_path_factory):
+    """Every two-rank run (TWO_RANKS) in one spawn of two processes (their imports are the slow part):
+    each rank's results per layout, and the batches they stepped on (per architecture)."""
+    batches = {}
+    for arch in sorted(set(TWO_RANKS.values())):
+        torch_trainer = TorchTrainer(folders[arch], **TP_HYPER)
+        batch = probe_batch(folders[arch], n=6, seed=3)
+        batches[arch] = TrainBatch(batch.prompt_ids, batch.response_ids,
+                                   [[x + 0.1 for x in r] for r in torch_trainer.logprobs(batch)], batch.advantages)
+    out = tmp_path_factory.mktemp("two-ranks")
+    mp.spawn(_two_rank_worker, args=(free_port(), folders, batches, str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], batches
 
 
 # --- vLLM: parity with the trainers, greedy output, weight sync ---------------------------------

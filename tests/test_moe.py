@@ -101,16 +101,29 @@ def test_balance_loss_reads_even_load_as_top_k_and_one_expert_as_all():
     assert routing.balance_loss([both], torch.cat([torch.ones(8), torch.zeros(8)]), 1).item() == pytest.approx(1.0, abs=0.05)
 
 
-def test_router_replay_is_refused_where_it_is_not_wired(moe, tmp_path):
-    from engines.config import RunConfig
+def test_what_is_not_wired_for_a_mixture_is_refused_naming_why(moe, tmp_path):
+    import pyarrow as pa
 
-    with pytest.raises(ValueError, match="wired for train.backend=torch only"):
-        RunConfig.model_validate({"train": {"router_replay": True, "backend": "megatron"}})
+    from engines.config import RunConfig, load_config
+    from engines.host import validation
+    from storage import datasets
+
+    for field in ("router_replay", "router_balance"):
+        with pytest.raises(ValueError, match=f"train.{field}: wired for train.backend=torch only"):
+            RunConfig.model_validate({"train": {field: 1, "backend": "megatron"}})
     with pytest.raises(ValueError, match="recorded by rollout.backend=torch only"):
         RunConfig.model_validate({"train": {"router_replay": True}, "rollout": {"backend": "vllm"}})
     dense = save_tiny_hub_model("qwen3", tmp_path / "dense", hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1)
     with pytest.raises(ValueError, match=r"has no mixture-of-experts router.*Qwen3ForCausalLM is dense"):
         TorchTrainer(str(dense), router_replay=True)
+    # the Megatron trainer takes the mixture at TP = PP = 1 only: said before engines load
+    prompts = str(tmp_path / "prompts.parquet")
+    datasets.write_table(prompts, pa.Table.from_pylist([{"prompt_id": 1, "prompt": PROMPTS[0], "answer": "19"}]), datasets.PROMPTS)
+    config = load_config(None, [f"storage.root={tmp_path}", f"model.policy={moe}", f"data.prompts={prompts}", "data.heldout=null",
+                                "reward.genrm_weight=0", "reward.rule_weight=1", "train.backend=megatron",
+                                "train.tensor_parallel=2"])
+    with pytest.raises(validation.InputError, match=r"model\.policy: .*a mixture of experts .*tensor_parallel=1"):
+        validation.validate_inputs(config)
 
 
 def test_a_moe_policy_trains_through_the_flow_with_router_replay(prepared):

@@ -215,7 +215,10 @@ class TrainConfig(Section):
     def _routes_replayed_where_wired(self):
         if self.router_replay and self.backend != "torch":
             raise ValueError(f"train.router_replay: wired for train.backend=torch only (now {self.backend}): the Megatron "
-                             "trainer's MoE layers are not mapped yet, and the timing stub routes nothing")
+                             "trainer's MoE layers take no replayed routes yet, and the timing stub routes nothing")
+        if self.router_balance and self.backend != "torch":
+            raise ValueError(f"train.router_balance: wired for train.backend=torch only (now {self.backend}): the Megatron "
+                             "trainer maps a mixture of experts without its load-balancing loss")
         return self
 
     @model_validator(mode="after")

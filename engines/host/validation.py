@@ -207,14 +207,18 @@ def check_megatron_architecture(config, policy: str) -> None:
     except architectures.Unsupported as e:
         raise InputError(f"model.policy: {config.uri(config.model.policy)}/config.json: train.backend=megatron cannot "
                          f"train it: {e}") from None
-    tp = config.train.tensor_parallel
+    tp, pp = config.train.tensor_parallel, config.train.pipeline_parallel
+    if architectures.architecture(hf).experts and (tp > 1 or pp > 1):
+        raise InputError(f"model.policy: {config.uri(config.model.policy)}/config.json: a mixture of experts "
+                         f"(model_type {hf.model_type!r}) trains on Megatron at train.tensor_parallel=1 and "
+                         f"train.pipeline_parallel=1 only (now {tp} and {pp}): Megatron-Core's MoE layer needs sequence "
+                         "parallelism under TP, which is not wired, and its allgather dispatcher takes no pipeline")
     heads = hf.num_attention_heads
     groups = getattr(hf, "num_key_value_heads", None) or heads
     if heads % tp or groups % tp:  # each tensor-parallel rank holds whole heads (engines/backends/megatron/mapping.py)
         raise InputError(f"model.policy: {config.uri(config.model.policy)}/config.json: num_attention_heads={heads} and "
                          f"num_key_value_heads={groups} do not split over train.tensor_parallel={tp} ranks: use a "
                          "tensor_parallel that divides both")
-    pp = config.train.pipeline_parallel
     if hf.num_hidden_layers % pp:  # every stage holds as many layers
         raise InputError(f"model.policy: {config.uri(config.model.policy)}/config.json: num_hidden_layers={hf.num_hidden_layers} "
                          f"do not split into train.pipeline_parallel={pp} stages of equal size: use a pipeline_parallel "

@@ -9,6 +9,14 @@ fields, the rotary embedding (plain, or Llama 3's frequency scaling) and the che
 what the local layer spec cannot express. Adding a family is one ``Architecture(...)`` in
 ``ARCHITECTURES``; a family Megatron cannot train is a record with ``refused`` (its reason).
 
+A mixture of experts (Qwen3-MoE) has rules with an ``{e}`` in their names, one per expert: its
+Megatron layers are Megatron-Core MoE layers (router, ``SequentialMLP`` experts). Its table names
+the experts as checkpoints do (``mlp.experts.{e}.gate_proj.weight``: what ``save_pretrained``
+writes and what the Hub's folders hold); transformers >= 5 holds them in memory fused, one tensor
+per layer for all experts (``mlp.experts.gate_up_proj``), and those are the names the rollout
+engines take weights by: the record's ``fused`` says how the two correspond (``mapping.py``
+converts: ``fuse_experts`` for the trainer's export, ``unfuse_experts`` for what it loads and saves).
+
 This module imports no Megatron: input validation reads it before any engine loads
 (``engines/host/validation.py``), so an unsupported policy fails there, naming the reason.
 """
@@ -42,13 +50,26 @@ class Unsupported(NotImplementedError):
     and the config.json field (or the architecture's trait) that rules it out."""
 
 
+@dataclass(frozen=True)
+class Fused:
+    """A tensor transformers (>= 5) holds for all of a layer's experts at once, in place of the
+    per-expert tensors of checkpoints and the name table: ``model`` [experts, rows, columns] is,
+    expert by expert, its ``parts`` (``{e}``: the expert's number) concatenated along the rows,
+    each part an equal share (Qwen3-MoE's ``gate_up_proj``: gate rows, then up rows)."""
+
+    model: str
+    parts: tuple[str, ...]
+
+
 # Names inside a decoder layer: ``decoder.layers.{i}.`` on the Megatron side (the local spec's
 # names: its norms are modules of their own), ``model.layers.{i}.`` on the Hugging Face side.
-LLAMA_LAYER = (
+ATTENTION = (
     Rule("input_layernorm.weight", ("input_layernorm.weight",), "replicated"),
     Rule("self_attention.linear_qkv.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv"),
     Rule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "row"),
     Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "replicated"),
+)
+LLAMA_LAYER = ATTENTION + (
     Rule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up"),
     Rule("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "row"),
 )
@@ -59,6 +80,18 @@ QKV_BIAS = (Rule("self_attention.linear_qkv.bias", ("self_attn.q_proj.bias", "se
 QK_NORM = (
     Rule("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), "replicated"),
     Rule("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), "replicated"),
+)
+# Qwen3-MoE's sparse MLP: the router (its weight on every TP rank: each routes all of its tokens)
+# and per expert a SwiGLU MLP laid out as the dense one. ``{e}``: the expert's number, the same on
+# both sides in the whole model (an expert-parallel rank's ``local_experts`` count from 0: mapping.py).
+EXPERTS = (
+    Rule("mlp.router.weight", ("mlp.gate.weight",), "replicated"),
+    Rule("mlp.experts.local_experts.{e}.linear_fc1.weight", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), "gate_up"),
+    Rule("mlp.experts.local_experts.{e}.linear_fc2.weight", ("mlp.experts.{e}.down_proj.weight",), "row"),
+)
+QWEN3_MOE_FUSED = (
+    Fused("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
+    Fused("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",)),
 )
 EMBEDDING = Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")
 FINAL_NORM = Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")
@@ -75,6 +108,12 @@ class Architecture:
     model_types: tuple[str, ...]
     layer: tuple[Rule, ...] = ()  # the name table of one decoder layer
     refused: str | None = None  # why the Megatron trainer cannot train this family (None: it can)
+    fused: tuple[Fused, ...] = ()  # a mixture of experts: its expert tensors as transformers holds them
+
+    @property
+    def experts(self) -> bool:
+        """A mixture of experts: Megatron-Core MoE layers (router and experts) in every layer."""
+        return any("{e}" in r.megatron for r in self.layer)
 
     @property
     def qkv_bias(self) -> bool:
@@ -109,6 +148,16 @@ class Architecture:
         if float(rope_parameters(hf_config).get("partial_rotary_factor", 1.0)) != 1.0:
             refuse("partial_rotary_factor != 1 is not mapped")
         rope_scaling(hf_config)  # refuses rope types other than default and llama3
+        if self.experts:
+            # Qwen3-MoE can keep dense MLPs in some layers (mlp_only_layers, decoder_sparse_step):
+            # Megatron's moe_layer_freq could say which, but the name table is one for all layers
+            step, dense = getattr(hf_config, "decoder_sparse_step", 1), getattr(hf_config, "mlp_only_layers", None) or []
+            if step != 1 or dense:
+                refuse(f"dense MLP layers among the expert layers (decoder_sparse_step={step}, mlp_only_layers={dense}) "
+                       "are not mapped: every layer must be a mixture of experts")
+            if hf_config.num_experts_per_tok == 1 and getattr(hf_config, "norm_topk_prob", False):
+                refuse("norm_topk_prob with one expert per token is not mapped (Megatron's router refuses a softmax "
+                       "over the top-1 logit alone: its weight is always 1)")
 
     def transformer_kwargs(self, hf_config) -> dict:
         """The architecture's ``TransformerConfig`` fields (the trainer adds parallelism, dtype, init)."""
@@ -127,6 +176,26 @@ class Architecture:
             add_bias_linear=False,
             add_qkv_bias=self.qkv_bias,
             qk_layernorm=self.qk_layernorm,
+            **(self.moe_kwargs(hf_config) if self.experts else {}),
+        )
+
+    @staticmethod
+    def moe_kwargs(hf_config) -> dict:
+        """Qwen3-MoE's router and experts as Megatron-Core's. transformers' router takes the softmax
+        over all experts, keeps the top k and, with ``norm_topk_prob``, renormalises them: that is
+        the softmax over the top k logits, Megatron's default (``moe_router_pre_softmax=False``);
+        without it, the top k of the softmax over all (``moe_router_pre_softmax=True``). No
+        load-balancing loss (the torch trainer's ``router_balance`` is not mapped) and no
+        capacity: every token goes to its k experts, as in transformers and vLLM."""
+        return dict(
+            num_moe_experts=hf_config.num_experts,
+            moe_router_topk=hf_config.num_experts_per_tok,
+            moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+            moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", False),
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_expert_capacity_factor=None,
+            moe_grouped_gemm=False,  # SequentialMLP: the local spec's grouped GEMM needs the grouped_gemm package
         )
 
     def model_rules(self, hf_config) -> tuple[Rule, ...]:
@@ -138,6 +207,7 @@ ARCHITECTURES = (
     Architecture("Llama 3.x", ("llama",), LLAMA_LAYER),
     Architecture("Qwen2 / Qwen2.5", ("qwen2",), LLAMA_LAYER + QKV_BIAS),
     Architecture("Qwen3 (dense)", ("qwen3",), LLAMA_LAYER + QK_NORM),
+    Architecture("Qwen3-MoE", ("qwen3_moe",), ATTENTION + QK_NORM + EXPERTS, fused=QWEN3_MOE_FUSED),
     Architecture("Gemma 3 (text)", ("gemma3_text",), refused=(
         "its layers alternate sliding-window (local) and full (global) attention, each kind with its own rotary base "
         "(rope_parameters for sliding_attention and full_attention), and Megatron-Core's GPTModel has one rotary "
@@ -145,6 +215,10 @@ ARCHITECTURES = (
         "(pre/post_feedforward_layernorm, post_attention_layernorm after attention) have no place in the local "
         "TransformerLayer, and its (1 + weight) RMSNorm, sqrt(hidden_size)-scaled embeddings and GeGLU MLP would need "
         "changes of their own: train it with train.backend=torch")),
+    Architecture("Qwen3.5 (text)", ("qwen3_5_text",), refused=(
+        "its layers are mostly Gated DeltaNet linear attention (layer_types 'linear_attention': a causal convolution and "
+        "a gated delta-rule recurrence), which Megatron-Core's GPT layer spec has no module for, beside gated full "
+        "attention with a partial rotary embedding: train it with train.backend=torch")),
 )
 BY_MODEL_TYPE = {t: a for a in ARCHITECTURES for t in a.model_types}
 

@@ -6,17 +6,25 @@ Megatron-Core has no Hugging Face converter for GPT models; ``hf_to_megatron`` a
 non-Transformer-Engine layer spec's names). A load is strict both ways: ``hf_to_megatron`` fails
 naming every Hugging Face tensor the table left unconsumed (a q/k norm dropped without a word would
 train a different model), ``model.build_gpt`` every Megatron parameter left unfilled.
+
+A mixture of experts' table names each expert's tensors as checkpoints do; transformers >= 5
+holds them fused per layer (``architectures.Fused``). ``hf_to_megatron`` takes either (it unfuses
+first), ``megatron_to_hf`` gives the checkpoint's names, and ``fuse_experts`` turns a stream of
+those into transformers' own (what the trainer exports to the rollout engines). Over ``ep_size``
+expert-parallel ranks, rank r holds experts r·E/ep_size … (r+1)·E/ep_size − 1, numbered from 0 in
+its ``local_experts``; names of the whole model number them as one rank would.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 from safetensors.torch import load_file
 
-from engines.backends.megatron.architectures import Rule, architecture, attention_shape
+from engines.backends.megatron.architectures import Architecture, Rule, architecture, attention_shape
 
 # Megatron splits the vocabulary evenly over TP ranks. Padding it to a fixed multiple (rather than
 # to a multiple of the TP size) keeps checkpoint shapes independent of the TP size; real
@@ -25,6 +33,7 @@ VOCAB_MULTIPLE = 128
 # Hugging Face tensors that carry no weights: rotary tables some older checkpoints saved (recomputed)
 IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..+)")  # a Megatron expert parameter, its number in the middle
 
 
 class MappingError(RuntimeError):
@@ -35,18 +44,97 @@ def padded_vocab_size(hf_config) -> int:
     return -(-hf_config.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
+def _experts(rule: Rule, hf_config) -> range:
+    """The expert numbers a rule stands for: every expert's for an ``{e}`` rule, else one (unused)."""
+    return range(hf_config.num_experts) if "{e}" in rule.megatron else range(1)
+
+
 def _rules(hf_config) -> list[tuple[str, tuple[str, ...], Rule]]:
-    """(Megatron name, Hugging Face names, rule) for every parameter of the model."""
+    """(Megatron name, Hugging Face names, rule) for every parameter of the whole model (experts
+    numbered as on one expert-parallel rank)."""
     arch = architecture(hf_config)
     out = [(r.megatron, r.hf, r) for r in arch.model_rules(hf_config)]
     for i in range(hf_config.num_hidden_layers):
-        out += [(f"decoder.layers.{i}.{r.megatron}", tuple(f"model.layers.{i}.{h}" for h in r.hf), r) for r in arch.layer]
+        out += [(f"decoder.layers.{i}.{r.megatron.format(e=e)}", tuple(f"model.layers.{i}.{h.format(e=e)}" for h in r.hf), r)
+                for r in arch.layer for e in _experts(r, hf_config)]
     return out
 
 
-def hf_to_megatron(hf_state: dict, hf_config, tp_rank: int = 0, tp_size: int = 1) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors → the state dict of TP rank ``tp_rank`` of a Megatron ``GPTModel``;
-    ``MappingError`` if a tensor the table needs is absent or one it does not know is left over.
+def local_expert(name: str, hf_config, ep_rank: int, ep_size: int) -> str | None:
+    """A whole-model Megatron name → expert-parallel rank ``ep_rank``'s (its experts numbered from
+    0); None for an expert another rank holds. Names of other parameters come back as they are."""
+    match = EXPERT.fullmatch(name)
+    if match is None or ep_size == 1:
+        return name
+    per_rank = hf_config.num_experts // ep_size
+    rank, local = divmod(int(match.group(2)), per_rank)
+    return f"{match.group(1)}{local}{match.group(3)}" if rank == ep_rank else None
+
+
+def global_expert(name: str, hf_config, ep_rank: int, ep_size: int) -> str:
+    """The inverse of :func:`local_expert`: rank ``ep_rank``'s expert parameter → its whole-model name."""
+    match = EXPERT.fullmatch(name)
+    if match is None or ep_size == 1:
+        return name
+    return f"{match.group(1)}{ep_rank * (hf_config.num_experts // ep_size) + int(match.group(2))}{match.group(3)}"
+
+
+def _fused(arch: Architecture, hf_config):
+    """(layer, Fused, its per-expert Hugging Face names expert by expert) of every fused tensor."""
+    for i in range(hf_config.num_hidden_layers):
+        for f in arch.fused:
+            yield i, f, [[f"model.layers.{i}.{p.format(e=e)}" for p in f.parts] for e in range(hf_config.num_experts)]
+
+
+def unfuse_experts(hf_state: dict[str, torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
+    """transformers' fused expert tensors (``architectures.Fused``) → each expert's, under the names
+    checkpoints use; every other tensor as it is (a dense model's state is returned unchanged)."""
+    arch = architecture(hf_config)
+    if not arch.fused:
+        return hf_state
+    out = dict(hf_state)
+    for i, f, names in _fused(arch, hf_config):
+        fused = out.pop(f"model.layers.{i}.{f.model}", None)
+        if fused is None:
+            continue
+        if fused.shape[0] != len(names):
+            raise MappingError(f"model.layers.{i}.{f.model}: {fused.shape[0]} experts, the config says {len(names)}")
+        for expert, parts in zip(fused, names):
+            for name, part in zip(parts, expert.chunk(len(parts))):
+                if name in out:
+                    raise MappingError(f"{name} is given twice: on its own and in model.layers.{i}.{f.model}")
+                out[name] = part
+    return out
+
+
+def fuse_experts(tensors: Iterable[tuple[str, torch.Tensor]], hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """Hugging Face-named tensors (checkpoint names, as ``megatron_to_hf`` gives them) → the names
+    and shapes of transformers' model (its ``named_parameters``): a mixture of experts' per-expert
+    tensors are held back until their layer's are all there, then yielded fused. Streams: one
+    layer's experts at a time are held."""
+    arch = architecture(hf_config)
+    waiting: dict[str, tuple[str, list[list[str]]]] = {}  # a per-expert name → its fused name, all its parts
+    for i, f, names in _fused(arch, hf_config):
+        waiting.update({n: (f"model.layers.{i}.{f.model}", names) for parts in names for n in parts})
+    held: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        if name not in waiting:
+            yield name, tensor
+            continue
+        held[name] = tensor
+        fused, names = waiting[name]
+        if all(n in held for parts in names for n in parts):
+            yield fused, torch.stack([torch.cat([held.pop(n) for n in parts]) for parts in names])
+    if held:
+        raise MappingError(f"model_type {hf_config.model_type!r}: expert tensors whose layer's others never came: {sorted(held)}")
+
+
+def hf_to_megatron(hf_state: dict, hf_config, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0,
+                   ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors → the state dict of TP rank ``tp_rank`` (and expert-parallel rank
+    ``ep_rank``: its experts only) of a Megatron ``GPTModel``; ``MappingError`` if a tensor the
+    table needs is absent or one it does not know is left over. A mixture of experts' tensors may
+    come per expert (checkpoints) or fused (transformers' model).
 
     Layouts (``architectures.Rule``): Megatron fuses Q, K and V into one ``linear_qkv`` whose rows
     are grouped per key/value group (that group's query heads, then its key head, then its value
@@ -65,6 +153,9 @@ def hf_to_megatron(hf_state: dict, hf_config, tp_rank: int = 0, tp_size: int = 1
         # replicates them); the grouped split below would hand rank 0 queries and rank 1 keys
         raise ValueError(f"{heads} query heads and {groups} key/value heads do not split over {tp_size} TP ranks")
     vocab = padded_vocab_size(hf_config)
+    if getattr(hf_config, "num_experts", None) and hf_config.num_experts % ep_size:
+        raise ValueError(f"{hf_config.num_experts} experts do not split over {ep_size} expert-parallel ranks")
+    hf_state = unfuse_experts(hf_state, hf_config)
 
     def split(t: torch.Tensor, dim: int) -> torch.Tensor:
         if t.shape[dim] % tp_size:
@@ -77,6 +168,9 @@ def hf_to_megatron(hf_state: dict, hf_config, tp_rank: int = 0, tp_size: int = 1
         raise MappingError(f"model_type {hf_config.model_type!r}: Hugging Face tensors the mapping needs are absent: {absent}")
     out: dict[str, torch.Tensor] = {}
     for name, hf_names, rule in rules:
+        name = local_expert(name, hf_config, ep_rank, ep_size)
+        if name is None:  # another expert-parallel rank's expert
+            continue
         ts = [hf_state[h] for h in hf_names]
         if rule.layout == "replicated":
             out[name] = ts[0]
@@ -137,8 +231,9 @@ def megatron_to_hf(mcore_state: dict | list[dict], hf_config) -> dict[str, torch
     """Megatron tensors → Hugging Face tensors; the inverse of :func:`hf_to_megatron`.
 
     ``mcore_state`` is one state dict (TP size 1) or the list of every TP rank's, in rank
-    order. Only the keys present are converted, so a caller can stream a model one layer at
-    a time.
+    order, under whole-model names (experts numbered as on one expert-parallel rank). Only the
+    keys present are converted, so a caller can stream a model one layer at a time. A mixture of
+    experts' tensors come per expert, under the names checkpoints use (``fuse_experts``: transformers').
     """
     shards = list(mcore_state) if isinstance(mcore_state, (list, tuple)) else [mcore_state]
     out: dict[str, torch.Tensor] = {}
@@ -155,10 +250,12 @@ def _param_to_hf(name: str, shards: list[torch.Tensor], hf_config) -> dict[str, 
         prefix, table, rest = f"model.layers.{match.group(1)}.", arch.layer, match.group(2)
     else:
         prefix, table, rest = "", arch.model_rules(hf_config), name
-    rule = next((r for r in table if r.megatron == rest), None)
+    expert = EXPERT.fullmatch(rest)  # an expert's parameter: its rule has {e} for the number
+    key, number = (f"{expert.group(1)}{{e}}{expert.group(3)}", int(expert.group(2))) if expert else (rest, None)
+    rule = next((r for r in table if r.megatron == key), None)
     if rule is None:
         raise MappingError(f"model_type {hf_config.model_type!r}: no Hugging Face name for Megatron parameter {name!r}")
-    hf_names = [prefix + h for h in rule.hf]
+    hf_names = [prefix + h.format(e=number) for h in rule.hf]
     if rule.layout == "replicated":
         return {hf_names[0]: shards[0]}
     if rule.layout == "row":

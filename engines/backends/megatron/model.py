@@ -21,12 +21,19 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import divide
 
 from engines.backends.distributed import default_device, init_process_groups
 from engines.backends.megatron.architectures import architecture, rope_scaling, rope_theta
 from engines.backends.megatron.mapping import MappingError, hf_to_megatron, padded_vocab_size, stage_state
+
+# Megatron-Core 0.16's router (moe_utils.RouterGatingLinearFunction) asks ``te_general_gemm is not
+# None``, a name moe_utils only defines when Transformer Engine imports: without it every MoE
+# forward fails with NameError. None is what the check means to find (then it multiplies with torch).
+if not hasattr(moe_utils, "te_general_gemm"):
+    moe_utils.te_general_gemm = None
 
 
 class SDPAttention(MegatronModule):
@@ -88,11 +95,13 @@ class SDPAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)  # [b, h, s, d] -> [s, b, h·d]
 
 
-def gpt_layer_spec(qk_layernorm: bool = False):
+def gpt_layer_spec(qk_layernorm: bool = False, num_experts: int | None = None):
     """Megatron-Core's local (non-Transformer-Engine) GPT layer with :class:`SDPAttention`;
     ``qk_layernorm``: per-head RMSNorms of queries and keys (``q_layernorm``/``k_layernorm``, kept:
-    only the core attention is swapped)."""
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm))
+    only the core attention is swapped); ``num_experts``: a MoE layer (router and ``SequentialMLP``
+    experts, each a local MLP) in place of the dense MLP."""
+    spec = copy.deepcopy(get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                  normalization="RMSNorm", qk_layernorm=qk_layernorm))
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
 
@@ -113,13 +122,34 @@ RecomputeGranularity = Literal["none", "selective", "full"]
 def transformer_config(hf_config, tensor_parallel: int, dtype: torch.dtype, recompute_granularity: RecomputeGranularity = "none",
                        recompute_method: Literal["uniform", "block"] = "uniform", recompute_num_layers: int = 1,
                        recompute_modules: list[str] | tuple[str, ...] = ("core_attn",),
-                       pipeline_parallel: int = 1) -> TransformerConfig:
+                       pipeline_parallel: int = 1, expert_parallel: int = 1) -> TransformerConfig:
     """``recompute_*``: activation recomputation (Megatron's options of the same names). "full"
     recomputes whole layers in the backward pass (``recompute_method``: "uniform", every chunk of
     ``recompute_num_layers`` layers; "block", the first ``recompute_num_layers`` layers), keeping
     only their inputs; "selective" recomputes the ``recompute_modules`` of every layer. The
-    architecture's own fields (shape, norms, biases) come from its record (``architectures.py``)."""
+    architecture's own fields (shape, norms, biases, experts) come from its record (``architectures.py``).
+
+    A mixture of experts' tokens go to their experts by Megatron's "allgather" dispatcher: it runs
+    on gloo and NCCL alike ("alltoall" builds a ``torch.cuda.Stream`` when the layer is made).
+    ``expert_parallel`` ranks hold the experts in equal shares; they must be given the same batch
+    (they are, as the ranks of one DP group are: the dispatcher all-gathers every rank's tokens,
+    so their shapes and passes must agree)."""
     arch = architecture(hf_config)
+    moe = {}
+    if arch.experts:
+        # the MoE layer refuses to train under TP without sequence parallelism (not wired here), and
+        # the allgather dispatcher refuses the variable sequence lengths a pipeline sends
+        if tensor_parallel > 1 or pipeline_parallel > 1:
+            raise ValueError(f"model_type {hf_config.model_type!r}: a mixture of experts trains on Megatron at "
+                             f"tensor_parallel=1 and pipeline_parallel=1 only (now {tensor_parallel} and "
+                             f"{pipeline_parallel}): Megatron-Core's MoE layer needs sequence parallelism under TP, "
+                             "which the trainer does not wire, and its allgather token dispatcher takes no variable "
+                             "sequence lengths (the pipeline's); its experts split by expert_parallel instead")
+        if hf_config.num_experts % expert_parallel:
+            raise ValueError(f"{hf_config.num_experts} experts do not split over {expert_parallel} expert-parallel ranks")
+        moe = {"moe_token_dispatcher_type": "allgather", "expert_model_parallel_size": expert_parallel}
+    elif expert_parallel != 1:
+        raise ValueError(f"expert_parallel={expert_parallel}: model_type {hf_config.model_type!r} has no experts")
     recompute = {}
     if recompute_granularity == "full":
         recompute = {"recompute_granularity": "full", "recompute_method": recompute_method, "recompute_num_layers": recompute_num_layers}
@@ -137,6 +167,7 @@ def transformer_config(hf_config, tensor_parallel: int, dtype: torch.dtype, reco
         # pipeline's stages send each activation's shape before it (the config refuses that beside its
         # default MoE token dispatcher, which a dense model never runs)
         **({"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"} if pipeline_parallel > 1 else {}),
+        **moe,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -161,7 +192,7 @@ def build_gpt(hf_config, config: TransformerConfig, hf_state: dict, device: torc
         config=config,
         pre_process=first,  # the embedding: the first pipeline stage's
         post_process=last,  # the final norm and output layer: the last stage's
-        transformer_layer_spec=layer_spec if layer_spec is not None else gpt_layer_spec(config.qk_layernorm),
+        transformer_layer_spec=layer_spec if layer_spec is not None else gpt_layer_spec(config.qk_layernorm, config.num_moe_experts),
         vocab_size=padded_vocab_size(hf_config),
         max_sequence_length=hf_config.max_position_embeddings,
         parallel_output=True,  # logits stay split over TP ranks; the log-softmax is vocab-parallel
@@ -184,7 +215,9 @@ def build_gpt(hf_config, config: TransformerConfig, hf_state: dict, device: torc
     model.to(device=device if device is not None else default_device(), dtype=config.params_dtype)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    state = stage_state(hf_to_megatron(hf_state, hf_config, tp_rank, tp_size), get_transformer_layer_offset(config),
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    state = stage_state(hf_to_megatron(hf_state, hf_config, tp_rank, tp_size, ep_rank, ep_size), get_transformer_layer_offset(config),
                         config.num_layers // config.pipeline_model_parallel_size, first, last,
                         hf_config.tie_word_embeddings)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -195,18 +228,23 @@ def build_gpt(hf_config, config: TransformerConfig, hf_state: dict, device: torc
     return model
 
 
-def _init_distributed(tensor_parallel: int, device: torch.device, pipeline_parallel: int = 1) -> None:
+def _init_distributed(tensor_parallel: int, device: torch.device, pipeline_parallel: int = 1,
+                      expert_parallel: int = 1) -> None:
     """Join Megatron's parallel state; a single process gets a world of one so that the code
-    path (DDP, optimizer, checkpoints) is the same as in a DP run."""
+    path (DDP, optimizer, checkpoints) is the same as in a DP run. ``expert_parallel`` ranks split
+    a mixture's experts; Megatron carves them out of the data-parallel ranks."""
     if not dist.is_initialized():
         init_process_groups(device, 0, 1, dist.HashStore(), timedelta(minutes=10))  # a world of one: no network
     if parallel_state.model_parallel_is_initialized():
-        current = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
-        if current != (tensor_parallel, pipeline_parallel):
-            raise ValueError(f"model parallel state already has TP x PP = {current}, asked for {tensor_parallel} x {pipeline_parallel}")
+        current = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
+                   parallel_state.get_expert_model_parallel_world_size())
+        if current != (tensor_parallel, pipeline_parallel, expert_parallel):
+            raise ValueError(f"model parallel state already has TP x PP x EP = {current}, asked for {tensor_parallel} x "
+                             f"{pipeline_parallel} x {expert_parallel}")
     else:
         # the rank order the engine hosts are laid out in (engines/config/layout.py): a DP group's
         # ranks consecutive, TP ranks innermost, then pipeline stages
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                                 pipeline_model_parallel_size=pipeline_parallel, order=ORDER)
+                                                 pipeline_model_parallel_size=pipeline_parallel,
+                                                 expert_model_parallel_size=expert_parallel, order=ORDER)
         model_parallel_cuda_manual_seed(0)  # no dropout here, but attention forks this RNG tracker

@@ -12,7 +12,8 @@ gradients go point-to-point between neighbouring stages, their shapes sent first
 micro-batches differ). What only the last stage computes — log-probs, the loss, the step's
 statistics — ``from_last_stage`` broadcasts to the group's other stages, so each rank answers
 the controller alike. ``whole_parameters`` gathers the model for export: TP shards within a
-stage, then each stage's parameters to the others, one parameter at a time.
+stage, then each stage's parameters to the others, a mixture's experts from every expert-parallel
+rank, one parameter at a time.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from engines.backends import multimodal
 from engines.backends.base import TrainBatch, report_progress
 from engines.backends.batching import pad_batch
-from engines.backends.megatron.mapping import global_name
+from engines.backends.megatron.mapping import global_expert, global_name
 
 
 class Padded(NamedTuple):
@@ -92,8 +93,10 @@ def from_last_stage(value, device: torch.device):
 def whole_parameters(trainer) -> Iterator[tuple[str, list[torch.Tensor]]]:
     """(the whole model's Megatron name, every TP rank's shard) of each parameter, stage by stage,
     on every rank of the group (collective: TP all-gathers within a stage, broadcasts over the
-    pipeline). From the host copy while the trainer sleeps. A tied output layer on the last stage
-    is the first stage's embedding: it is left to the embedding."""
+    pipeline, and an expert's parameter gathers over the expert-parallel group: each rank's
+    counterpart comes under its own whole-model name). From the host copy while the trainer
+    sleeps. A tied output layer on the last stage is the first stage's embedding: it is left to
+    the embedding."""
     tp_group, tp_size = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_tensor_model_parallel_world_size()
     pp_group, pp_size = parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_pipeline_model_parallel_world_size()
     mine = parallel_state.get_pipeline_model_parallel_rank()
@@ -103,6 +106,9 @@ def whole_parameters(trainer) -> Iterator[tuple[str, list[torch.Tensor]]]:
     own = {global_name(n, offset): p for n, p in trainer.model.module.named_parameters()
            if not (tied and n == "output_layer.weight")}
     device = trainer.device
+    ep_group, ep_size = parallel_state.get_expert_model_parallel_group(), parallel_state.get_expert_model_parallel_world_size()
+    if ep_size > 1 and (tp_size > 1 or pp_size > 1):  # transformer_config refuses a mixture at TP or PP > 1
+        raise NotImplementedError("whole_parameters: expert parallelism beside tensor or pipeline parallelism")
     for stage in range(pp_size):
         source = dist.get_global_rank(pp_group, stage) if pp_size > 1 else None
         listing = [(n, tuple(p.shape), p.dtype, tp_size > 1 and getattr(p, "tensor_model_parallel", False))
@@ -114,7 +120,7 @@ def whole_parameters(trainer) -> Iterator[tuple[str, list[torch.Tensor]]]:
         for name, shape, dtype, split in listing:
             if stage == mine:
                 local = trainer._offload.host_view(own[name].detach())
-                if (tp_size > 1 or pp_size > 1) and local.device != device:
+                if (tp_size > 1 or pp_size > 1 or ep_size > 1) and local.device != device:
                     local = local.to(device)  # the groups' backend moves device tensors (one parameter at a time)
                 shards = [local.contiguous()]
                 if split:
@@ -124,4 +130,10 @@ def whole_parameters(trainer) -> Iterator[tuple[str, list[torch.Tensor]]]:
                 shards = [torch.empty(shape, dtype=dtype, device=device) for _ in range(tp_size if split else 1)]
             for shard in shards if pp_size > 1 else ():
                 dist.broadcast(shard, src=source, group=pp_group)
+            if ep_size > 1 and not getattr(own[name], "allreduce", True):  # an expert's: every EP rank's counterpart
+                parts = [torch.empty_like(shards[0]) for _ in range(ep_size)]
+                dist.all_gather(parts, shards[0], group=ep_group)
+                for rank, part in enumerate(parts):
+                    yield global_expert(name, trainer.text_config, rank, ep_size), [part]
+                continue
             yield name, shards

@@ -15,7 +15,9 @@ The ranks of one DP replica (its TP ranks and stages) must be given the same bat
 marked *collective* must be called on every rank, in the same order.
 
 Megatron-Core has no Hugging Face converter for GPT models: ``architectures.py`` holds one record
-per mapped family (Llama 3.x, Qwen2/2.5, Qwen3), ``mapping.py`` the conversion, ``model.py`` builds the model. A vision-language model (Idefics3/SmolVLM) keeps its
+per mapped family (Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE), ``mapping.py`` the conversion, ``model.py`` builds the model.
+A mixture of experts (Qwen3-MoE) has Megatron-Core MoE layers, its experts split over
+``expert_parallel`` ranks (which, as TP ranks, must be given the same batch). A vision-language model (Idefics3/SmolVLM) keeps its
 Hugging Face vision tower and connector as torch modules beside the Megatron GPT language model
 (``vision.py``).
 """
@@ -41,7 +43,7 @@ from engines.backends.base import FrozenCheckpoint, TrainBatch
 from engines.backends.batching import micro_batches, pad_weights, response_values
 from engines.backends.distributed import default_device
 from engines.backends.megatron import optimizer as megatron_optimizer, pipeline, vision
-from engines.backends.megatron.mapping import _param_to_hf, load_hf_state, padded_vocab_size
+from engines.backends.megatron.mapping import _param_to_hf, fuse_experts, load_hf_state, padded_vocab_size, unfuse_experts
 from engines.backends.megatron.model import RecomputeGranularity, _init_distributed, build_gpt, transformer_config
 from engines.backends.megatron.offload import Offload, Sleeps, trainer_tensors
 from engines.rl import registry
@@ -67,6 +69,7 @@ class MegatronTrainer(Sleeps):
         dtype: str = "float32",
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
+        expert_parallel: int = 1,
         distributed_optimizer: bool = False,
         reshardable_optimizer: bool = False,
         recompute_granularity: RecomputeGranularity = "none",
@@ -82,7 +85,7 @@ class MegatronTrainer(Sleeps):
             if self.device.index is None:  # "cuda": the current device
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
-        _init_distributed(tensor_parallel, self.device, pipeline_parallel)
+        _init_distributed(tensor_parallel, self.device, pipeline_parallel, expert_parallel)
         self.model_dir = model_dir
         self.hf_config = AutoConfig.from_pretrained(model_dir)
         # a vision-language model: its processor, its image tokens (never sampled: outside the
@@ -107,7 +110,8 @@ class MegatronTrainer(Sleeps):
             raise ValueError(f"dtype {dtype!r}: float32 or bfloat16 (float16 would need loss scaling)")
         torch_dtype = getattr(torch, dtype)
         self.config = transformer_config(self.text_config, tensor_parallel, torch_dtype, recompute_granularity,
-                                         recompute_method, recompute_num_layers, recompute_modules, pipeline_parallel)
+                                         recompute_method, recompute_num_layers, recompute_modules, pipeline_parallel,
+                                         expert_parallel)
         hf_state = load_hf_state(model_dir)
 
         def build(freeze_vision: bool):
@@ -268,10 +272,17 @@ class MegatronTrainer(Sleeps):
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full Hugging Face-named tensors on the CPU, one Megatron parameter at a time; from the
         host copy while the trainer sleeps (nothing is woken: the devices stay with whoever holds them).
+        The names and shapes are those of the transformers model's ``named_parameters`` (what the
+        rollout engines load by): a mixture's experts fused, one tensor per layer (``fuse_experts``).
 
         Collective over the DP group's ranks when it has several (each parameter's TP shards are
-        all-gathered, each stage's parameters sent to the other stages: ``pipeline.whole_parameters``):
-        every rank of the group must consume the whole iterator."""
+        all-gathered, each stage's parameters sent to the other stages, the experts to every
+        expert-parallel rank: ``pipeline.whole_parameters``): every rank of the group must consume
+        the whole iterator."""
+        yield from fuse_experts(self._checkpoint_tensors(), self.text_config)
+
+    def _checkpoint_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """As :meth:`export_weights`, under the names checkpoints use (a mixture's experts one by one)."""
         for name, shards in pipeline.whole_parameters(self):
             vision_name = vision.hf_name(name)
             if vision_name is not None:  # the Hugging Face vision tower or connector: its own name
@@ -287,9 +298,9 @@ class MegatronTrainer(Sleeps):
         and its generation_config.json, as ``save_pretrained`` writes). Collective over the
         replica's ranks; its first (stage 0, TP rank 0) writes. ``tensors``: Hugging Face-named weights taken
         earlier (``dict(export_weights())``, host-memory copies) to write instead of the live
-        ones; then nothing is collective and any thread may call it."""
-        if tensors is None:
-            tensors = dict(self.export_weights())
+        ones; then nothing is collective and any thread may call it. A mixture's experts are
+        written one by one, under the names ``save_pretrained`` gives them."""
+        tensors = dict(self._checkpoint_tensors()) if tensors is None else unfuse_experts(tensors, self.text_config)
         if parallel_state.get_tensor_model_parallel_rank() != 0 or not parallel_state.is_pipeline_first_stage():
             return
         os.makedirs(local_dir, exist_ok=True)
