@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engines.backends.base import TrainBatch
-from engines.backends.batching import pad_batch
+from engines.backends.batching import pad_batch, padded_routes
 from engines.backends.torch import routing
 from engines.backends.torch.generator import TorchGenerator
 from engines.backends.torch.model import sequence_logprobs
@@ -58,11 +58,11 @@ def test_routes_are_recorded_for_every_token_fed_and_replaying_them_is_exact(moe
     for p, r, routes in zip(batch.prompt_ids, batch.response_ids, batch.routed_experts):
         assert len(routes) == (len(p) + len(r) - 1) * layers * top_k  # every token fed: all but the last sampled
     ids, attn, _, _ = pad_batch(batch, generator.tokenizer.pad_token_id)
-    replayed = routing.padded_routes(batch.routed_experts, ids.shape[1], layers, top_k)
+    replayed = padded_routes(batch.routed_experts, ids.shape[1], layers, top_k)
     with torch.no_grad(), routing.recording(generator.model) as calls:
         own = sequence_logprobs(generator.model, ids, attn, 1.0)
-    chosen = torch.stack([c[0].long() for c in calls], 1)  # [rows x width, layers, top_k]
-    known = replayed[:, 0, 0] >= 0
+    chosen = torch.stack([c[0].long() for c in calls], 1).view(replayed.shape)  # [rows, width, layers, top_k]
+    known = replayed[..., 0, 0] >= 0
     assert known.sum() > 100 and torch.equal(chosen[known], replayed[known])
     with torch.no_grad(), routing.replaying(generator.model, replayed):
         again = sequence_logprobs(generator.model, ids, attn, 1.0)
@@ -108,9 +108,10 @@ def test_what_is_not_wired_for_a_mixture_is_refused_naming_why(moe, tmp_path):
     from engines.host import validation
     from storage import datasets
 
-    for field in ("router_replay", "router_balance"):
-        with pytest.raises(ValueError, match=f"train.{field}: wired for train.backend=torch only"):
-            RunConfig.model_validate({"train": {field: 1, "backend": "megatron"}})
+    with pytest.raises(ValueError, match="train.router_balance: wired for train.backend=torch only"):
+        RunConfig.model_validate({"train": {"router_balance": 0.001, "backend": "megatron"}})
+    with pytest.raises(ValueError, match="train.router_replay: the timing stub routes nothing"):
+        RunConfig.model_validate({"train": {"router_replay": True, "backend": "stub"}})
     with pytest.raises(ValueError, match="recorded by rollout.backend=torch only"):
         RunConfig.model_validate({"train": {"router_replay": True}, "rollout": {"backend": "vllm"}})
     dense = save_tiny_hub_model("qwen3", tmp_path / "dense", hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1)

@@ -19,12 +19,14 @@ host while it runs, and what the program prints being read by the model.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,6 +127,8 @@ def run_python(code: str, limits: Limits | None = None) -> Run:
                 exit_code, timed_out = None, True
             finally:
                 _kill_tree(proc)
+                if as_root:
+                    _reap(ids["user"])
             out.seek(0)
             data = out.read(limits.output_bytes + 1)
     text = data[: limits.output_bytes].decode("utf-8", errors="replace")
@@ -140,6 +144,30 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+def _reap(uid: int, wait_s: float = 5.0) -> None:
+    """Under root: return once no process of the sandbox's user id is alive. The kernel kills a PID
+    namespace's processes when its first process dies, but not at once: on a loaded machine a fork
+    bomb's children were still running a moment after bwrap had exited. Stragglers get SIGKILL;
+    zombies (dead, not yet reaped by the host's PID 1) do not count."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _owner(p) == uid and not _dead(p)]
+        if not alive or time.monotonic() > deadline:
+            return
+        for pid in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
+def _dead(path: Path) -> bool:
+    """A zombie, or gone."""
+    try:
+        return path.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def _processes(limits: Limits) -> int:

@@ -87,3 +87,15 @@ def micro_batches(batch: TrainBatch, max_tokens: int | None, unit: int = 1) -> l
         j = first[j]
     return [batch.take([u * unit + k for u in order[a:b] for k in range(unit) if u * unit + k < len(batch)])
             for a, b in reversed(cuts)]
+
+
+def padded_routes(routes: list[list[int] | None], width: int, layers: int, top_k: int) -> torch.Tensor:
+    """A batch's MoE routes (``TrainBatch.routed_experts``) aligned with its right-padded ids
+    [rows, width] (:func:`pad_batch`): [rows, width, layers, top_k], -1 where a route is unknown (a
+    sequence's last token, padding, a sequence without routes): there the router chooses."""
+    out = torch.full((len(routes), width, layers, top_k), -1, dtype=torch.long)
+    for i, r in enumerate(routes):
+        if r:
+            fed = torch.tensor(r, dtype=torch.long).view(-1, layers, top_k)
+            out[i, : len(fed)] = fed
+    return out

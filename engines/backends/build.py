@@ -36,7 +36,7 @@ def make_trainer(cfg: RunConfig, model_dir: str, device=None) -> Trainer:
                                distributed_optimizer=t.distributed_optimizer, reshardable_optimizer=t.reshardable_optimizer,
                                recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
                                recompute_num_layers=t.recompute_num_layers, recompute_modules=t.recompute_modules,
-                               device=device, freeze_vision=t.freeze_vision, **kwargs)
+                               device=device, freeze_vision=t.freeze_vision, router_replay=t.router_replay, **kwargs)
     from engines.backends.torch.trainer import TorchTrainer
 
     return TorchTrainer(model_dir, device=device, freeze_vision=t.freeze_vision, lora=t.lora, seed=cfg.seed, shards=t.fsdp,

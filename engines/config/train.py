@@ -126,7 +126,7 @@ class TrainConfig(Section):
         "and the trainer's forward takes them (router replay, R3), its own router still weighting them. Where the two "
         "engines compute routing differently (bf16 against fp32, another kernel) a near-tie flips an expert and the "
         "trainer scores a token under another network than sampled it; replay keeps them one network "
-        "(docs/engines.md#mixture-of-experts). train.backend and rollout.backend torch; a dense policy is refused.")
+        "(docs/engines.md#mixture-of-experts). rollout.backend torch records them; a dense policy is refused.")
     router_balance: float = Field(
         0.0, ge=0, description="A mixture-of-experts policy: the weight of the router's load-balancing loss (the Switch "
         "Transformer's, which Qwen3-MoE was pre-trained with at 0.001) added to the RL loss. Its value is the step's "
@@ -213,9 +213,8 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _routes_replayed_where_wired(self):
-        if self.router_replay and self.backend != "torch":
-            raise ValueError(f"train.router_replay: wired for train.backend=torch only (now {self.backend}): the Megatron "
-                             "trainer's MoE layers take no replayed routes yet, and the timing stub routes nothing")
+        if self.router_replay and self.backend == "stub":
+            raise ValueError("train.router_replay: the timing stub routes nothing; use train.backend torch or megatron")
         if self.router_balance and self.backend != "torch":
             raise ValueError(f"train.router_balance: wired for train.backend=torch only (now {self.backend}): the Megatron "
                              "trainer maps a mixture of experts without its load-balancing loss")

@@ -28,7 +28,8 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from engines.backends import multimodal
 from engines.backends.base import TrainBatch, report_progress
-from engines.backends.batching import pad_batch
+from engines.backends.batching import pad_batch, padded_routes
+from engines.backends.megatron import routing
 from engines.backends.megatron.mapping import global_expert, global_name
 
 
@@ -59,6 +60,9 @@ def schedule(trainer, model, micros: list[TrainBatch], take: Take, forward_only:
         report_progress()  # the host's heartbeat: a long train step is moving (engines/wire/channel.py)
         ids, _, response, old = (t.to(device) for t in pad_batch(micro, trainer.tokenizer.pad_token_id))
         padded = Padded(ids, response, old)
+        if trainer.replays is not None and model is trainer.model:  # the policy replays the rollout's routes
+            routing.set_routes(trainer.replays, None if micro.routed_experts is None else padded_routes(
+                micro.routed_experts, ids.shape[1], len(trainer.replays), trainer.config.moe_router_topk))
         output = trainer._forward(chunk, ids, multimodal.pixels(trainer.processor, micro, device, pixel_cache))
 
         def loss_func(logits, non_loss_data=False):

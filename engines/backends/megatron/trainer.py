@@ -42,7 +42,8 @@ from engines.backends import multimodal
 from engines.backends.base import FrozenCheckpoint, TrainBatch
 from engines.backends.batching import micro_batches, pad_weights, response_values
 from engines.backends.distributed import default_device
-from engines.backends.megatron import optimizer as megatron_optimizer, pipeline, vision
+from engines.backends.megatron import optimizer as megatron_optimizer, pipeline, routing, vision
+from engines.backends.megatron.architectures import architecture
 from engines.backends.megatron.mapping import _param_to_hf, fuse_experts, load_hf_state, padded_vocab_size, unfuse_experts
 from engines.backends.megatron.model import RecomputeGranularity, _init_distributed, build_gpt, transformer_config
 from engines.backends.megatron.offload import Offload, Sleeps, trainer_tensors
@@ -78,6 +79,7 @@ class MegatronTrainer(Sleeps):
         recompute_modules: list[str] | tuple[str, ...] = ("core_attn",),
         device: torch.device | str | None = None,
         freeze_vision: bool = True,  # a vision-language model's tower takes no gradient (as TorchTrainer's)
+        router_replay: bool = False,  # a mixture's forward takes the rollout's experts (megatron/routing.py)
     ):
         # Megatron allocates on the *current* CUDA device: a device given here becomes it
         self.device = torch.device(device) if device is not None else default_device()
@@ -129,6 +131,12 @@ class MegatronTrainer(Sleeps):
             ),
             module=model,
         )
+        self.replays = None  # train.router_replay: each MoE layer's Replayed, in layer order
+        if router_replay:
+            if not architecture(self.text_config).experts:
+                raise ValueError(f"train.router_replay: {model_dir} has no mixture-of-experts router to replay "
+                                 f"(model_type {self.text_config.model_type!r} is dense); set train.router_replay=false")
+            self.replays = routing.install(model)
         self.reference = None
         if reference:
             self.reference = build(True).eval()

@@ -82,28 +82,17 @@ def generated_routes(calls: list[list[torch.Tensor]], attention_mask: torch.Tens
     return routes
 
 
-def padded_routes(routes: list[list[int] | None], width: int, layers: int, top_k: int) -> torch.Tensor:
-    """A batch's routes aligned with its right-padded ids [rows, width] (``batching.pad_batch``), as
-    the routers see them: [rows x width, layers, top_k], -1 where a route is unknown or padding."""
-    out = torch.full((len(routes), width, layers, top_k), -1, dtype=torch.long)
-    for i, r in enumerate(routes):
-        if r:
-            fed = torch.tensor(r, dtype=torch.long).view(-1, layers, top_k)
-            out[i, : len(fed)] = fed
-    return out.view(-1, layers, top_k)
-
-
 @contextlib.contextmanager
 def replaying(model: torch.nn.Module, routes: torch.Tensor | None):
-    """Within the block, the model's routers take the experts in ``routes`` ([rows, layers, top_k],
-    :func:`padded_routes`, -1: the router's own choice); None: nothing replayed."""
+    """Within the block, the model's routers take the experts in ``routes`` ([rows, width, layers,
+    top_k], ``batching.padded_routes``, -1: the router's own choice); None: nothing replayed."""
     if routes is None:
         yield
         return
 
     def hook(module, _inputs, out, layer):
         logits, own_scores, own = out
-        chosen = routes[:, layer].to(own.device)
+        chosen = routes[:, :, layer].reshape(own.shape).to(own.device)  # a router's rows: batch x positions
         indices = torch.where(chosen >= 0, chosen, own)
         scores = torch.softmax(logits.float(), dim=-1).gather(-1, indices)
         if getattr(module, "norm_topk_prob", True):

@@ -20,7 +20,7 @@ from torch.profiler import record_function
 
 from engines.backends import multimodal
 from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
-from engines.backends.batching import micro_batches, pad_batch, pad_weights, response_values
+from engines.backends.batching import micro_batches, pad_batch, pad_weights, padded_routes, response_values
 from engines.backends.torch import fsdp, lora as lora_adapter, routing
 from engines.backends.torch.model import forward_precision, is_vision_tower, load_model, resolve_device, sequence_logprobs
 from engines.rl import registry
@@ -207,7 +207,7 @@ class TorchTrainer:
         has them; ``routing``), else their own."""
         if not self.router_replay or batch.routed_experts is None:
             return contextlib.nullcontext()
-        return routing.replaying(self.model, routing.padded_routes(batch.routed_experts, width, *routing.shape(self.model)))
+        return routing.replaying(self.model, padded_routes(batch.routed_experts, width, *routing.shape(self.model)))
 
     def _router_logits(self):
         """A MoE policy's router logits of the forward, for its load-balance figure and loss (else nothing kept)."""
