@@ -136,6 +136,10 @@ class SFTConfig(Section):
     def _target_needs_heldout(self):
         if self.target is not None and self.heldout is None:
             raise ValueError("sft.target needs sft.heldout: exact match is measured on held-out examples")
+        return self
+
+    @model_validator(mode="after")
+    def _a_mixture_to_build(self):
         if self.experts == 1 or (self.experts and self.vision):
             raise ValueError(f"sft.experts={self.experts}: a mixture needs 2 or more experts (each token takes 2), and a "
                              "tiny vision-language model has none; set sft.experts=0 for a dense model")
