@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 
 import pytest
@@ -142,6 +143,43 @@ def test_watchdog_lets_a_long_moving_command_finish_and_calls_a_still_one_hung(m
             return
         client.close()
         server.join(10)
+
+
+def test_a_controller_gone_while_its_command_runs_ends_the_host_as_a_dropped_connection():
+    """A run cancelled while its host works closes the connection before the answer; writing the
+    answer then breaks the pipe. That is the run's connection dropping (exit 3: the host ends as its
+    run did), not a crash of the host (exit 1: seen in CI when a deployed run was cancelled)."""
+    import json
+    import threading
+    import time
+    from multiprocessing.connection import Client, Listener
+
+    from engines.wire import channel
+
+    def handle(request):
+        time.sleep(0.5)
+        for _ in range(2000):  # an answer larger than the socket's buffers: its write meets the closed peer
+            logging.getLogger("yattflow").info("a line of the command's log " * 40)
+        return PingResult(pid=os.getpid(), rank=0)
+
+    secret = b"s" * 32
+    ended = []
+    with Listener(("127.0.0.1", 0), authkey=secret) as listener:
+        def serve():
+            try:
+                channel.answer(listener.accept(), handle, 0)
+            except SystemExit as e:
+                ended.append(e.code)
+            except BaseException as e:  # noqa: BLE001 - what the host process would die of
+                ended.append(type(e).__name__)
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        conn = Client(listener.address, authkey=secret)
+        conn.send_bytes(json.dumps({"stage": "ping", "fields": {}}).encode())
+        conn.close()  # the run is gone before the answer
+        server.join(30)
+    assert ended == [3]
 
 
 def test_the_host_door_survives_garbage_half_and_silent_connections(monkeypatch, caplog):

@@ -334,8 +334,9 @@ def answer(conn: Connection, handle: Callable[[Request], Result], rank: int) -> 
     """Answer the controller's requests with ``handle`` until ``Shutdown``; every failure goes
     back to the task that sent the request, with the host's traceback. While a command runs, a
     thread sends its progress counter every ``BEAT_S`` (the controller's watchdog). A connection
-    that ends without ``Shutdown`` (the run crashed or was cancelled) raises ``SystemExit(3)``:
-    a host never holds its devices for a controller that is gone."""
+    that ends without ``Shutdown`` (the run crashed or was cancelled), also while an answer is on
+    its way (a broken pipe), raises ``SystemExit(3)``: a host never holds its devices for a
+    controller that is gone."""
     capture = _Capture()
     _lane_threads.add(capture.thread)
     logging.getLogger("yattflow").addHandler(capture)
@@ -379,6 +380,10 @@ def answer(conn: Connection, handle: Callable[[Request], Result], rank: int) -> 
         busy.clear()
         reply["logs"] = capture.lines
         reply["host_s"] = time.perf_counter() - start  # engine-side time: the rest is orchestration
-        send(reply)
+        try:
+            send(reply)
+        except OSError:  # gone while the command ran (a cancelled run): as a connection closed before one
+            log.error("dp-%d: the controller's connection closed before its answer; exiting", rank)
+            raise SystemExit(3) from None
         if isinstance(request, Shutdown):
             return
