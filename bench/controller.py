@@ -86,7 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--scales", default="1,4,10", help="data scales, comma-separated (default 1,4,10; growth: first to last)")
     p.add_argument("--dp", type=int, default=2, help="DP groups (default 2)")
     p.add_argument("--steps", type=int, default=3, help="RL steps per run (default 3; the last is left out of per-iteration figures)")
-    p.add_argument("--image-kb", type=int, default=100, help="image bytes per prompt, KB (default 100)")
+    p.add_argument("--image-kb", type=int, default=100, help="image (or clip) bytes per prompt, KB (default 100)")
+    p.add_argument("--video", action="store_true", help="the video task instead (prepare.task=video): a clip of two frames "
+                   "per prompt, decoded on the hosts; the single controller gathers the clips and their frames too")
     p.add_argument("--db", choices=("postgresql", "sqlite"), default="postgresql",
                    help="Prefect server database (default postgresql; sqlite where PostgreSQL is not installed)")
     p.add_argument("--store", metavar="DIR", help="storage root to prepare into (or reuse); default: a temporary folder")
@@ -215,19 +217,23 @@ class Driver:
 
     def gather_images(self, config) -> None:
         """What a driver gathers for a vision-language batch (veRL's ``multi_modal_data`` and
-        ``multi_modal_inputs``): the raw images of the batch's prompts, and the processor's pixel
-        tensors of every sample, held until the next stage's gather."""
+        ``multi_modal_inputs``): the raw images (and clips, with their frames) of the batch's
+        prompts, and the processor's pixel tensors of every sample, held until the next stage's gather."""
         from engines.backends import multimodal
+        from engines.host.prompts import Frames
         from storage import datasets, objectstore
 
         start = time.perf_counter()
         rows = self.batch.column("prompt_row").to_pylist()
         reader = datasets.PromptReader(config.uri(config.data.prompts))
-        images = {row: r["images"] for row, r in zip(sorted(set(rows)), reader.rows(sorted(set(rows))))}
         processor = multimodal.load_processor(objectstore.local_folder(config.uri(config.model.policy)))
+        read = dict(zip(sorted(set(rows)), reader.rows(sorted(set(rows)))))
+        frames = Frames.of(config.data, processor)
+        images = {row: frames.row(r, reader.uri)["images"] for row, r in read.items()}  # a clip's frames among them
         pixels = multimodal.PixelCache(processor, keep=False).batch([images[row] for row in rows], "cpu")
-        self.images = (images, pixels)
-        self.meter.add("gather_arrow", sum(len(b) for ims in images.values() for b in ims)
+        self.images = (read, images, pixels)
+        self.meter.add("gather_arrow", sum(len(b) for r in read.values() for b in r["videos"] or [])
+                       + sum(len(b) for ims in images.values() for b in ims)
                        + sum(t.numel() * t.element_size() for t in pixels.values()))
         self.meter.add("driver_s", time.perf_counter() - start)
 
@@ -380,57 +386,69 @@ def run_variant(api_url: str, variant: str, overrides: list[str], work: Path) ->
 
 # the vision run: the vision demo's task and reward on the tiny store (a 32-wide language model of one head)
 VISION = ["prepare.task=vision", "reward.genrm_weight=0", "reward.rule_weight=1", "sft.heads=1"]
+VIDEO = ["prepare.task=video", "reward.genrm_weight=0", "reward.rule_weight=1", "sft.heads=1", "data.max_frames=4"]  # --video
 
 
-def add_pictures(root: str, kb: int) -> int:
+def add_pictures(root: str, kb: int, task: list[str] = VISION) -> int:
     """Re-encode every training prompt's picture as a real PNG of about ``kb`` KB: the same digits
-    enlarged, with pixel noise that PNG cannot compress away (unless done already); the total bytes."""
+    enlarged, with pixel noise that PNG cannot compress away (unless done already); the total bytes.
+    ``task`` VIDEO: every clip instead, as an H.264 MP4 of its two frames enlarged, with noise."""
     import io
 
     import numpy as np
     import pyarrow as pa
     from PIL import Image
 
+    from engines.backends import video
     from engines.config import load_config
+    from engines.demo.vision import encode_clip
     from storage import datasets, objectstore
 
-    config = load_config(None, TINY + VISION + [f"storage.root={root}"])
-    side = int((kb * 1024 / 1.5) ** 0.5)  # noise of +-8 (4 bits) over 3 channels: ~1.5 bytes a pixel
+    config = load_config(None, TINY + task + [f"storage.root={root}"])
+    column = "videos" if task is VIDEO else "images"
+    side = int((kb * 1024 / 1.5 / (2 if task is VIDEO else 1)) ** 0.5)  # noise of +-8 over 3 channels: ~1.5 bytes a pixel
+    side -= side % 2  # H.264's 4:2:0
     total = 0
     for part in objectstore.list_files(config.uri(config.data.prompts), suffix=".parquet"):
         table = datasets.read_table(part, datasets.PROMPTS)
-        images = table.column("images").to_pylist()
+        images = table.column(column).to_pylist()
         if all(len(im[0]) > kb * 512 for im in images):
             total += sum(len(im[0]) for im in images)
             continue
         rng, out = np.random.default_rng(0), []
-        for (png,) in images:
-            big = np.asarray(Image.open(io.BytesIO(png)).convert("RGB").resize((side, side)), dtype=np.int16)
-            noisy = np.clip(big + rng.integers(-8, 8, big.shape), 0, 255).astype(np.uint8)
+
+        def noisy(picture: Image.Image) -> Image.Image:
+            big = np.asarray(picture.convert("RGB").resize((side, side)), dtype=np.int16)
+            return Image.fromarray(np.clip(big + rng.integers(-8, 8, big.shape), 0, 255).astype(np.uint8))
+
+        for (blob,) in images:
+            if task is VIDEO:
+                out.append([encode_clip([noisy(Image.open(io.BytesIO(f))) for f in video.frames(blob, 1.0, 8)])])
+                continue
             buffer = io.BytesIO()
-            Image.fromarray(noisy).save(buffer, format="PNG")
+            noisy(Image.open(io.BytesIO(blob))).save(buffer, format="PNG")
             out.append([buffer.getvalue()])
-        table = table.set_column(table.schema.get_field_index("images"), "images", pa.array(out, pa.list_(pa.binary())))
+        table = table.set_column(table.schema.get_field_index(column), column, pa.array(out, pa.list_(pa.binary())))
         datasets.write_table(part, table, datasets.PROMPTS)
         total += sum(len(im[0]) for im in out)
     return total
 
 
-def prepare_store(api_url: str, root: str, work: Path) -> float:
+def prepare_store(api_url: str, root: str, work: Path, task: list[str] = VISION) -> float:
     """The tiny store of bench/overhead.py (same ``TINY``, same ``prepare`` flow in a fresh process),
     unless ``root`` has it already; the seconds it took."""
     from engines.config import load_config
     from storage import objectstore
     from tests.postgres import run_flow_subprocess
 
-    config = load_config(None, TINY + VISION + [f"storage.root={root}"])
+    config = load_config(None, TINY + task + [f"storage.root={root}"])
     needed = [objectstore.join(config.uri(config.model.policy), "MANIFEST.json"),
               objectstore.join(config.uri(config.data.prompts), "part-00000.parquet")]
     if all(objectstore.exists(u) for u in needed):
         return 0.0
     start = time.perf_counter()
     run_flow_subprocess(api_url, "flows.prepare:prepare", log_path=work / "prepare.log",
-                        overrides=TINY + VISION + [f"storage.root={root}"])
+                        overrides=TINY + task + [f"storage.root={root}"])
     return time.perf_counter() - start
 
 
@@ -491,7 +509,8 @@ def ratio(a: float, b: float) -> float | None:
 def report(results: dict, scales: list[int], args) -> tuple[str, list[dict]]:
     rows: list[dict] = []
     lines = [f"\n### Parallel controllers vs a single controller: the parent process (dp={args.dp}, {args.steps} steps, "
-             f"a ~{args.image_kb} KB PNG per prompt, G=4; torch engines, a tiny VLM; per-iteration figures: mean of steps "
+             f"a ~{args.image_kb} KB {'MP4 of two frames' if args.video else 'PNG'} per prompt, G=4; torch engines, a tiny VLM; "
+             "per-iteration figures: mean of steps "
              f"0..{args.steps - 2})\n", "| figure | yattflow | single-controller | ratio (yattflow / single-controller) |",
              "|---|---:|---:|---:|"]
     for scale in scales:
@@ -555,15 +574,17 @@ def main(argv=None) -> dict:
                 db, cluster = "sqlite", None
         server = PrefectServer(cluster.url if cluster else None, home=work / "prefect").start()
         print(f"prefect server up on {db} ({time.perf_counter() - t0:.0f}s)", flush=True)
-        prep = prepare_store(server.url, root, work)
-        image_bytes = add_pictures(root, args.image_kb)
-        print(f"store {root} ready ({prep:.0f}s to prepare; {image_bytes / MB:.0f} MB of pictures on the training prompts)", flush=True)
+        task = VIDEO if args.video else VISION
+        prep = prepare_store(server.url, root, work, task)
+        image_bytes = add_pictures(root, args.image_kb, task)
+        print(f"store {root} ready ({prep:.0f}s to prepare; {image_bytes / MB:.0f} MB of {'clips' if args.video else 'pictures'} "
+              "on the training prompts)", flush=True)
         for i, scale in enumerate(scales):
             results[scale] = {}
             for variant in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):  # alternate which goes first
                 name = f"ctl-{'yatt' if variant == 'yattflow' else 'single'}-x{scale}"
                 shutil.rmtree(Path(root) / "runs" / name, ignore_errors=True)  # a fresh run, not a resume
-                overrides = TINY + VISION + [
+                overrides = TINY + task + [
                     f"storage.root={root}", f"name={name}", f"dp={args.dp}", f"steps={args.steps}", "threads_per_host=1",
                     "data.heldout=null", "checkpoint.every=1000", "rollout.backend=torch", "judge.backend=torch",
                     "train.backend=torch", f"sampling.prompts_per_wave={4 * scale}", f"sampling.target_groups={2 * scale}",

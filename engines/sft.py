@@ -154,13 +154,14 @@ def _pct(fraction: float | None) -> str:
 
 
 def start_model(base_dir: str | None, texts: list[str], seed: int, hidden_size: int = 64, num_layers: int = 2,
-                num_heads: int = 2, num_kv_heads: int = 1, init_std: float = 0.1, experts: int = 0, vision: bool = False):
+                num_heads: int = 2, num_kv_heads: int = 1, init_std: float = 0.1, experts: int = 0, vision: str | None = None):
     """(model, tokenizer, processor) SFT starts from: the Hugging Face folder ``base_dir`` (a
     vision-language folder comes with its processor), or (None) a tiny model drawn with ``seed``
     over a character tokenizer that spells every character of ``texts``, with room for sequences
     twice the longest of them: a Llama, with ``experts`` a Qwen3-MoE of that many experts
-    (``engines/demo/tiny_hub.py``), or with ``vision`` an Idefics3 (``engines/demo/tiny_vision.py``;
-    its language model has ``hidden_size``, ``num_layers`` and ``num_heads``). The processor is None
+    (``engines/demo/tiny_hub.py``), or with ``vision`` that vision-language family (``idefics3``,
+    ``qwen2_5_vl``, ``qwen3_vl``: ``engines/demo/tiny_vision.py``; its language model has ``hidden_size``,
+    ``num_layers`` and ``num_heads``). The processor is None
     for a text model."""
     if base_dir is not None:
         processor = multimodal.load_processor(base_dir)
@@ -176,11 +177,16 @@ def start_model(base_dir: str | None, texts: list[str], seed: int, hidden_size: 
     longest = max(len(t) for t in texts) + 2  # begin and end of sequence
     max_positions = max(64, 1 << (2 * longest - 1).bit_length())
     if vision:
-        from engines.demo.tiny_vision import build_tiny_idefics3, build_vision_processor
+        from engines.demo import tiny_vision
 
-        processor = build_vision_processor(characters)
-        model = build_tiny_idefics3(processor.tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-                                    max_positions=max_positions, seed=seed, init_std=init_std)
+        shape = {"hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads, "max_positions": max_positions,
+                 "seed": seed, "init_std": init_std}
+        if vision == "idefics3":
+            processor = tiny_vision.build_vision_processor(characters)
+            model = tiny_vision.build_tiny_idefics3(processor.tokenizer, **shape)
+        else:
+            processor = tiny_vision.build_qwen_vl_processor(vision, characters)
+            model = tiny_vision.build_tiny_qwen_vl(vision, processor.tokenizer, **shape)
         return model, processor.tokenizer, processor
     tokenizer = build_char_tokenizer(characters, [w for w in tools.MARKERS if any(w in t for t in texts)])
     if experts:

@@ -18,7 +18,9 @@ import pyarrow as pa
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from engines.backends import video
 from engines.demo import agent, arithmetic, vision
+from engines.demo.tiny_vision import PLACEHOLDERS
 from engines.config import RunConfig, load_config
 from engines.backends.torch.generator import TorchGenerator
 from flows.console import shown
@@ -44,8 +46,9 @@ def _write_dataset(uri: str, table: pa.Table, schema: pa.Schema) -> None:
 def _prompts(problems: list[tuple], first_id: int) -> pa.Table:
     table = pa.table({"prompt_id": pa.array(range(first_id, first_id + len(problems)), pa.int64()),
                       "prompt": [p[0] for p in problems], "answer": [p[-1] for p in problems]})
-    if problems and len(problems[0]) == 3:  # (prompt, images, answer): the vision demo's
-        table = table.append_column("images", pa.array([p[1] for p in problems], pa.list_(pa.binary())))
+    if problems and len(problems[0]) >= 3:  # (prompt, images, answer): the vision demo's; (prompt, images, videos, answer)
+        for k, column in enumerate(("images", "videos")[: len(problems[0]) - 2]):
+            table = table.append_column(column, pa.array([p[1 + k] for p in problems], pa.list_(pa.binary())))
     return table
 
 
@@ -54,13 +57,19 @@ def _examples(pairs: list[tuple[str, str]], images: list[list[bytes]] | None = N
                      "images": pa.array(images, pa.list_(pa.binary())) if images is not None else pa.nulls(len(pairs))})
 
 
-def _problems(config: RunConfig) -> tuple[list, list]:
-    """The demo's training and held-out problems: (prompt, answer), or for the vision demo
-    (prompt, [image], answer), the pictures on the two sides drawn apart."""
+def _problems(config: RunConfig, train: bool = True) -> tuple[list, list]:
+    """The demo's training and held-out problems (``train=False``: no training ones): (prompt,
+    answer), for the vision demo (prompt, [image], answer), for the video task (prompt, [],
+    [clip], answer), the pictures on the two sides drawn apart."""
     p = config.prepare
-    if p.task == "vision":
-        return ([(q, im, a) for q, im, a, _ in vision.make_problems(p.train_prompts, seed=config.seed + 2)],
-                [(q, im, a) for q, im, a, _ in vision.make_problems(p.heldout_prompts, seed=config.seed + 1)])
+    if p.task == "vision":  # the prompt's image placeholder is the policy's family's (sft.vision)
+        image = PLACEHOLDERS[config.sft.vision_family or "idefics3"]
+        return ([(q, im, a) for q, im, a, _ in vision.make_problems(p.train_prompts if train else 0, seed=config.seed + 2,
+                                                                     placeholder=image)],
+                [(q, im, a) for q, im, a, _ in vision.make_problems(p.heldout_prompts, seed=config.seed + 1, placeholder=image)])
+    if p.task == "video":
+        clips = lambda count, seed: [(q, [], c, a) for q, c, a, _ in vision.make_video_problems(count, seed)]  # noqa: E731
+        return clips(p.train_prompts if train else 0, config.seed + 2), clips(p.heldout_prompts, config.seed + 1)
     if p.task == "agent":
         heldout = agent.make_problems(p.heldout_prompts, seed=config.seed + 1)
         return agent.make_problems(p.train_prompts, seed=config.seed + 2, exclude={q for q, _ in heldout}), heldout
@@ -84,10 +93,25 @@ def _sft_examples(config: RunConfig, role: str, train, heldout) -> tuple[list, l
             arithmetic.judge_examples(heldout, config.judge.template, seed=config.seed + 1))
 
 
+def _as_pictures(config: RunConfig, problems: list[tuple]) -> list[tuple]:
+    """Video problems as what the policy is given (``engines.host.prompts.Frames``): (prompt with one
+    image per frame, frames, answer), the frames decoded from each clip at ``data.video_fps``; other
+    problems as they are."""
+    if not problems or len(problems[0]) != 4:
+        return problems
+    frame, d = PLACEHOLDERS[config.sft.vision_family or "idefics3"], config.data
+    out = []
+    for q, images, clips, a in problems:
+        (text,), pictures = video.expand([q], images, [video.frames(c, d.video_fps, d.max_frames) for c in clips], frame)
+        out.append((text, pictures, a))
+    return out
+
+
 def _vision_sft_examples(config: RunConfig, train, heldout) -> tuple[tuple, tuple]:
     """The vision policy's SFT examples (teacher demonstrations; held out: the teacher's most likely
-    answers), each with its picture: ((pairs, images), (pairs, images))."""
+    answers), each with its picture (or a clip's frames): ((pairs, images), (pairs, images))."""
     rng, slip = random.Random(config.seed), config.prepare.teacher_slip
+    train, heldout = _as_pictures(config, train), _as_pictures(config, heldout)
 
     def digits(answer: str) -> tuple[int, int]:
         return int(answer[0]), int(answer[2])  # "7+5=21": the digits the picture shows
@@ -111,7 +135,7 @@ def make_datasets(config: RunConfig) -> dict:
     for role, model in _roles(config):
         if not needs_building(config.uri(model), _MODEL_FIELD[role]):
             continue
-        if config.prepare.task == "vision":
+        if config.prepare.task in ("vision", "video"):
             outputs += [("storage.root", path, _examples(pairs, images), SFT_EXAMPLES)
                         for path, (pairs, images) in zip(_sft_data(role), _vision_sft_examples(config, train, heldout))]
         else:
@@ -126,7 +150,7 @@ def make_datasets(config: RunConfig) -> dict:
 def _roles(config: RunConfig) -> list[tuple[str, str]]:
     """The models ``prepare`` builds: the policy, and the GenRM when the reward uses one (the
     vision and agent demos' reward is a rule: they have no judge to build)."""
-    if config.prepare.task in ("vision", "agent"):
+    if config.prepare.task in ("vision", "video", "agent"):
         return [("policy", config.model.policy)]
     return [("policy", config.model.policy), ("judge", config.model.judge)]
 
@@ -139,7 +163,7 @@ def sft_model(config: RunConfig, role: str) -> dict:
     data, heldout = _sft_data(role)
     settings = config.sft.model_copy(update={
         "data": data, "heldout": heldout, "base": None, "output": config.model.policy if policy else config.model.judge,
-        "target": p.sft_target if policy else p.judge_target, "vision": p.task == "vision",
+        "target": p.sft_target if policy else p.judge_target, "vision": (config.sft.vision or True) if p.task in ("vision", "video") else False,
         **({} if policy else {"lr": p.judge_sft_lr, "init_std": p.judge_init_std, "experts": 0}),  # the judge: dense
     })
     fields = {"output": _MODEL_FIELD[role], "data": "storage.root", "heldout": "storage.root",
@@ -152,7 +176,8 @@ def sft_model(config: RunConfig, role: str) -> dict:
     # the figure users compare with RL's: the right answer, not the teacher's
     accuracy = result["exact_match"]
     if policy:
-        accuracy = heldout_accuracy(objectstore.local_folder(result["uri"]), _problems(config)[1], config)
+        accuracy = heldout_accuracy(objectstore.local_folder(result["uri"]), _as_pictures(config, _problems(config, train=False)[1]),
+                                    config)
     get_run_logger().info("%s model: held-out %s %.1f%% after %d SFT steps (%.0fs) → %s", role,
                           "exact match" if policy else "verdict accuracy", 100 * accuracy, result["steps"],
                           result["seconds"], result["uri"], extra=shown("note"))

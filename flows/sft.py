@@ -110,7 +110,7 @@ def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields:
     model, tokenizer, processor = start_model(
         base, [text for pair in pairs + check for text in pair], config.seed, hidden_size=settings.hidden_size,
         num_layers=settings.layers, num_heads=settings.heads, num_kv_heads=settings.kv_heads, init_std=settings.init_std,
-        experts=settings.experts, vision=settings.vision,
+        experts=settings.experts, vision=settings.vision_family,
     )
     if (images is not None or check_images is not None) and processor is None:
         raise ConfigError(f"{field['data']}: the examples have an 'images' column, but the model SFT starts from is a text "
@@ -118,7 +118,7 @@ def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields:
     if processor is not None and (images is None or (check and check_images is None)):
         raise ConfigError(f"{field['data']}: a vision-language model learns from examples with an 'images' column "
                           "(a list of encoded images per example; the prompt holds one image placeholder per image)")
-    kind = "Idefics3" if settings.vision else f"Qwen3-MoE of {settings.experts} experts" if settings.experts else "Llama"
+    kind = {"idefics3": "Idefics3", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}.get(settings.vision_family) if settings.vision else f"Qwen3-MoE of {settings.experts} experts" if settings.experts else "Llama"
     scratch = f"scratch (a tiny {kind}, character tokenizer)"
     logger.info("%s: %d examples, %d held out, from %s, %s parameters", name, len(pairs), len(check),
                 settings.base or scratch, f"{sum(p.numel() for p in model.parameters()):,}",

@@ -33,6 +33,9 @@ PROMPTS = pa.schema(
         # encoded images (PNG/JPEG bytes) of a vision-language prompt; files without the column
         # (text-only prompts) load with nulls
         pa.field("images", pa.list_(pa.binary())),
+        # encoded videos (MP4/WebM bytes), '<video>' in the prompt once per clip: decoded on the host
+        # into frames that become images of the prompt (engines/backends/video.py); null without the column
+        pa.field("videos", pa.list_(pa.binary())),
     ],
     metadata={"one_of": "prompt,messages"},  # a file has at least one of these columns (check_schema)
 )

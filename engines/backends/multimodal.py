@@ -30,16 +30,70 @@ def is_vision_config(config) -> bool:
 
 
 def load_processor(model_dir: str):
-    """The folder's processor (tokenizer + image processor), or None for a text-only folder."""
+    """The folder's processor (tokenizer + image processor), or None for a text-only folder.
+
+    Where the processor's video processor cannot be built because torchvision is missing (the
+    Qwen-VL family's on these CPU machines: torchvision has no build beside the CPU torch), the
+    same processor class is built for images only (``images_only``): the image processor's PIL
+    backend, which transformers ships for these families, and no video processor."""
     from transformers import AutoConfig, AutoProcessor
 
-    if not is_vision_config(AutoConfig.from_pretrained(model_dir)):
+    config = AutoConfig.from_pretrained(model_dir)
+    if not is_vision_config(config):
         return None
-    processor = AutoProcessor.from_pretrained(model_dir)
+    try:
+        processor = AutoProcessor.from_pretrained(model_dir)
+    except ImportError as e:
+        if "torchvision" not in str(e).lower():
+            raise
+        processor = images_only_processor(model_dir, config.model_type)
     if not hasattr(processor, "image_processor"):
         raise ImageError(f"{model_dir}: a vision-language model whose folder has no image processor "
                          "(processor_config.json or preprocessor_config.json)")
     return processor
+
+
+def images_only(processor_class: type) -> type:
+    """``processor_class`` (a transformers processor with a video processor) that takes
+    ``video_processor=None``: it processes text and images as the full one does, and saves what it
+    has (tokenizer, image processor, chat template), which the full class loads back where
+    torchvision is installed. A video given to it fails in its video processor."""
+
+    class ImagesOnly(processor_class):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument is None and argument_name == "video_processor":
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+        def save_pretrained(self, save_directory, **kwargs):
+            import json
+            import os
+
+            os.makedirs(save_directory, exist_ok=True)
+            self.tokenizer._set_processor_class(processor_class.__name__)
+            self.tokenizer.save_pretrained(save_directory)
+            self.image_processor.save_pretrained(save_directory)
+            if isinstance(self.chat_template, str):
+                with open(os.path.join(save_directory, "chat_template.jinja"), "w") as f:
+                    f.write(self.chat_template)
+            with open(os.path.join(save_directory, "processor_config.json"), "w") as f:
+                json.dump({"processor_class": processor_class.__name__}, f)
+            return [save_directory]
+
+    ImagesOnly.__name__ = ImagesOnly.__qualname__ = f"{processor_class.__name__}ImagesOnly"
+    return ImagesOnly
+
+
+def images_only_processor(model_dir: str, model_type: str):
+    """``model_dir``'s processor class (by ``model_type``), built for images only (``images_only``)."""
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    cls = images_only(getattr(transformers, PROCESSOR_MAPPING_NAMES[model_type]))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return cls(image_processor=AutoImageProcessor.from_pretrained(model_dir, backend="pil"), tokenizer=tokenizer,
+               video_processor=None, chat_template=getattr(tokenizer, "chat_template", None))
 
 
 def decode(blob: bytes, where: str = "image"):
@@ -83,6 +137,16 @@ def image_token_ids(processor) -> list[int]:
 
 def placeholder(processor) -> str:
     """The text that stands for one image in a prompt (e.g. ``<image>``)."""
+    return processor.image_token
+
+
+def image_text(processor) -> str:
+    """One image in a prompt's text as the model's chat template writes it: the placeholder, inside
+    the family's vision start and end tokens where it has them (Qwen-VL:
+    ``<|vision_start|><|image_pad|><|vision_end|>``). A video's frames are put in this way."""
+    vocab = processor.tokenizer.get_vocab()
+    if "<|vision_start|>" in vocab and "<|vision_end|>" in vocab:
+        return "<|vision_start|>" + processor.image_token + "<|vision_end|>"
     return processor.image_token
 
 

@@ -32,10 +32,11 @@ class PrepareConfig(Section):
     step limit, and the policy's learning rate and initialisation; these fields hold what the judge
     does differently)."""
 
-    task: Literal["arithmetic", "vision", "agent"] = Field(
+    task: Literal["arithmetic", "vision", "video", "agent"] = Field(
         "arithmetic", description="The demo task prepare builds: arithmetic (addition as text; a policy and a GenRM), "
         "vision (two digits drawn on a picture, read and added by a tiny vision-language policy; its reward is the "
-        "exact-match rule, so no GenRM is built) or agent (3-digit x 2-digit products, answered with the calculator "
+        "exact-match rule, so no GenRM is built), video (the same two digits one after the other in a two-second MP4, "
+        "one per second: the answer needs the second frame) or agent (3-digit x 2-digit products, answered with the calculator "
         "tool; engines/demo/agent.py, rule reward, no GenRM).")
     train_prompts: int = Field(8000, gt=0, description="Training prompts to generate.")
     heldout_prompts: int = Field(500, gt=0, description="Held-out prompts (never trained on) for accuracy.")
@@ -126,11 +127,18 @@ class SFTConfig(Section):
         0, ge=0, description="From scratch: 0, a dense Llama; N >= 2, a mixture of experts instead (Qwen3-MoE, "
         "Qwen3-30B-A3B's architecture: N experts of hidden_size width in every layer, 2 per token) for "
         "train.router_replay and train.router_balance (docs/engines.md#mixture-of-experts).")
-    vision: bool = Field(
-        False, description="From scratch: a tiny vision-language model (Idefics3, SmolVLM's architecture: a vision tower "
-        "of 56-pixel images, a pixel-shuffle connector and a Llama of hidden_size, layers and heads) instead of a tiny "
-        "Llama; the examples then need an 'images' column (a list of encoded images per example).",
+    vision: bool | Literal["idefics3", "qwen2_5_vl", "qwen3_vl"] = Field(
+        False, description="From scratch: a tiny vision-language model instead of a tiny Llama, its language model of "
+        "hidden_size, layers and heads over 56-pixel images: true or idefics3 (SmolVLM's architecture: a vision tower, a "
+        "pixel-shuffle connector and a Llama), qwen2_5_vl or qwen3_vl (their vision towers, 2x2 patch merger and 3-D "
+        "rotary positions; torch engines only on the CPU: docs/vision.md). The examples then need an 'images' column "
+        "(a list of encoded images per example).",
     )
+
+    @property
+    def vision_family(self) -> str | None:
+        """The tiny vision-language architecture ``vision`` asks for, or None for a text model."""
+        return "idefics3" if self.vision is True else (self.vision or None)
 
     @model_validator(mode="after")
     def _target_needs_heldout(self):
@@ -185,6 +193,16 @@ class DataConfig(Section):
     max_image_bytes: int = Field(
         20 * 2**20, gt=0, description="An encoded image larger than this fails when its row is read (naming the file, "
         "prompt_id and image), before anything of its wave trains.")
+    video_fps: float = Field(
+        1.0, gt=0, description="Videos (a prompts file's 'videos' column, '<video>' in the prompt once per clip): frames "
+        "per second of the clip given to the model, the one showing every 1/video_fps seconds from its start; each frame "
+        "is an image of the prompt (docs/vision.md#videos).")
+    max_frames: int = Field(8, ge=1, description="At most this many frames of a clip; a longer clip's are spread evenly over it.")
+    max_video_bytes: int = Field(
+        256 * 2**20, gt=0, description="An encoded video larger than this fails at validation (naming the file, prompt_id "
+        "and clip), before any engine loads.")
+    max_video_seconds: float = Field(
+        600.0, gt=0, description="A video longer than this (its container's duration) fails at validation, naming it.")
 
 
 class EvalConfig(Section):

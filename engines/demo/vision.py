@@ -1,7 +1,8 @@
 """The vision demo's task: read two digits off a picture and add them.
 
-A prompt is the picture and the text ``"<image>sum:"``; the picture shows two digits side by
-side, drawn here with PIL at a jittered position and ink. The answer reads them, then adds them
+A prompt is the picture and the text ``"<image>sum:"`` (``<image>``: the policy's image
+placeholder); the picture shows two digits side by side, drawn here with PIL at a jittered
+position and ink. The answer reads them, then adds them
 as the text demo writes sums (``engines/demo/arithmetic.py``: two digits, least-significant
 first): ``"7+5=21"``. Reading first is what lets a tiny model generalise to pictures it has not
 seen: asked for the sum alone, it memorised its training pictures (held-out 20% at a training
@@ -13,6 +14,10 @@ exact-match rule has something real to fix, through the digits it reads off the 
 
 Held-out prompts are pictures never trained on (other jitter and ink); the 100 digit pairs
 appear on both sides, drawn differently.
+
+The video task (``prepare.task=video``) asks the same of a clip: an MP4 of two seconds whose first
+second shows the first digit and whose second second the other, so the answer needs a frame other
+than the first (``make_video_problems``; the prompt is ``"<video>sum:"``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import random
 
 from engines.demo.arithmetic import forgot_to_carry, problem
 
-PROMPT = "<image>sum:"
+PROMPT = "<image>sum:"  # with Idefics3's placeholder
 SIZE = 56  # pixels: the tiny model's image size (engines/demo/tiny_vision.py)
 
 
@@ -41,16 +46,57 @@ def draw_digits(a: int, b: int, rng: random.Random) -> bytes:
     return out.getvalue()
 
 
-def make_problems(count: int, seed: int) -> list[tuple[str, list[bytes], str, tuple[int, int]]]:
-    """``count`` problems: (prompt text, [PNG], answer, (a, b)), the digit pairs cycling through all
-    100 in a shuffled order so that every pair is seen, each drawn with its own jitter."""
+def draw_digit(d: int, rng: random.Random):
+    """One digit on a light canvas (a PIL image), position and ink jittered: a frame of the video task."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    image = Image.new("RGB", (SIZE, SIZE), tuple(rng.randint(215, 255) for _ in range(3)))
+    ink = tuple(rng.randint(0, 90) for _ in range(3))
+    ImageDraw.Draw(image).text((12 + rng.randint(0, 14), rng.randint(0, 14)), str(d), fill=ink,
+                               font=ImageFont.load_default(size=30))
+    return image
+
+
+def encode_clip(frames: list, fps: int = 1) -> bytes:
+    """``frames`` (PIL images) as an H.264 MP4 at ``fps`` frames per second, near-lossless."""
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps, options={"crf": "10"})
+        stream.width, stream.height, stream.pix_fmt = frames[0].width, frames[0].height, "yuv420p"
+        for image in frames:
+            container.mux(stream.encode(av.VideoFrame.from_image(image)))
+        container.mux(stream.encode())
+    return out.getvalue()
+
+
+def make_video_problems(count: int, seed: int) -> list[tuple[str, list[bytes], str, tuple[int, int]]]:
+    """``count`` problems of the video task: (``"<video>sum:"``, [MP4], answer, (a, b)): a clip of
+    two seconds at one frame per second, ``a`` then ``b``; the pairs cycle as in ``make_problems``."""
     rng = random.Random(seed)
     pairs = [(a, b) for a in range(10) for b in range(10)]
     out = []
     while len(out) < count:
         rng.shuffle(pairs)
         for a, b in pairs[: count - len(out)]:
-            out.append((PROMPT, [draw_digits(a, b, rng)], teacher_answer(a, b, slip=False), (a, b)))
+            clip = encode_clip([draw_digit(a, rng), draw_digit(b, rng)])
+            out.append(("<video>sum:", [clip], teacher_answer(a, b, slip=False), (a, b)))
+    return out
+
+
+def make_problems(count: int, seed: int, placeholder: str = "<image>") -> list[tuple[str, list[bytes], str, tuple[int, int]]]:
+    """``count`` problems: (prompt text, [PNG], answer, (a, b)), the digit pairs cycling through all
+    100 in a shuffled order so that every pair is seen, each drawn with its own jitter; the prompt
+    holds ``placeholder``, the policy's image placeholder (Idefics3's by default)."""
+    rng = random.Random(seed)
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    out = []
+    while len(out) < count:
+        rng.shuffle(pairs)
+        for a, b in pairs[: count - len(out)]:
+            out.append((PROMPT.replace("<image>", placeholder), [draw_digits(a, b, rng)], teacher_answer(a, b, slip=False),
+                        (a, b)))
     return out
 
 

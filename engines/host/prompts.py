@@ -2,8 +2,45 @@
 
 from __future__ import annotations
 
-from engines.backends import chat, multimodal
+from dataclasses import dataclass
+
+from engines.backends import chat, multimodal, video
 from storage import datasets
+
+
+@dataclass(frozen=True)
+class Frames:
+    """How a vision-language policy is given a prompt's videos (``data.video_fps``, ``data.max_frames``,
+    ``data.max_video_seconds``): frames as images, each written in the text as ``frame_text``, where
+    the prompt's images are counted by ``image_token`` (``multimodal.image_text``, ``placeholder``)."""
+
+    fps: float
+    max_frames: int
+    max_seconds: float
+    image_token: str
+    frame_text: str
+
+    @classmethod
+    def of(cls, data, processor) -> "Frames":
+        return cls(data.video_fps, data.max_frames, data.max_video_seconds, multimodal.placeholder(processor),
+                   multimodal.image_text(processor))
+
+    def row(self, row: dict, uri: str) -> dict:
+        """``row`` with its videos' frames among its images and ``<video>`` in its text (or turns)
+        replaced by one image per frame; a clip that does not decode or is too long fails naming the
+        file, prompt_id and clip. A row without videos as it is."""
+        clips = row.get("videos") or []
+        if not clips:
+            return row
+        frames = [video.frames(blob, self.fps, self.max_frames, f"{uri} (prompt_id {row['prompt_id']}): field 'videos'[{i}]",
+                               self.max_seconds) for i, blob in enumerate(clips)]
+        turns = row.get("messages")
+        texts = [m["content"] for m in turns] if turns else [row["prompt"]]
+        texts, images = video.expand(texts, row["images"] or [], frames, self.image_token, self.frame_text)
+        out = row | {"images": images, "videos": None}
+        if turns:
+            return out | {"messages": [m | {"content": t} for m, t in zip(turns, texts)]}
+        return out | {"prompt": texts[0]}
 
 
 class PromptStream:
@@ -16,9 +53,15 @@ class PromptStream:
     (``Checkpoints.check_prompt_files`` refuses anything else)."""
 
     def __init__(self, uri: str, rank: int, world: int, max_image_bytes: int | None = None, schema=datasets.PROMPTS,
-                 extra: bool = False):
+                 extra: bool = False, frames: Frames | None = None):
         self.reader = datasets.PromptReader(uri, schema, extra)  # schema: PREFERENCES for data.preferences; extra: every column
         self.rank, self.world, self.max_image_bytes = rank, world, max_image_bytes
+        self.frames = frames  # a vision-language policy's: videos become frames (None: a text policy)
+
+    def _rows(self, rows: list[int]) -> list[dict]:
+        """The prompts at dataset ``rows``, their videos as frames (``Frames.row``)."""
+        read = self.reader.rows(rows)
+        return read if self.frames is None else [self.frames.row(r, self.reader.uri) for r in read]
 
     def __len__(self) -> int:
         return len(range(self.rank, len(self.reader), self.world))
@@ -35,16 +78,17 @@ class PromptStream:
             for i, blob in enumerate(r["images"] or []):
                 multimodal.check_image(blob, f"{self.reader.uri} (prompt_id {r['prompt_id']}): field 'images'[{i}]",
                                        self.max_image_bytes or len(blob), pixels=True)
-        return batch
+        return batch if self.frames is None else [self.frames.row(r, self.reader.uri) for r in batch]
 
     def sources(self, rows: list[int]) -> list:
         """What the prompts at dataset ``rows`` ask the model (``chat.source``: messages, else text)."""
         distinct = sorted(set(rows))
-        found = dict(zip(distinct, (chat.source(r) for r in self.reader.rows(distinct))))
+        found = dict(zip(distinct, (chat.source(r) for r in self._rows(distinct))))
         return [found[row] for row in rows]
 
     def images(self, rows: list[int]) -> list[list[bytes]]:
-        """The images of the prompts at dataset ``rows`` (each distinct row read once)."""
+        """The images of the prompts at dataset ``rows`` (each distinct row read once; a video's
+        frames decoded again, the same as at its rollout)."""
         distinct = sorted(set(rows))
-        found = dict(zip(distinct, (r["images"] or [] for r in self.reader.rows(distinct))))
+        found = dict(zip(distinct, (r["images"] or [] for r in self._rows(distinct))))
         return [found[row] for row in rows]

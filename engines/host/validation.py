@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from engines.backends import chat, multimodal
+from engines.backends import chat, multimodal, video
 from engines.backends.megatron import architectures  # imports no Megatron
 from engines.backends.megatron.vision import VISION_MODELS as MEGATRON_VISION_MODELS  # imports no Megatron
 from engines.host import rewards
@@ -29,6 +29,8 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 VLLM_CPU_REFUSED = {
     "qwen3_5_text": "vLLM's Qwen3.5 module imports the Qwen2-VL image processor, which needs torchvision, and torchvision "
                     "has no build for the CPU torch here (its Gated DeltaNet layers do have CPU kernels)",
+    **{qwen_vl: "vLLM's Qwen-VL modules import torchvision, which has no build for the CPU torch here"
+       for qwen_vl in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")},
 }
 
 
@@ -328,17 +330,32 @@ def check_lora_targets(config, policy: str) -> None:
 
 
 def check_prompt_images(config, uri: str, row: dict, processor, first: bool) -> None:
-    """As many images as the prompt has image placeholders, each within data.max_image_bytes with a
-    sound header and structure (the first prompt's decoded); a text-only policy gets no images."""
-    images, pid = row["images"] or [], row["prompt_id"]
+    """As many images as the prompt has image placeholders and as many videos as ``<video>`` markers,
+    each image within data.max_image_bytes with a sound header and structure, each video within
+    data.max_video_bytes and data.max_video_seconds with a container that opens (the first prompt's
+    decoded); a text-only policy gets neither."""
+    images, videos, pid = row["images"] or [], row.get("videos") or [], row["prompt_id"]
     if processor is None:
-        if images:
-            raise InputError(f"{uri}: field 'images' holds {len(images)} image(s) for prompt_id {pid}, but model.policy "
-                             f"{config.uri(config.model.policy)} is a text-only model")
+        for field, given in (("images", images), ("videos", videos)):
+            if given:
+                raise InputError(f"{uri}: field '{field}' holds {len(given)} {field[:-1]}(s) for prompt_id {pid}, but "
+                                 f"model.policy {config.uri(config.model.policy)} is a text-only model")
         return
     mark = multimodal.placeholder(processor)
     column = "messages" if row.get("messages") else "prompt"
     text = "".join(m["content"] for m in row["messages"]) if column == "messages" else row["prompt"]
+    if video.markers(text) != len(videos):
+        missing = " (the file has no 'videos' column)" if row.get("videos") is None else ""
+        raise InputError(f"{uri}: prompt_id {pid}: field '{column}' has {video.markers(text)} video marker(s) "
+                         f"'{video.MARKER}' and field 'videos' {len(videos)} video(s){missing}: one marker per video")
+    for i, blob in enumerate(videos):
+        where, data = f"{uri} (prompt_id {pid}): field 'videos'[{i}]", config.data
+        try:
+            video.check_video(blob, where, data.max_video_bytes, data.max_video_seconds)
+            if first:
+                video.frames(blob, data.video_fps, data.max_frames, where, data.max_video_seconds)
+        except multimodal.ImageError as e:
+            raise InputError(str(e)) from None
     if text.count(mark) != len(images):
         missing = " (the file has no 'images' column)" if row["images"] is None else ""
         raise InputError(f"{uri}: prompt_id {pid}: field '{column}' has {text.count(mark)} image placeholder(s) "

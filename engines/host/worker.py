@@ -30,7 +30,7 @@ import torch.distributed as dist
 from engines.agents.episodes import Episodes
 from engines.host import balance, critic as critic_host, experience, offpolicy, replicas, rewards, validation
 from engines.host.preferences import PreferenceRows
-from engines.host.prompts import PromptStream
+from engines.host.prompts import Frames, PromptStream
 
 from engines.backends import chat, distributed, build, multimodal
 from engines.wire.channel import progress
@@ -142,15 +142,17 @@ class Worker:
             self.judge_sees_images = self.vision and multimodal.is_vision_folder(judge_dir)
         self.reward_model = (build.make_reward_model(cfg, objectstore.local_folder(cfg.uri(cfg.model.reward_model)), self.threads,
                                                      device) if cfg.reward.reward_model_weight > 0 and judges else None)
+        frames = None
         if self.vision:
-            self.placeholder = multimodal.placeholder(multimodal.load_processor(policy_dir))
+            processor = multimodal.load_processor(policy_dir)
+            self.placeholder, frames = multimodal.placeholder(processor), Frames.of(cfg.data, processor)
         self.rule = rewards.load_rule(cfg.reward.rule) if cfg.reward.rule else None
         self.format_rule = rewards.load_rule(cfg.reward.format_rule, "reward.format_rule") if cfg.reward.format_rule else None
         self.awake = {"policy", "judge", "trainer", "critic"}  # all loaded, all on the devices
         self.engine_loads += 1
         self.prompts = PromptStream(prompts_uri, self.group, self.layout.dp, cfg.data.max_image_bytes,
                                     datasets.PREFERENCES if cfg.data.preferences else datasets.PROMPTS,
-                                    extra=cfg.rollout.env is not None)  # an environment reads every column
+                                    extra=cfg.rollout.env is not None, frames=frames)  # an environment reads every column
         self.episodes = Episodes.of(cfg, policy_dir) if cfg.rollout.episodes and rolls else None
         self.preferences = PreferenceRows(policy_dir, cfg, self.vision) if cfg.data.preferences else None
         self.rollout_weights.reset(self.trainer.version, int(cfg.rollout.sync_bucket_mb * 2**20))  # both engines loaded the same folder
@@ -374,7 +376,9 @@ class Worker:
         rule, or by the judge's verdict when there is no rule (``flows.training.heldout_metric`` names it)."""
         reader = datasets.PromptReader(request.uri)  # this rank's share only, images included
         indices = list(range(self.group, min(request.limit, len(reader)), self.layout.dp))
-        rows = [r | {"prompt_row": i, "prompt": chat.question(r)} for r, i in zip(reader.rows(indices), indices)]
+        frames = self.prompts.frames  # a vision policy: videos as frames
+        rows = [(frames.row(r, request.uri) if frames else r) | {"prompt_row": i} for r, i in zip(reader.rows(indices), indices)]
+        rows = [r | {"prompt": chat.question(r)} for r in rows]
         if not rows:
             return EvaluateResult(score_sum=0.0, total=0)
         self.take("policy")
