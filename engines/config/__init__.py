@@ -6,7 +6,8 @@ Load it from YAML and override any field with ``key=value`` (dotted keys, YAML v
 
 A wrong key or value fails with a message that names the file and the field.
 Paths without a scheme are relative to ``storage.root``. The sections and their defaults are in
-``engines/config/sections.py`` (the ``train`` section: ``engines/config/train.py``).
+``engines/config/sections.py`` (the ``train`` section: ``engines/config/train.py``; ``prepare`` and
+``sft``: ``engines/config/prepare.py``).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from engines.config.sections import (
-    Section, StorageConfig, PrepareConfig, SFTConfig, ModelConfig, DataConfig, EvalConfig, RolloutConfig,
+    Section, StorageConfig, ModelConfig, DataConfig, EvalConfig, RolloutConfig,
     JudgeConfig, RewardConfig, SamplingConfig, PlacementConfig, CheckpointConfig, HostsConfig,
     RunControlConfig, RetriesConfig, TimeoutsConfig, GuardConfig,
 )
+from engines.config.prepare import PrepareConfig, SFTConfig
 from engines.config.rm import RMConfig
 from engines.config.controllers import ControllersConfig
 from engines.config.layout import Layout

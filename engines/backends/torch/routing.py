@@ -52,9 +52,10 @@ def check_replayable(model: torch.nn.Module, model_dir: str) -> None:
 def recording(model: torch.nn.Module):
     """Within the block, every router call's chosen experts are kept: answers one list per router of
     the [rows, top_k] index tensors, call by call (a forward's rows are its batch x positions)."""
-    calls: list[list[torch.Tensor]] = [[] for _ in routers(model)]
+    found = routers(model)
+    calls: list[list[torch.Tensor]] = [[] for _ in found]
     hooks = [r.register_forward_hook(lambda _m, _i, out, kept=kept: kept.append(out[2].detach().to("cpu", torch.int16)))
-             for r, kept in zip(routers(model), calls)]
+             for r, kept in zip(found, calls)]
     try:
         yield calls
     finally:

@@ -85,7 +85,8 @@ class TorchTrainer:
         if router_replay:
             routing.check_replayable(self.model, model_dir)
         self.router_replay, self.router_balance = router_replay, router_balance
-        self.routed = bool(routing.routers(self.model))  # a mixture of experts: its load balance is a step figure
+        self.routes = routing.shape(self.model) if routing.routers(self.model) else None  # (MoE layers, experts per token)
+        self.routed = self.routes is not None  # a mixture of experts: its load balance is a step figure
         self.mesh = None  # with train.fsdp > 1: the replicate x shard mesh the model is sharded over
         if shards > 1:
             if self.processor is not None:
@@ -181,8 +182,10 @@ class TorchTrainer:
                         else logprobs.sum() * 0.0  # a filler pass
                     if router_logits:  # the router's load balance over the pass's tokens, its share of the minibatch by rows
                         share = len(micro) / max(len(mine), 1) if k < real else 0.0
-                        aux = routing.balance_loss(router_logits, attn, routing.shape(self.model)[1]) * share
-                        loss = loss + self.router_balance * aux
+                        with torch.set_grad_enabled(self.router_balance > 0):  # else a figure only
+                            aux = routing.balance_loss(router_logits, attn, self.routes[1]) * share
+                        if self.router_balance:
+                            loss = loss + self.router_balance * aux
                         balance += aux.item() / minibatches
                 with record_function("backward"):
                     loss.backward()  # accumulates into .grad
@@ -207,7 +210,7 @@ class TorchTrainer:
         has them; ``routing``), else their own."""
         if not self.router_replay or batch.routed_experts is None:
             return contextlib.nullcontext()
-        return routing.replaying(self.model, padded_routes(batch.routed_experts, width, *routing.shape(self.model)))
+        return routing.replaying(self.model, padded_routes(batch.routed_experts, width, *self.routes))
 
     def _router_logits(self):
         """A MoE policy's router logits of the forward, for its load-balance figure and loss (else nothing kept)."""
