@@ -46,6 +46,7 @@ class Episode:
     truncated: bool = False
     text: str = ""  # the last turn as sampled: what the tools and the environment read
     cut_eos: bool = False  # the last turn ended without its end-of-sequence token
+    routes: list[int] | None = None  # a MoE policy's routes of every token fed (train.router_replay; _sampled)
 
     def response(self, tokenizer) -> str:
         """The whole episode after its prompt as text: turns and observations (what the rule reads)."""
@@ -57,7 +58,7 @@ class Episode:
                 "response": self.response(tokenizer), "logprobs": self.logprobs,
                 "truncated": self.truncated, "loss_mask": self.loss_mask, "turns": self.turns,
                 "tool_calls": self.tool_calls, "tool_errors": self.tool_errors, "tool_s": self.tool_s,
-                "env_reward": self.env_reward}
+                "env_reward": self.env_reward, "routed_experts": self.routes}
 
 
 class Episodes:
@@ -132,9 +133,19 @@ class Episodes:
         return Episode(row, env, self.renderer.ids(self.first_prompt(row, env), self.schemas))
 
     def _sampled(self, e: Episode, g: Generation) -> None:
-        """The turn the engine sampled, on the episode (cut at the episode's token budget)."""
+        """The turn the engine sampled, on the episode (cut at the episode's token budget).
+
+        A MoE policy's routes (``train.router_replay``) are stitched turn by turn: the tokens an
+        earlier turn sampled keep the routes that turn's decoding chose, and this turn's call adds
+        the rest it fed (the earlier turn's last token and the observation, from its prefill, then
+        its own sampled tokens), so every token the trainer replays was routed as it was generated."""
         room = self.config.episode_tokens - len(e.response_ids)
         ids, logprobs = g.response_ids[:room], g.logprobs[:room]
+        if g.routed_experts is not None:
+            fed = len(e.prompt_ids) + len(e.response_ids) + len(g.response_ids) - 1  # the tokens this call fed
+            width = len(g.routed_experts) // fed  # MoE layers x experts per token
+            kept = e.routes or []
+            e.routes = (kept + g.routed_experts[len(kept):])[: (len(e.prompt_ids) + len(e.response_ids) + len(ids) - 1) * width]
         e.response_ids += ids
         e.loss_mask += [1] * len(ids)
         e.logprobs += logprobs

@@ -133,9 +133,6 @@ class RunConfig(Section):
             raise ValueError(f"train.router_replay: the routes are recorded by rollout.backend=torch only (now "
                              f"{self.rollout.backend}): vLLM records them (enable_return_routed_experts) only with its "
                              "Model Runner V2, which needs Triton, a GPU; that recording is not wired yet")
-        if self.rollout.episodes:
-            raise ValueError("train.router_replay: multi-turn episodes (rollout.env / rollout.tools) do not keep their "
-                             "turns' routes yet; set train.router_replay=false")
         return self
 
     @model_validator(mode="after")

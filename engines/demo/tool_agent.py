@@ -16,11 +16,12 @@ from engines.backends import chat
 from engines.demo.tiny_hub import save_tiny_hub_model
 
 
-def save_tool_agent(path: str | Path) -> str:
-    """A tiny random Qwen3 (head_dim 32: vLLM's CPU build serves it) taught, in a few seconds of
-    supervised steps, to call the calculator on "What is 2+3?" and to answer after the tool's
-    result: real episodes with real turns (tests/test_agents.py, tests/test_vllm.py, bench/agents.py)."""
-    folder = save_tiny_hub_model("qwen3", path, hidden_size=64, num_layers=2, max_positions=1024)
+def save_tool_agent(path: str | Path, family: str = "qwen3") -> str:
+    """A tiny random Qwen3 (head_dim 32: vLLM's CPU build serves it; ``family="qwen3_moe"``: a
+    Qwen3-MoE) taught, in a few seconds of supervised steps, to call the calculator on "What is
+    2+3?" and to answer after the tool's result: real episodes with real turns (tests/test_agents.py,
+    tests/test_vllm.py, tests/test_moe.py, bench/agents.py)."""
+    folder = save_tiny_hub_model(family, path, hidden_size=64, num_layers=2, max_positions=1024)
     tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder)
     renderer, schemas = chat.Renderer(tokenizer, chat.PromptFormat("auto")), [tools.schema(tools.calculator)]
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call><|im_end|>'
