@@ -210,7 +210,7 @@ def part_speed(args) -> dict:
     from bench import megatron_gpu
 
     argv = ["--sizes", "0.44b,1.2b", "--steps", "5", "--warmup", "2", "--sync"]
-    argv += ["--peak-tflops", f"{args.peak_tflops:.1f}"] if args.peak_tflops else []
+    argv += ["--peak-tflops", repr(args.peak_tflops)] if args.peak_tflops else []  # a CPU's is ~0.01-0.1: every digit
     result = megatron_gpu.main(argv + (CPU_SPEED if args.device == "cpu" else []))
     errors = [f"{r['size']} {r['engine']}: {r['error']}" for r in result["runs"] if "error" in r]
     out = {"runs": result["runs"], "peak_tflops": args.peak_tflops}

@@ -4,6 +4,7 @@ laid out as dp=2 groups of train.tensor_parallel=2 Megatron ranks carrying out a
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,13 @@ def test_ranks_are_laid_out_in_megatron_order_with_each_groups_leader_first():
             "tp-pp": [big.ranks(g) for g in range(2)],  # Megatron's model-parallel group: our DP group
             "dp": [[big.ranks(g)[i] for g in range(2)] for i in range(4)]}
     assert {kind: sorted(megatron.get_ranks(kind)) for kind in ours} == {kind: sorted(g) for kind, g in ours.items()}
+    # expert parallel: a group's ranks split the experts (consecutive, after TP, before the stages); the
+    # ranks that hold the same experts, one per group, are Megatron's expert-data-parallel group
+    moe, staged = Layout(dp=2, ep=2), Layout(dp=1, ep=2, pp=2)
+    assert moe.size == 2 and moe.ranks(1) == [2, 3] and [staged.stage(r) for r in range(4)] == [0, 0, 1, 1]
+    experts = RankGenerator(tp=1, ep=2, dp=2, pp=1, cp=1, order=ORDER)
+    assert sorted(experts.get_ranks("ep")) == [moe.ranks(g) for g in range(2)]
+    assert sorted(experts.get_ranks("dp")) == [[moe.ranks(g)[i] for g in range(2)] for i in range(2)]
 
 
 MEGATRON_TP2 = ["train.backend=megatron", "train.tensor_parallel=2"]
@@ -51,6 +59,9 @@ def test_each_layout_needs_its_trainer_and_is_refused_where_it_is_not_wired_yet(
                                                "hosts.work_queue=gpu-{group}-{local}"])
     assert config.layout == Layout(2, 2)
     assert load_config(None, MEGATRON_TP2 + ["train.pipeline_parallel=2"]).layout == Layout(2, 2, 2)
+    assert load_config(None, ["train.backend=megatron", "train.expert_parallel=2"]).layout == Layout(2, ep=2)
+    with pytest.raises(ConfigError, match=r"field 'train\.expert_parallel': .*needs train\.backend: megatron"):
+        load_config(None, ["train.expert_parallel=2"])
     assert load_config(None, ["train.backend=stub", "train.tensor_parallel=2"]).layout.world == 4  # the timing stub's layout
     with pytest.raises(ConfigError, match=r"field 'train\.tensor_parallel': .*needs train\.backend: megatron"):
         load_config(None, ["train.tensor_parallel=2"])
@@ -61,7 +72,7 @@ def test_each_layout_needs_its_trainer_and_is_refused_where_it_is_not_wired_yet(
     ppo = ["train.algorithm.name=ppo", "model.critic=models/critic"]  # a critic: over train.tensor_parallel only
     assert load_config(None, MEGATRON_TP2 + ppo).layout == Layout(2, 2)
     with pytest.raises(ConfigError, match=r"name=ppo has a critic, which splits over train\.tensor_parallel only .*"
-                                          r"set train\.pipeline_parallel=1 and train\.fsdp=1 \(now 2 and 1\)"):
+                                          r"set train\.pipeline_parallel=1, train\.expert_parallel=1 and train\.fsdp=1 \(now 2, 1 and 1\)"):
         load_config(None, ["train.backend=megatron", "train.pipeline_parallel=2", *ppo])
     with pytest.raises(ConfigError, match=r"name=ppo has a critic, whose values every rank .* set rollout\.max_staleness=0"):
         load_config(None, MEGATRON_TP2 + ppo + ["rollout.max_staleness=1", "train.old_policy=decoupled"])
@@ -101,8 +112,11 @@ def test_each_layout_needs_its_trainer_and_is_refused_where_it_is_not_wired_yet(
     with pytest.raises(InputError, match=r"model\.policy: \S+/config\.json: num_hidden_layers=1 do not split into "
                                          r"train\.pipeline_parallel=2 stages"):
         check_megatron_architecture(load_config(None, ["train.backend=megatron", "train.pipeline_parallel=2", "dp=1"]), model)
+    with pytest.raises(InputError, match=r"model\.policy: \S+/config\.json: train\.expert_parallel=2, but model_type 'llama' "
+                                         r"has no experts \(a dense model\), nothing to split over 2 ranks"):
+        check_megatron_architecture(load_config(None, ["train.backend=megatron", "train.expert_parallel=2", "dp=1"]), model)
     with pytest.raises(ConfigError, match=r"hosts\.devices has 2 entries for 8 engine hosts \(one per rank: dp=2 groups of 4, "
-                                          r"train\.tensor_parallel x train\.pipeline_parallel x train\.fsdp\)"):
+                                          r"train\.tensor_parallel x train\.expert_parallel x train\.pipeline_parallel x train\.fsdp\)"):
         load_config(None, MEGATRON_TP2 + ["dp=2", "train.pipeline_parallel=2", 'hosts.devices=["0","1"]'])
 
 
@@ -120,8 +134,8 @@ def score(prompt, response, answer):
 '''
 
 
-def one_step(root: Path, tp: int, pp: int = 1, resume: Path | None = None, replicas: int = 1) -> dict:
-    """Engine hosts of dp=2 groups of ``tp x pp`` Megatron ranks: setup, then one RL step through each
+def one_step(root: Path, tp: int, pp: int = 1, resume: Path | None = None, replicas: int = 1, ep: int = 1) -> dict:
+    """Engine hosts of dp=2 groups of ``tp x ep x pp`` Megatron ranks: setup, then one RL step through each
     group's client (rollout and scoring on the group's first ``replicas`` ranks, a chunk of one prompt
     each, the filter on the leaders; the train step, the weight sync, a checkpoint and the export on
     every rank), as the flow sends them. Then a second train step
@@ -132,9 +146,10 @@ def one_step(root: Path, tp: int, pp: int = 1, resume: Path | None = None, repli
                                        SetupEngines, SyncWeights, TrainStep)
     from engines.wire.launch import LocalHosts
 
-    run, out_dir = f"{RUN}-{tp}x{pp}", root / f"tp{tp}-pp{pp}"
+    run, out_dir = f"{RUN}-{tp}x{pp}x{ep}", root / f"tp{tp}-pp{pp}-ep{ep}"
     overrides = [f"name={run}", "dp=2", *task(root), "train.minibatches=2", "host_timeout_s=300", "train.backend=megatron",
-                 f"train.tensor_parallel={tp}", f"train.pipeline_parallel={pp}", "train.micro_batch_tokens=48",
+                 f"train.tensor_parallel={tp}", f"train.pipeline_parallel={pp}", f"train.expert_parallel={ep}",
+                 "train.micro_batch_tokens=48",
                  "placement.stream_chunk=1", f"rollout.replicas={replicas}", f"judge.replicas={replicas}"]
     config = load_config(None, overrides)
     site = str(ROOT / "tests" / "megatron_cpu_site")  # Megatron-Core's CPU shim, in the hosts (tests only)
@@ -241,6 +256,39 @@ def test_two_groups_split_by_tensor_or_by_pipeline_train_the_same_step(steps):
     assert {f"rng-{r}.pt" for r in range(4)} | {"model/model.safetensors", "layout.json", "prompts.json"} <= files
     assert len({f for f in files if f.startswith("trainer-megatron/")}) >= 4
     assert all((tp2["checkpoint_dir"] / f).is_file() for f in files)
+
+
+def test_two_groups_of_two_expert_parallel_ranks_train_the_step_groups_of_one_rank_do(tp_root, tmp_path):
+    """train.expert_parallel=2 on the engine hosts: dp=2 groups of two ranks, a tiny Qwen3-MoE's four
+    experts two on each rank, Megatron's allgather dispatcher sending each token to its experts' rank;
+    against dp=2 groups of one rank on the same policy, prompts and experience, the update is the same
+    within the step tolerance, both ranks of a group hold the same full weights after it (the sync and
+    the export gather the experts), and the checkpoint records the layout it was written under."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from engines.demo.tiny_hub import save_tiny_hub_model
+    from helpers import STEP_RTOL, parity, step_gap
+    from storage import datasets
+
+    root = tmp_path / "moe"
+    shutil.copytree(tp_root, root, ignore=shutil.ignore_patterns("models", "tp*"))
+    save_tiny_hub_model("qwen3_moe", root / "models" / "policy", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                        init_std=0.1)
+    ep2, one = one_step(root, tp=1, ep=2), one_step(root, tp=1)
+    assert (ep2["hosts"], one["hosts"]) == (4, 2)
+    for a, b in zip(ep2["experience"], one["experience"]):
+        assert datasets.read_table(a, datasets.EXPERIENCE).equals(datasets.read_table(b, datasets.EXPERIENCE))
+    assert len({t.params_sha for t in ep2["train"]}) == 1 and [t.policy_version for t in ep2["train"]] == [1, 1]
+    assert ep2["train"][0].statistics["loss"] == pytest.approx(one["train"][0].statistics["loss"], abs=1e-5)
+    before = load_file(str(root / "models" / "policy" / "model.safetensors"))
+    after = {name: load_file(str(run["export"] / "model.safetensors")) for name, run in (("ep2", ep2), ("one", one))}
+    assert after["ep2"].keys() == after["one"].keys() and any(".experts." in k for k in after["ep2"])
+    assert parity("hosts dp=2: ep=2 vs one rank, step", step_gap(after["ep2"], after["one"], before)) <= STEP_RTOL
+    layout = json.loads((ep2["checkpoint_dir"] / "layout.json").read_text())
+    written = set(ep2["written"][0].files) | set(ep2["written"][1].files)
+    assert layout["expert_parallel"] == 2 and {f"rng-{r}.pt" for r in range(4)} <= written
 
 
 def test_a_run_whose_follower_rank_is_killed_heals_and_trains_each_step_once(prefect_server, tp_root, tmp_path, monkeypatch):

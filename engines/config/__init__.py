@@ -69,12 +69,12 @@ class RunConfig(Section):
 
     @property
     def layout(self) -> Layout:
-        """The run's engine-host ranks: ``dp`` groups of ``train.tensor_parallel x train.pipeline_parallel x
-        train.fsdp``, with ``rollout.replicas`` rollout engines of ``rollout.tensor_parallel`` ranks in each
+        """The run's engine-host ranks: ``dp`` groups of ``train.tensor_parallel x train.expert_parallel x
+        train.pipeline_parallel x train.fsdp``, with ``rollout.replicas`` rollout engines of ``rollout.tensor_parallel`` ranks in each
         (and the judge's likewise; engines/config/layout.py)."""
         t, r, j = self.train, self.rollout, self.judge
         return Layout(self.dp, t.tensor_parallel, t.pipeline_parallel, t.fsdp, r.replicas, r.tensor_parallel, j.replicas,
-                      j.tensor_parallel)
+                      j.tensor_parallel, ep=t.expert_parallel)
 
     @model_validator(mode="after")
     def _devices_per_group(self):
@@ -86,7 +86,8 @@ class RunConfig(Section):
                              "DP group; {rank}, the host's rank in the run; {local}, its rank in its group)") from None
         if self.hosts.devices is not None and len(self.hosts.devices) != world:
             per = "one per group" if world == self.dp else (f"one per rank: dp={self.dp} groups of {self.layout.size}, "
-                                                            "train.tensor_parallel x train.pipeline_parallel x train.fsdp")
+                                                            "train.tensor_parallel x train.expert_parallel x "
+                                                            "train.pipeline_parallel x train.fsdp")
             raise ValueError(f"hosts.devices has {len(self.hosts.devices)} entries for {world} engine hosts ({per})")
         if self.reward.reward_model_weight > 0 and self.model.reward_model is None:
             raise ValueError(f"reward.reward_model_weight={self.reward.reward_model_weight} but model.reward_model is not "
@@ -115,10 +116,11 @@ class RunConfig(Section):
         t = self.train
         if self.layout.size > 1 and t.algorithm.needs.critic:
             critic = f"train.algorithm: name={t.algorithm.name} has a critic"
-            if t.pipeline_parallel > 1 or t.fsdp > 1:
+            if t.pipeline_parallel > 1 or t.fsdp > 1 or t.expert_parallel > 1:
                 raise ValueError(f"{critic}, which splits over train.tensor_parallel only (the Megatron critic has no "
-                                 f"pipeline schedule, and the torch critic no FSDP2): set train.pipeline_parallel=1 and "
-                                 f"train.fsdp=1 (now {t.pipeline_parallel} and {t.fsdp})")
+                                 f"pipeline schedule and no experts, and the torch critic no FSDP2): set "
+                                 f"train.pipeline_parallel=1, train.expert_parallel=1 and train.fsdp=1 (now {t.pipeline_parallel}, "
+                                 f"{t.expert_parallel} and {t.fsdp})")
             if self.rollout.max_staleness:
                 raise ValueError(f"{critic}, whose values every rank of a group of {self.layout.size} computes together in "
                                  "the dynamic filter, which rollout.max_staleness >= 1 runs on the rollout lane of the "

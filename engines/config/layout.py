@@ -1,12 +1,12 @@
 """Where each engine-host process sits: the ranks of a run laid out in DP groups.
 
-A DP group is ``tp x pp x fsdp`` ranks, one process and one device each, that hold one copy of
-the policy between them: with the Megatron trainer ``pp`` pipeline stages, each a run of its
+A DP group is ``tp x ep x pp x fsdp`` ranks, one process and one device each, that hold one copy
+of the policy between them: with the Megatron trainer ``pp`` pipeline stages, each a run of its
 layers (the first the embedding, the last the output layer), each stage's layers split over
-``tp`` tensor-parallel ranks; with the torch trainer ``fsdp`` ranks over which FSDP2 shards every
+``tp`` tensor-parallel ranks, a mixture's experts over ``ep`` expert-parallel ranks; with the torch trainer ``fsdp`` ranks over which FSDP2 shards every
 parameter (each training its share of the group's rows). The run's ``dp x`` group-size ranks are numbered in the order Megatron-Core's ``parallel_state`` is told
 to use ("tp-cp-ep-pp-dp", engines/backends/megatron/model.py): a group's ranks are consecutive,
-tensor-parallel ranks innermost, then stages. So the controller, which reaches each rank over its
+tensor-parallel ranks innermost, then expert-parallel ones, then stages. So the controller, which reaches each rank over its
 own channel, and the trainer agree on who is who, and a group placed on consecutive devices keeps
 its TP traffic, the heaviest, on the nearest ones. The group's first rank (stage 0, TP rank 0) is
 its leader: it answers the stages that need no trainer. The rollout engines and the judges have a
@@ -31,11 +31,12 @@ class Layout:
     rollout_tp: int = 1  # ... each over this many ranks (rollout.tensor_parallel)
     judge: int = 1  # judge replicas in each group (judge.replicas) ...
     judge_tp: int = 1  # ... each over this many ranks (judge.tensor_parallel)
+    ep: int = 1  # expert-parallel ranks in each pipeline stage (a mixture's experts split between them)
 
     @property
     def size(self) -> int:
         """Ranks in each group."""
-        return self.tp * self.pp * self.fsdp
+        return self.tp * self.ep * self.pp * self.fsdp
 
     @property
     def world(self) -> int:
@@ -53,7 +54,7 @@ class Layout:
         return rank % self.tp
 
     def stage(self, rank: int) -> int:
-        return self.local(rank) // self.tp % self.pp
+        return self.local(rank) // (self.tp * self.ep) % self.pp
 
     def ranks(self, group: int) -> list[int]:
         """The group's ranks, its leader first."""

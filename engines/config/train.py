@@ -58,6 +58,13 @@ class TrainConfig(Section):
         "a row, each stage train.tensor_parallel ranks, trained on Megatron-Core's 1F1B schedule over the minibatch's "
         "micro-batches (train.micro_batch_tokens cuts them; docs/parallelism.md); backend=stub takes it as the layout alone."
     )
+    expert_parallel: int = Field(
+        1, gt=0, description="Megatron-Core expert-parallel size for a mixture-of-experts policy: each DP group is this "
+        "many engine-host processes more, one device each, that hold the experts in equal shares (every rank the "
+        "attention and the router) and train the group's batch together, tokens going to their experts' ranks "
+        "(Megatron's allgather dispatcher); at train.tensor_parallel=1 and train.pipeline_parallel=1 "
+        "(docs/engines.md#mixture-of-experts)."
+    )
     fsdp: int = Field(
         1, gt=0, description="FSDP2 with the torch trainer: each DP group is this many engine-host processes, one device "
         "each, over which the policy's parameters, gradients and Adam state are sharded (fully_shard, one transformer "
@@ -172,8 +179,8 @@ class TrainConfig(Section):
                              + " (train.algorithm.name picks the algorithm, default grpo)")
         return data
 
-    @field_validator("tensor_parallel", "pipeline_parallel", "distributed_optimizer", "reshardable_optimizer",
-                     "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
+    @field_validator("tensor_parallel", "pipeline_parallel", "expert_parallel", "distributed_optimizer",
+                     "reshardable_optimizer", "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
     @classmethod
     def _megatron_only(cls, value, info):
         default = TrainConfig.model_fields[info.field_name].default

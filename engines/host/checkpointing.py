@@ -13,7 +13,7 @@ every rank's files are written, ``storage/runstate.py``):
                          folder (the base is the policy folder, recorded in trainer-torch/)
     prompts.json         the prompt files the data cursors point into (rank 0)
     layout.json          the ranks that wrote it: dp, train.tensor_parallel, train.pipeline_parallel,
-                         train.fsdp, train.distributed_optimizer (rank 0)
+                         train.expert_parallel, train.fsdp, train.distributed_optimizer (rank 0)
     rng-{rank}.pt        torch's and Python's RNG states
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import random
 import shutil
@@ -164,13 +165,13 @@ class Checkpoints:
 
     def _rank_then(self, uri: str) -> int:
         """The rank whose RNG states this rank takes: its own, or under another group size
-        (``train.tensor_parallel x train.pipeline_parallel x train.fsdp``) the same place in its group then, or the
+        (``train.tensor_parallel x expert_parallel x pipeline_parallel x fsdp``) the same place in its group then, or the
         group's last rank then (a group's leader continues its leader's sampling)."""
         recorded = objectstore.join(uri, "layout.json")
         if not self.layout or not objectstore.exists(recorded):
             return self.rank
         was = objectstore.read_json(recorded)
-        then = was.get("tensor_parallel", 1) * was.get("pipeline_parallel", 1) * was.get("fsdp", 1)
+        then = math.prod(was.get(key, 1) for key in ("tensor_parallel", "expert_parallel", "pipeline_parallel", "fsdp"))
         return self.layout.group(self.rank) * then + min(self.layout.local(self.rank), then - 1)
 
     def _recorded(self) -> dict:
@@ -178,7 +179,7 @@ class Checkpoints:
         if self.layout is None:
             return {}
         return {"dp": self.layout.dp, "tensor_parallel": self.layout.tp, "pipeline_parallel": self.layout.pp,
-                "fsdp": self.layout.fsdp, "distributed_optimizer": self.distributed_optimizer,
+                "fsdp": self.layout.fsdp, "expert_parallel": self.layout.ep, "distributed_optimizer": self.distributed_optimizer,
                 "reshardable_optimizer": self.reshardable_optimizer}
 
     def check_prompt_files(self, prompts_uri: str, checkpoint: str, field: str = "data.prompts") -> None:
@@ -214,6 +215,10 @@ class Checkpoints:
             raise ValueError(f"checkpoint {checkpoint} was written with train.distributed_optimizer="
                              f"{str(was['distributed_optimizer']).lower()}, and its optimizer state loads only into the same "
                              f"kind of optimizer: resume with train.distributed_optimizer={str(was['distributed_optimizer']).lower()}")
+        if was.get("expert_parallel", 1) != now["expert_parallel"]:
+            raise ValueError(f"checkpoint {checkpoint} was written with train.expert_parallel={was.get('expert_parallel', 1)}: "
+                             f"resume with train.expert_parallel={was.get('expert_parallel', 1)} (resharding the experts over "
+                             "another expert-parallel size is not checked here)")
         sizes = [f"train.{key}={was.get(key, 1)}" for key in ("tensor_parallel", "pipeline_parallel")]
         if now["distributed_optimizer"] and not was.get("reshardable_optimizer") and \
                 [was.get(k, 1) for k in ("tensor_parallel", "pipeline_parallel")] != [now["tensor_parallel"], now["pipeline_parallel"]]:

@@ -215,6 +215,12 @@ def check_megatron_architecture(config, policy: str) -> None:
                          f"(model_type {hf.model_type!r}) trains on Megatron at train.tensor_parallel=1 and "
                          f"train.pipeline_parallel=1 only (now {tp} and {pp}): Megatron-Core's MoE layer needs sequence "
                          "parallelism under TP, which is not wired, and its allgather dispatcher takes no pipeline")
+    ep, experts = config.train.expert_parallel, architectures.architecture(hf).experts
+    if ep > 1 and (not experts or hf.num_experts % ep):
+        held = f"{hf.num_experts} experts, which do not split" if experts else "no experts (a dense model), nothing to split"
+        raise InputError(f"model.policy: {config.uri(config.model.policy)}/config.json: train.expert_parallel={ep}, but "
+                         f"model_type {hf.model_type!r} has {held} over {ep} ranks: use an expert_parallel that divides "
+                         "num_experts, or 1")
     heads = hf.num_attention_heads
     groups = getattr(hf, "num_key_value_heads", None) or heads
     if heads % tp or groups % tp:  # each tensor-parallel rank holds whole heads (engines/backends/megatron/mapping.py)
