@@ -33,7 +33,8 @@ def make_trainer(cfg: RunConfig, model_dir: str, device=None) -> Trainer:
         from engines.backends.megatron.trainer import MegatronTrainer
 
         return MegatronTrainer(model_dir, tensor_parallel=t.tensor_parallel, pipeline_parallel=t.pipeline_parallel,
-                               expert_parallel=t.expert_parallel, distributed_optimizer=t.distributed_optimizer, reshardable_optimizer=t.reshardable_optimizer,
+                               expert_parallel=t.expert_parallel, distributed_optimizer=t.distributed_optimizer,
+                               reshardable_optimizer=t.reshardable_optimizer,
                                recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
                                recompute_num_layers=t.recompute_num_layers, recompute_modules=t.recompute_modules,
                                device=device, freeze_vision=t.freeze_vision, router_replay=t.router_replay, **kwargs)

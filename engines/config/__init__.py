@@ -70,8 +70,8 @@ class RunConfig(Section):
     @property
     def layout(self) -> Layout:
         """The run's engine-host ranks: ``dp`` groups of ``train.tensor_parallel x train.expert_parallel x
-        train.pipeline_parallel x train.fsdp``, with ``rollout.replicas`` rollout engines of ``rollout.tensor_parallel`` ranks in each
-        (and the judge's likewise; engines/config/layout.py)."""
+        train.pipeline_parallel x train.fsdp``, with ``rollout.replicas`` rollout engines of
+        ``rollout.tensor_parallel`` ranks in each (and the judge's likewise; engines/config/layout.py)."""
         t, r, j = self.train, self.rollout, self.judge
         return Layout(self.dp, t.tensor_parallel, t.pipeline_parallel, t.fsdp, r.replicas, r.tensor_parallel, j.replicas,
                       j.tensor_parallel, ep=t.expert_parallel)

@@ -3,11 +3,13 @@
 A DP group is ``tp x ep x pp x fsdp`` ranks, one process and one device each, that hold one copy
 of the policy between them: with the Megatron trainer ``pp`` pipeline stages, each a run of its
 layers (the first the embedding, the last the output layer), each stage's layers split over
-``tp`` tensor-parallel ranks, a mixture's experts over ``ep`` expert-parallel ranks; with the torch trainer ``fsdp`` ranks over which FSDP2 shards every
-parameter (each training its share of the group's rows). The run's ``dp x`` group-size ranks are numbered in the order Megatron-Core's ``parallel_state`` is told
-to use ("tp-cp-ep-pp-dp", engines/backends/megatron/model.py): a group's ranks are consecutive,
-tensor-parallel ranks innermost, then expert-parallel ones, then stages. So the controller, which reaches each rank over its
-own channel, and the trainer agree on who is who, and a group placed on consecutive devices keeps
+``tp`` tensor-parallel ranks, a mixture's experts over ``ep`` expert-parallel ranks; with the
+torch trainer ``fsdp`` ranks over which FSDP2 shards every parameter (each training its share of
+the group's rows). The run's ``dp x`` group-size ranks are numbered in the order Megatron-Core's
+``parallel_state`` is told to use ("tp-cp-ep-pp-dp", engines/backends/megatron/model.py): a
+group's ranks are consecutive, tensor-parallel ranks innermost, then expert-parallel ones, then
+stages. So the controller, which reaches each rank over its own channel, and the trainer agree on
+who is who, and a group placed on consecutive devices keeps
 its TP traffic, the heaviest, on the nearest ones. The group's first rank (stage 0, TP rank 0) is
 its leader: it answers the stages that need no trainer. The rollout engines and the judges have a
 layout of their own in the group (ChatLearn's strategy per model): ``rollout`` replicas, each over

@@ -60,10 +60,10 @@ class TrainConfig(Section):
     )
     expert_parallel: int = Field(
         1, gt=0, description="Megatron-Core expert-parallel size for a mixture-of-experts policy: each DP group is this "
-        "many engine-host processes more, one device each, that hold the experts in equal shares (every rank the "
-        "attention and the router) and train the group's batch together, tokens going to their experts' ranks "
+        "many engine-host processes, one device each, that hold every MoE layer's experts in equal shares (each of them "
+        "the attention and the router) and train the group's batch together, each token sent to its experts' rank "
         "(Megatron's allgather dispatcher); at train.tensor_parallel=1 and train.pipeline_parallel=1 "
-        "(docs/engines.md#mixture-of-experts)."
+        "(docs/parallelism.md)."
     )
     fsdp: int = Field(
         1, gt=0, description="FSDP2 with the torch trainer: each DP group is this many engine-host processes, one device "
@@ -179,8 +179,8 @@ class TrainConfig(Section):
                              + " (train.algorithm.name picks the algorithm, default grpo)")
         return data
 
-    @field_validator("tensor_parallel", "pipeline_parallel", "expert_parallel", "distributed_optimizer",
-                     "reshardable_optimizer", "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
+    @field_validator("tensor_parallel", "pipeline_parallel", "expert_parallel", "distributed_optimizer", "reshardable_optimizer",
+                     "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
     @classmethod
     def _megatron_only(cls, value, info):
         default = TrainConfig.model_fields[info.field_name].default
