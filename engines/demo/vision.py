@@ -75,14 +75,8 @@ def make_video_problems(count: int, seed: int) -> list[tuple[str, list[bytes], s
     """``count`` problems of the video task: (``"<video>sum:"``, [MP4], answer, (a, b)): a clip of
     two seconds at one frame per second, ``a`` then ``b``; the pairs cycle as in ``make_problems``."""
     rng = random.Random(seed)
-    pairs = [(a, b) for a in range(10) for b in range(10)]
-    out = []
-    while len(out) < count:
-        rng.shuffle(pairs)
-        for a, b in pairs[: count - len(out)]:
-            clip = encode_clip([draw_digit(a, rng), draw_digit(b, rng)])
-            out.append(("<video>sum:", [clip], teacher_answer(a, b, slip=False), (a, b)))
-    return out
+    return [("<video>sum:", [encode_clip([draw_digit(a, rng), draw_digit(b, rng)])], teacher_answer(a, b, slip=False), (a, b))
+            for a, b in digit_pairs(count, rng)]
 
 
 def make_problems(count: int, seed: int, placeholder: str = "<image>") -> list[tuple[str, list[bytes], str, tuple[int, int]]]:
@@ -90,14 +84,19 @@ def make_problems(count: int, seed: int, placeholder: str = "<image>") -> list[t
     100 in a shuffled order so that every pair is seen, each drawn with its own jitter; the prompt
     holds ``placeholder``, the policy's image placeholder (Idefics3's by default)."""
     rng = random.Random(seed)
+    prompt = PROMPT.replace("<image>", placeholder)
+    return [(prompt, [draw_digits(a, b, rng)], teacher_answer(a, b, slip=False), (a, b)) for a, b in digit_pairs(count, rng)]
+
+
+def digit_pairs(count: int, rng: random.Random):
+    """``count`` digit pairs (a, b), cycling through all 100 in an order shuffled anew each cycle;
+    the caller draws with ``rng`` between them (a generator: its shuffles and the drawings take
+    turns on the same generator)."""
     pairs = [(a, b) for a in range(10) for b in range(10)]
-    out = []
-    while len(out) < count:
-        rng.shuffle(pairs)
-        for a, b in pairs[: count - len(out)]:
-            out.append((PROMPT.replace("<image>", placeholder), [draw_digits(a, b, rng)], teacher_answer(a, b, slip=False),
-                        (a, b)))
-    return out
+    for k in range(count):
+        if k % len(pairs) == 0:
+            rng.shuffle(pairs)
+        yield pairs[k % len(pairs)]
 
 
 def teacher_answer(a: int, b: int, slip: bool) -> str:
