@@ -250,3 +250,25 @@ def wrote_nothing(run_dir: Path) -> bool:
     names = {p.name for p in run_dir.iterdir()}
     lease = run_dir / "lease.json"
     return names <= {"lease.json", "lease.json.lock"} and (not lease.exists() or json.loads(lease.read_text())["released"])
+
+
+def trained(run_dir: Path) -> dict[int, list[tuple]]:
+    """Per step of a run, what the train step learned from: (group, prompt_id, sample_index, reward) of every experience row."""
+    import pyarrow.parquet as pq
+
+    out = {}
+    for step in sorted((run_dir / "steps").iterdir()):
+        rows = []
+        for f in sorted(step.glob("experience/group=*/*.parquet")):
+            group = int(f.parent.name.split("=")[1])
+            rows += [(group, r["prompt_id"], r["sample_index"], r["reward"])
+                     for r in pq.read_table(f, columns=["prompt_id", "sample_index", "reward"]).to_pylist()]
+        out[int(step.name)] = sorted(rows)
+    return out
+
+
+def final_parameters(run_dir: Path) -> dict:
+    """A finished run's final model (final/model.safetensors)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "final" / "model.safetensors"))

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import random_batch, save_tiny_model  # (also puts the checkout on sys.path)
+from helpers import final_parameters, no_engine_hosts_left, random_batch, save_tiny_model, trained  # (puts the checkout on sys.path)
 
 from engines.agents import environment, sandbox, tools
 from engines.agents.episodes import Episodes
@@ -340,28 +340,55 @@ class Checked:
     def step(self, text):
         return Step(None, reward=float(text.strip() == self.answer), done=True)
 '''
+KILLING_CALCULATOR = '''
+import os, signal
+from engines.agents import tools
+
+def calculator(expression: str) -> str:
+    """yattflow's calculator, but the call numbered KILL_AT_CALL ("folder:n") SIGKILLs its engine host, once."""
+    if plan := os.environ.get("KILL_AT_CALL"):
+        folder, n = plan.rsplit(":", 1)
+        with open(os.path.join(folder, "calls"), "a") as f:
+            f.write("x")
+        if os.path.getsize(os.path.join(folder, "calls")) >= int(n):
+            try:
+                os.close(os.open(os.path.join(folder, "fired"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass
+            else:
+                os.killpg(0, signal.SIGKILL)  # the host and its engines, in the middle of its episodes
+    return tools.calculator(expression)
+
+calculator.__doc__ = tools.calculator.__doc__  # the same schema: the prompts are the built-in calculator's
+'''
 
 
-def test_a_run_trains_on_episodes_with_a_tool_and_an_environment(agent, prefect_server, tmp_path):
+def test_a_run_trains_on_episodes_and_heals_from_a_host_killed_mid_episode(agent, prefect_server, tmp_path, monkeypatch):
     """Two RL steps over two DP groups on the real flow, the rollout lane one step ahead
     (rollout.max_staleness=1, decoupled correction): episodes with the calculator and an
     environment's reward; the experience holds each episode's loss mask and the trainer counts
-    only the tokens the policy sampled; the step's figures show turns and tool calls. The same
-    command for one step more resumes from the last checkpoint and goes on playing episodes."""
+    only the tokens the policy sampled; the step's figures show turns and tool calls. Then, without
+    the overlap (whose resume is exactly-once, not bit-identical: docs/off-policy.md), a run and the
+    same run with an engine host SIGKILLed by a tool call of its last step, in the middle of its
+    episodes: the second heals from its last committed checkpoint, regenerates the cut episodes from
+    the same seeds and trains exactly what the uninterrupted run trained, to the same final weights."""
     from flows.training import step_figures, train
     from flows.metrics import StepMetrics
 
     (tmp_path / "checked_env.py").write_text(CHECKED_ENV)
+    (tmp_path / "killing_calculator.py").write_text(KILLING_CALCULATOR)
     prompts = _write_prompts(tmp_path / "prompts.parquet",
                              [{"prompt_id": i, "prompt": "What is 2+3?", "answer": "5"} for i in range(8)])
     overrides = [
-        f"storage.root={tmp_path}", "name=agents", f"model.policy={agent}", f"data.prompts={prompts}", "data.heldout=null",
+        f"storage.root={tmp_path}", f"model.policy={agent}", f"data.prompts={prompts}", "data.heldout=null",
         "data.chat_template=auto", "data.max_prompt_tokens=600", "reward.genrm_weight=0", "reward.rule=null",
-        "reward.env_weight=1", f"rollout.env={tmp_path}/checked_env.py:Checked", f"rollout.tools=[{CALCULATOR}]",
-        "rollout.max_new_tokens=80", "rollout.temperature=0.3", "rollout.samples_per_prompt=4", "sampling.prompts_per_wave=2", "sampling.target_groups=1",
-        "sampling.filter_equal_rewards=false", "dp=2", "checkpoint.every=1",
-        "rollout.max_staleness=1", "train.old_policy=decoupled", "train.off_policy_correction=tis"]
-    summary = asyncio.run(train(overrides=overrides + ["steps=2"]))
+        "reward.env_weight=1", f"rollout.env={tmp_path}/checked_env.py:Checked",
+        f"rollout.tools=[{tmp_path}/killing_calculator.py:calculator]", "rollout.max_new_tokens=80", "rollout.temperature=0.3",
+        "rollout.samples_per_prompt=4", "sampling.prompts_per_wave=2", "sampling.target_groups=1",
+        "sampling.filter_equal_rewards=false", "dp=2", "checkpoint.every=1"]
+    overlapped = ["name=agents", "steps=2", "rollout.max_staleness=1", "train.old_policy=decoupled",
+                  "train.off_policy_correction=tis"]
+    summary = asyncio.run(train(overrides=overrides + overlapped))
     history = [StepMetrics(**m, checkpoint_files=[]) for m in summary["history"]]
     for m in history:
         print(step_figures(m))
@@ -372,8 +399,17 @@ def test_a_run_trains_on_episodes_with_a_tool_and_an_environment(agent, prefect_
     assert any(0 in r["loss_mask"] for r in rows)  # tool turns between the sampled ones
     assert history[1].train_tokens == sum(sum(r["loss_mask"]) for r in rows)  # the trainers counted sampled tokens only
     assert 0 < history[1].train["is_ratio_mean"] < 2  # the correction's statistics, over sampled tokens
-    # the same command for one step more resumes from step 1's checkpoint and plays its episodes on
-    resumed = asyncio.run(train(overrides=overrides + ["steps=3"]))["history"]
-    assert [m["step"] for m in resumed] == [2] and resumed[0]["episodes"]["tool_calls"] > 0
-    rows = pq.read_table(tmp_path / "runs" / "agents" / "steps" / "000002" / "experience").to_pylist()
-    assert rows and any(0 in r["loss_mask"] for r in rows)
+
+    (tmp_path / "kill").mkdir()
+    monkeypatch.setenv("KILL_AT_CALL", f"{tmp_path / 'kill'}:1000000")  # counts the calls, kills none
+    asyncio.run(train(overrides=overrides + ["name=agents-reference", "steps=3"]))
+    calls = (tmp_path / "kill" / "calls").stat().st_size
+    (tmp_path / "kill" / "calls").unlink()
+    monkeypatch.setenv("KILL_AT_CALL", f"{tmp_path / 'kill'}:{calls - 2}")  # the run's third last call: its last step
+    healed = asyncio.run(train(overrides=overrides + ["name=agents-healed", "steps=3"]))["history"]
+    assert (tmp_path / "kill" / "fired").exists() and [m["step"] for m in healed] == [0, 1, 2]
+    reference, again = tmp_path / "runs" / "agents-reference", tmp_path / "runs" / "agents-healed"
+    assert trained(again) == trained(reference)
+    a, b = final_parameters(again), final_parameters(reference)
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), "final weights differ"
+    no_engine_hosts_left()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -272,7 +271,7 @@ def test_a_lora_run_resumes_exactly_and_exports_adapter_and_merged_model(prepare
 
     from flows.training import train
     from tests.conftest import TINY
-    from tests.test_recovery import trained
+    from tests.helpers import trained
 
     common = [*TINY, "dp=2", "checkpoint.every=1", "data.heldout=null", f"storage.root={prepared}", "train.lora.rank=4",
               "train.lora.dropout=0.05", "train.lora.export_merged=true"]

@@ -6,19 +6,28 @@ plants answers (through the same chat template RL renders with) — one prompt t
 answers ``\\boxed{7}``, one it answers ``\\boxed{0.5}`` or ``\\boxed{2}`` about equally — and the
 scored responses of the run must be the verifier's verdicts on them: 1 for ``\\boxed{7}`` against
 the reference ``7`` and for ``\\boxed{0.5}`` against ``\\frac{1}{2}``, 0 for ``\\boxed{2}``; the format rule 1 for a boxed answer.
+
+The agentic recipe (deployments/recipes/qwen3-python-tool.yaml, docs/agents.md) runs the same way on a
+tiny Qwen3 with Qwen3's own chat template, as TRL ships it (``trl/chat_templates/qwen3.jinja``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
 from transformers import AutoTokenizer
 
+from engines.agents import sandbox, tools
+from engines.backends import chat
 from engines.demo.tiny_hub import save_tiny_hub_model
+from engines.demo.tool_agent import save_tool_agent
+from engines.rl.math_rules import math_answer
 from flows.sft import sft
 from flows.training import train
 from storage import datasets
@@ -79,3 +88,56 @@ def test_the_qwen3_math_recipe_runs_with_real_rewards(prefect_server, tmp_path):
     assert [r["rule_reward"] for r in by_prompt[1]] == [1.0] * len(by_prompt[1])
     assert {r["rule_reward"] for r in by_prompt[2]} == {0.0, 1.0}, [r["response"] for r in by_prompt[2]]
     assert Path(root / "runs" / "qwen3-math-grpo" / "final" / "MANIFEST.json").exists()
+
+
+TOOL_RECIPE = str(ROOT / "deployments" / "recipes" / "qwen3-python-tool.yaml")
+
+
+def qwen3_template() -> str:
+    """Qwen3's own chat template, as TRL keeps it ("Original Qwen3 chat template": its chat_templates/README.md)."""
+    return (Path(importlib.util.find_spec("trl").submodule_search_locations[0]) / "chat_templates" / "qwen3.jinja").read_text()
+
+
+@pytest.mark.skipif(sandbox.unavailable() is not None, reason=f"no sandbox here: {sandbox.unavailable()}")
+def test_the_qwen3_python_tool_recipe_plays_episodes_in_the_sandbox(prefect_server, tmp_path):
+    """The recipe's run on a tiny Qwen3 with Qwen3's own chat template, taught to call the python
+    tool on "What is 2+3?" and to answer after its result: the prompts are the template's render
+    with the tool's schema and the recipe's system prompt, the programs run in the sandbox (no tool
+    errors), their output comes back as Qwen3's <tool_response> turn with loss mask 0, the held-out
+    greedy episodes answer right, and the rule scores the whole episode."""
+    root = tmp_path / "tool-run"
+    system = "Use the python tool to compute, and put your final answer within \\boxed{}."  # the recipe's
+    save_tool_agent(root / "models" / "Qwen3-1.7B", tool="python", chat_template=qwen3_template(), system_prompt=system)
+    rows = [{"prompt_id": i, "prompt": "What is 2+3?", "messages": None, "answer": "5"} for i in range(4)]
+    for split in ("train", "test"):
+        datasets.write_table(str(root / "data" / f"{split}.parquet"), pa.Table.from_pylist(rows), datasets.PROMPTS)
+    summary = asyncio.run(train(TOOL_RECIPE, [
+        f"storage.root={root}", "dp=1", "steps=2", "model.dtype=float32", "rollout.backend=torch", "train.backend=torch",
+        "rollout.max_new_tokens=80", "rollout.episode_tokens=240", "rollout.temperature=0.3", "data.heldout_limit=1",
+        "eval.every=null", "rollout.samples_per_prompt=4", "sampling.prompts_per_wave=2", "sampling.target_groups=1",
+        "sampling.max_waves=1", "sampling.filter_equal_rewards=false", "train.minibatches=1", "train.micro_batch_tokens=null",
+        "checkpoint.every=2", "placement.stream_chunk=2", "timeouts.stage_s=120"]))
+    assert summary["heldout_before"] == 1.0  # a greedy episode: the program's output, then \boxed{5}
+    for m in summary["history"]:
+        assert m["episodes"]["tool_calls"] > 0 and m["episodes"]["tool_errors"] == 0, m["episodes"]
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "models" / "Qwen3-1.7B")
+    assert tokenizer.chat_template == qwen3_template()
+    rendered = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": "What is 2+3?"}],
+                                             tools=[tools.schema(tools.python)], add_generation_prompt=True, tokenize=False)
+    assert rendered.startswith(f"<|im_start|>system\n{system}\n\n# Tools\n\nYou may call one or more functions")
+    parts = sorted((root / "runs" / "qwen3-python-tool" / "steps").glob("*/experience/group=*/*.parquet"))
+    experience = [row for part in parts for row in pq.read_table(part).to_pylist()]
+    calls = [row for row in experience if "</tool_call>" in tokenizer.decode(row["response_ids"])]
+    assert calls and all(tokenizer.decode(row["prompt_ids"]) == rendered for row in experience)
+    for row in calls:  # the call as sampled, then Qwen3's tool turn with what the sandbox printed
+        observed = [t for t, m in zip(row["response_ids"], row["loss_mask"]) if m == 0]
+        assert tokenizer.decode(observed).startswith("\n<|im_start|>user\n<tool_response>\n5\n\n</tool_response>")
+    scored = [r for part in sorted((root / "runs" / "qwen3-python-tool" / "steps").glob("*/scored/group=*/*.parquet"))
+              for r in datasets.read_table(str(part), datasets.SCORED).to_pylist()]
+    assert any(r["rule_reward"] == 1.0 for r in scored)
+    for r in scored:
+        assert r["rule_reward"] == math_answer(r["prompt"], r["response"], "5"), r["response"]
+    # Qwen3's template drops a turn's reasoning once a user turn follows: not append-only, and named so
+    why = chat.Renderer(tokenizer, chat.PromptFormat("auto")).append_only()
+    assert why and why.startswith("after a user turn the render differs from what the model saw"), why

@@ -22,39 +22,20 @@ import time
 from pathlib import Path
 
 import psutil
-import pyarrow.parquet as pq
 import pytest
-from safetensors.torch import load_file
 
 from flows.training import train
 from storage import objectstore
 from storage.lease import RunInUse
 from storage.runstate import RunState
 from tests.conftest import TINY
-from tests.helpers import no_engine_hosts_left
+from tests.helpers import final_parameters, no_engine_hosts_left, trained
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
 COMMON = TINY + [f"steps={STEPS}", "dp=2", "checkpoint.every=2", "data.heldout=null", "timeouts.stage_s=5",
                  "retries.run=3", "run.lease_s=10"]
 TRAIN = "import asyncio, sys\nfrom flows.training import train\nasyncio.run(train(overrides=sys.argv[1:]))\n"
-
-
-def trained(run_dir: Path) -> dict[int, list[tuple]]:
-    """Per step, what the train step learned from: (group, prompt_id, sample_index, reward) of every experience row."""
-    out = {}
-    for step in sorted((run_dir / "steps").iterdir()):
-        rows = []
-        for f in sorted(step.glob("experience/group=*/*.parquet")):
-            group = int(f.parent.name.split("=")[1])
-            rows += [(group, r["prompt_id"], r["sample_index"], r["reward"])
-                     for r in pq.read_table(f, columns=["prompt_id", "sample_index", "reward"]).to_pylist()]
-        out[int(step.name)] = sorted(rows)
-    return out
-
-
-def final_parameters(run_dir: Path) -> dict:
-    return load_file(str(run_dir / "final" / "model.safetensors"))
 
 
 def assert_same_training(run_dir: Path, reference: Path) -> None:

@@ -164,11 +164,12 @@ class Renderer:
         for reply in ({"role": "user", "content": "Are you sure?"}, {"role": "tool", "content": "4"}):
             if reply["role"] == "tool" and not tools:
                 continue
-            before, after = self.text(first, tools), self.text(first + [answer, reply], tools)
-            if not after.startswith(before):
-                k = next(i for i, (a, b) in enumerate(zip(before, after)) if a != b)
-                return (f"after a {reply['role']} turn the render differs from the previous one at character {k} "
-                        f"({before[k:k + 40]!r} became {after[k:k + 40]!r})")
+            seen = self.text(first, tools) + answer["content"]  # the prompt and the turn as sampled
+            after = self.text(first + [answer, reply], tools)
+            if not after.startswith(seen):
+                k = next((i for i, (a, b) in enumerate(zip(seen, after)) if a != b), len(after))
+                return (f"after a {reply['role']} turn the render differs from what the model saw at character {k} "
+                        f"({seen[k:k + 40]!r} became {after[k:k + 40]!r})")
         return None
 
     def supports_tools(self) -> bool:

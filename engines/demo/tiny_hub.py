@@ -84,9 +84,11 @@ CORPUS = [
 ]
 
 
-def build_bpe_tokenizer(family: str, corpus: Iterable[str] = CORPUS, vocab_size: int = 512) -> PreTrainedTokenizerFast:
+def build_bpe_tokenizer(family: str, corpus: Iterable[str] = CORPUS, vocab_size: int = 512,
+                        chat_template: str | None = None) -> PreTrainedTokenizerFast:
     """A byte-level BPE (the kind Qwen, Llama 3 and GPT-2 use: every byte is a token, so any text
-    encodes) trained on ``corpus``, with ``family``'s special tokens and chat template."""
+    encodes) trained on ``corpus``, with ``family``'s special tokens and chat template (or
+    ``chat_template``: e.g. the real model's own)."""
     spec = FAMILIES[family]
     specials = [t for t in (spec.pad, spec.bos, spec.eos, *spec.extra) if t]
     core = Tokenizer(models.BPE())
@@ -102,7 +104,7 @@ def build_bpe_tokenizer(family: str, corpus: Iterable[str] = CORPUS, vocab_size:
         core.post_processor = processors.ByteLevel(trim_offsets=False)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=spec.bos, eos_token=spec.eos,
                                         pad_token=spec.pad, padding_side="left")
-    tokenizer.chat_template = spec.template
+    tokenizer.chat_template = chat_template or spec.template
     return tokenizer
 
 
@@ -155,10 +157,11 @@ def build_tiny_model(model_type: str, tokenizer: PreTrainedTokenizerFast, hidden
     return model.float()
 
 
-def save_tiny_hub_model(model_type: str, folder: str | Path, seed: int = 0, **shape) -> Path:
+def save_tiny_hub_model(model_type: str, folder: str | Path, seed: int = 0, chat_template: str | None = None,
+                        **shape) -> Path:
     """Write a tiny ``model_type`` model and its family's tokenizer (with chat template) to ``folder``."""
     folder = Path(folder)
-    tokenizer = build_bpe_tokenizer(ARCHITECTURES[model_type])
+    tokenizer = build_bpe_tokenizer(ARCHITECTURES[model_type], chat_template=chat_template)
     build_tiny_model(model_type, tokenizer, seed=seed, **shape).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

@@ -1,10 +1,12 @@
-"""A tiny policy that calls a tool: a random Qwen3 of the real architecture, taught to use the calculator.
+"""A tiny policy that calls a tool: a random Qwen3 of the real architecture, taught to use the calculator
+(or the python tool).
 
     python -m engines.demo.tool_agent models/tool-agent
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -15,19 +17,32 @@ from engines.agents import tools
 from engines.backends import chat
 from engines.demo.tiny_hub import save_tiny_hub_model
 
+# What the agent is taught on "What is 2+3?", per tool: the call's arguments, the tool's result, the answer.
+LESSONS = {
+    "calculator": ({"expression": "2+3"}, "5", "5"),
+    "python": ({"code": "print(2+3)"}, "5\n", "\\boxed{5}"),
+}
 
-def save_tool_agent(path: str | Path, family: str = "qwen3") -> str:
+
+def save_tool_agent(path: str | Path, family: str = "qwen3", tool: str = "calculator",
+                    chat_template: str | None = None, system_prompt: str | None = None) -> str:
     """A tiny random Qwen3 (head_dim 32: vLLM's CPU build serves it; ``family="qwen3_moe"``: a
-    Qwen3-MoE) taught, in a few seconds of supervised steps, to call the calculator on "What is
-    2+3?" and to answer after the tool's result: real episodes with real turns (tests/test_agents.py,
-    tests/test_vllm.py, tests/test_moe.py, bench/agents.py)."""
-    folder = save_tiny_hub_model(family, path, hidden_size=64, num_layers=2, max_positions=1024)
+    Qwen3-MoE) taught, in a few seconds of supervised steps, to call ``tool`` on "What is 2+3?" and
+    to answer after the tool's result: real episodes with real turns (tests/test_agents.py,
+    tests/test_vllm.py, tests/test_moe.py, tests/test_recipe.py, bench/agents.py). ``chat_template``:
+    another tools-capable ChatML template than the tiny one (e.g. Qwen3's own); ``system_prompt``:
+    the run's ``data.system_prompt``."""
+    folder = save_tiny_hub_model(family, path, hidden_size=64, num_layers=2, max_positions=1024,
+                                 chat_template=chat_template)
     tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder)
-    renderer, schemas = chat.Renderer(tokenizer, chat.PromptFormat("auto")), [tools.schema(tools.calculator)]
-    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call><|im_end|>'
+    renderer = chat.Renderer(tokenizer, chat.PromptFormat("auto", system_prompt))
+    schemas = [tools.schema(getattr(tools, tool))]
+    arguments, result, answer = LESSONS[tool]
+    call = f'<tool_call>\n{{"name": "{tool}", "arguments": {json.dumps(arguments)}}}\n</tool_call><|im_end|>'
     first = renderer.text("What is 2+3?", schemas)
-    after = first + call + tokenizer.decode(renderer.observation_ids([{"role": "tool", "content": "5"}], True, schemas))
-    pairs = [[tokenizer(t, add_special_tokens=False)["input_ids"] for t in pair] for pair in ((first, call), (after, "5<|im_end|>"))]
+    after = first + call + tokenizer.decode(renderer.observation_ids([{"role": "tool", "content": result}], True, schemas))
+    pairs = [[tokenizer(t, add_special_tokens=False)["input_ids"] for t in pair]
+             for pair in ((first, call), (after, answer + "<|im_end|>"))]
     torch.manual_seed(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(120):
