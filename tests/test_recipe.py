@@ -95,7 +95,9 @@ TOOL_RECIPE = str(ROOT / "deployments" / "recipes" / "qwen3-python-tool.yaml")
 
 def qwen3_template() -> str:
     """Qwen3's own chat template, as TRL keeps it ("Original Qwen3 chat template": its chat_templates/README.md)."""
-    return (Path(importlib.util.find_spec("trl").submodule_search_locations[0]) / "chat_templates" / "qwen3.jinja").read_text()
+    spec = importlib.util.find_spec("trl")  # found, not imported: only the template file is read
+    assert spec, "TRL is a test dependency (requirements/*.lock, pyproject's test extra): `make test` installs it"
+    return (Path(spec.submodule_search_locations[0]) / "chat_templates" / "qwen3.jinja").read_text()
 
 
 @pytest.mark.skipif(sandbox.unavailable() is not None, reason=f"no sandbox here: {sandbox.unavailable()}")
