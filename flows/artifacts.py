@@ -7,7 +7,7 @@
   step, then sparklines and bars (``flows/curves.py`` draws them; markdown of the ``train`` run,
   redrawn in place after every step), its points kept in ``runs/{name}/curves.json`` so that a
   resumed run draws the whole run, its picture in ``runs/{name}/curves.svg``;
-* ``{name}-iteration`` (table) and ``{name}-summary`` (markdown) are written by the flows.
+* ``{name}-iteration`` (table) and ``{name}-summary`` (markdown, ``summary_markdown``) are written by the flows.
 
 Progress and curves are created once per flow run and then updated in place, in the
 background. Artifacts are for people: a failing artifact call is logged as a warning and
@@ -24,7 +24,7 @@ from prefect.artifacts import acreate_markdown_artifact, acreate_progress_artifa
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 
-from flows.curves import curves_markdown, curves_svg
+from flows.curves import curves_markdown, curves_svg, percent
 from storage import objectstore
 
 CURVE_FIELDS = ("step", "reward", "accuracy", "kept_groups", "dropped_groups", "waves", "loss", "seconds", "heldout")
@@ -167,3 +167,19 @@ class Curves(LiveArtifact):
         self.show(curves_markdown(self.run, self.points, self.steps, self.heldout_before, heldout_after, self.heldout_metric,
                                   svg=svg),
                   f"{self.run}: reward and accuracy per step ({len(self.points)} of {self.steps} steps)")
+
+
+def summary_markdown(summary: dict) -> str:
+    """The ``{name}-summary`` artifact: the held-out figure before and after, and a row per step."""
+    lines = [f"# Run `{summary['run']}`", "",
+             f"Held-out {summary['heldout_metric'] or 'evaluation: off (data.heldout is not set)'}: "
+             f"**{percent(summary['heldout_before'])} → {percent(summary['heldout_after'])}**", "",
+             "| step | reward | accuracy | kept | dropped | waves | turns | tool calls (errors) | cut | seconds |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for m in summary["history"]:
+        e = m.get("episodes") or {}  # single-turn samples: no episode columns
+        episode = (f"{e['turns']:.2f} | {e['tool_calls']:.2f} ({e['tool_errors']:.2f}) | {e['truncated']:.0%}" if e
+                   else "- | - | -")
+        lines.append(f"| {m['step']} | {m['reward']:.3f} | {m['accuracy']:.3f} | {m['kept_groups']} | {m['dropped_groups']} | "
+                     f"{m['waves']} | {episode} | {m['seconds']:.2f} |")
+    return "\n".join(lines)

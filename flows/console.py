@@ -29,6 +29,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from flows.curves import percent
+
 RECORD_FIELD = "yattflow_console"  # the LogRecord attribute that carries what the console shows
 
 
@@ -249,3 +251,12 @@ def ui_of_command() -> tuple[str, str | None]:
         return settings.ui_url or settings.api.url.removesuffix("/api"), None
     home = f"PREFECT_HOME={os.environ['PREFECT_HOME']} " if os.environ.get("PREFECT_HOME") else ""
     return f"http://127.0.0.1:{DEFAULT_PORT}", f"{home}yattflow server"
+
+
+def step_figures(metrics) -> str:
+    """What the console shows of a step (``flows.metrics.StepMetrics``): ``reward 0.512, accuracy 48.4%, kept 3, dropped 1, 2.1s``."""
+    e = metrics.episodes  # multi-turn episodes: ``2.1 turns, 1.4 calls (0.1 errors, 0.3s), 5% cut``
+    turns = (f"{e['turns']:.1f} turns, {e['tool_calls']:.1f} calls ({e['tool_errors']:.1f} errors, {e['tool_s']:.2f}s), "
+             f"{e['truncated']:.0%} cut, ") if e else ""
+    return (f"reward {metrics.reward:.3f}, accuracy {percent(metrics.accuracy)}, kept {metrics.kept_groups}, "
+            f"dropped {metrics.dropped_groups}, {turns}{metrics.step_s:.1f}s")

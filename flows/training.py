@@ -29,9 +29,9 @@ from engines.wire.commands import REQUESTS, CheckpointWaitResult
 from engines.config import RunConfig, load_config
 from flows import events, pipeline
 from flows.sampling import GroupSampling, plan_wave
-from flows.artifacts import Curves, Progress, StepProgress
+from flows.artifacts import Curves, Progress, StepProgress, summary_markdown
 from flows.curves import percent
-from flows.console import shown
+from flows.console import shown, step_figures
 from flows.hosts import engine_hosts
 from flows.metrics import GroupStep, StageClock, StepMetrics, Wave
 from flows.nodes import node_controllers, run_on_nodes
@@ -360,7 +360,7 @@ async def _attempt(config: RunConfig, history: list[StepMetrics]) -> dict:
     summary = {"run": config.name, "steps": config.steps, "heldout_metric": metric, "heldout_before": before, "heldout_after": after,
                "final_model": final_uri,
                "history": [m.model_dump(exclude={"checkpoint_files", "pending_checkpoint"}) for m in history]}
-    await acreate_markdown_artifact(key=f"{config.name}-summary", markdown=_summary_markdown(summary),
+    await acreate_markdown_artifact(key=f"{config.name}-summary", markdown=summary_markdown(summary),
                                     description=f"{config.name}: held-out {metric or 'evaluation off'}: {percent(before)} → {percent(after)}")
     events.emit(config, events.RUN_FINISHED, {"steps_done": max(first, end), "steps": config.steps,
                                               "heldout_metric": metric, "heldout_before": before, "heldout_after": after,
@@ -479,27 +479,3 @@ async def _steps(config: RunConfig, state: RunState, first: int, end: int, histo
     after = await heldout_score(config, "after")
     tracking.heldout(end, after)
     return after
-
-
-def step_figures(metrics: StepMetrics) -> str:
-    """What the console shows of a step: ``reward 0.512, accuracy 48.4%, kept 3, dropped 1, 2.1s``."""
-    e = metrics.episodes  # multi-turn episodes: ``2.1 turns, 1.4 calls (0.1 errors, 0.3s), 5% cut``
-    turns = (f"{e['turns']:.1f} turns, {e['tool_calls']:.1f} calls ({e['tool_errors']:.1f} errors, {e['tool_s']:.2f}s), "
-             f"{e['truncated']:.0%} cut, ") if e else ""
-    return (f"reward {metrics.reward:.3f}, accuracy {percent(metrics.accuracy)}, kept {metrics.kept_groups}, "
-            f"dropped {metrics.dropped_groups}, {turns}{metrics.step_s:.1f}s")
-
-
-def _summary_markdown(summary: dict) -> str:
-    lines = [f"# Run `{summary['run']}`", "",
-             f"Held-out {summary['heldout_metric'] or 'evaluation: off (data.heldout is not set)'}: "
-             f"**{percent(summary['heldout_before'])} → {percent(summary['heldout_after'])}**", "",
-             "| step | reward | accuracy | kept | dropped | waves | turns | tool calls (errors) | cut | seconds |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for m in summary["history"]:
-        e = m.get("episodes") or {}  # single-turn samples: no episode columns
-        episode = (f"{e['turns']:.2f} | {e['tool_calls']:.2f} ({e['tool_errors']:.2f}) | {e['truncated']:.0%}" if e
-                   else "- | - | -")
-        lines.append(f"| {m['step']} | {m['reward']:.3f} | {m['accuracy']:.3f} | {m['kept_groups']} | {m['dropped_groups']} | "
-                     f"{m['waves']} | {episode} | {m['seconds']:.2f} |")
-    return "\n".join(lines)

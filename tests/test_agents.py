@@ -372,7 +372,8 @@ def test_a_run_trains_on_episodes_and_heals_from_a_host_killed_mid_episode(agent
     same run with an engine host SIGKILLed by a tool call of its last step, in the middle of its
     episodes: the second heals from its last committed checkpoint, regenerates the cut episodes from
     the same seeds and trains exactly what the uninterrupted run trained, to the same final weights."""
-    from flows.training import step_figures, train
+    from flows.console import step_figures
+    from flows.training import train
     from flows.metrics import StepMetrics
 
     (tmp_path / "checked_env.py").write_text(CHECKED_ENV)
