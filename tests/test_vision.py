@@ -229,19 +229,27 @@ def test_vision_demo_learns(tmp_path, config):
     assert after - before >= 20, (before, after)
 
 
-@pytest.mark.parametrize("judge_kind", ["vision", "text"])
+@pytest.mark.parametrize("judge_kind", ["vision", "text", "text-after-qwen-vl"])
 def test_judge_sees_the_pictures_or_the_text_without_placeholders(vlm, tmp_path, judge_kind):
     """One engine host's worker, in this process (no Prefect): a rollout of a vision policy, then the
     GenRM scores it. A vision-language judge is given each prompt's pictures (read back by the
-    rollout rows' ``prompt_row``); a text judge gets the prompt without its image placeholders."""
+    rollout rows' ``prompt_row``); a text judge gets the prompt without its image placeholders (a
+    Qwen-VL policy's with their vision start and end tokens)."""
+    from engines.demo.tiny_vision import PLACEHOLDERS, build_qwen_vl_processor, build_tiny_qwen_vl
     from engines.host.worker import Worker
     from engines.wire.commands import GenRMScore, Rollout, SetupEngines
 
     rows = problems(6, seed=4)
+    if judge_kind == "text-after-qwen-vl":
+        vlm = str(tmp_path / "qwen-vl")
+        processor = build_qwen_vl_processor("qwen2_5_vl", "0123456789+=sum:")
+        build_tiny_qwen_vl("qwen2_5_vl", processor.tokenizer).save_pretrained(vlm)
+        processor.save_pretrained(vlm)
+        rows = vision.make_problems(6, seed=4, placeholder=PLACEHOLDERS["qwen2_5_vl"])
     prompts = write_prompts(tmp_path / "prompts.parquet", [
         {"prompt_id": i, "prompt": p, "answer": a, "images": im} for i, (p, im, a, _) in enumerate(rows)])
     judge = vlm
-    if judge_kind == "text":
+    if judge_kind != "vision":
         judge = str(tmp_path / "text-judge")
         tokenizer = build_char_tokenizer("0123456789+=sum:")
         build_tiny_llama(len(tokenizer), hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1).save_pretrained(judge)
@@ -262,7 +270,8 @@ def test_judge_sees_the_pictures_or_the_text_without_placeholders(vlm, tmp_path,
         assert images == [rows[r["prompt_row"]][1] for r in rolled]
         assert all(p.count("<image>") == 1 for p in judged)
     else:
-        assert images is None and not any("<image>" in p for p in judged)
+        assert images is None and not any(mark in p for p in judged for mark in ("<image>", "<|image_pad|>", "<|vision_"))
+        assert all(p.count("sum:") == 1 for p in judged), judged  # the prompt's text is there
 
 
 def starved_png(png: bytes) -> bytes:

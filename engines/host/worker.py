@@ -78,7 +78,7 @@ class Worker:
         self.episodes: Episodes | None = None  # rollout.env / rollout.tools: multi-turn episodes
         self.vision = False  # the policy is a vision-language model: prompts come with images
         self.judge_sees_images = False  # the judge is a vision-language model too
-        self.placeholder = ""  # the policy's image placeholder (taken out of a text judge's prompt)
+        self.placeholders: tuple[str, ...] = ()  # an image in the policy's prompts (taken out of a text judge's)
         self.checkpoints: Checkpoints | None = None
         self.engine_loads = 0  # times this host loaded its models: once per run is the point of a host
         self.awake: set[str] = set()  # the engines holding the group's devices (see ``take``)
@@ -145,7 +145,8 @@ class Worker:
         frames = None
         if self.vision:
             processor = multimodal.load_processor(policy_dir)
-            self.placeholder, frames = multimodal.placeholder(processor), Frames.of(cfg.data, processor)
+            self.placeholders = (multimodal.image_text(processor), multimodal.placeholder(processor))
+            frames = Frames.of(cfg.data, processor)
         self.rule = rewards.load_rule(cfg.reward.rule) if cfg.reward.rule else None
         self.format_rule = rewards.load_rule(cfg.reward.format_rule, "reward.format_rule") if cfg.reward.format_rule else None
         self.awake = {"policy", "judge", "trainer", "critic"}  # all loaded, all on the devices
@@ -504,8 +505,9 @@ class Worker:
                                                                       images=images)]
 
     def _judge_text(self, prompt: str) -> str:
-        if self.vision and not self.judge_sees_images:
-            return prompt.replace(self.placeholder, "")
+        if self.vision and not self.judge_sees_images:  # Qwen-VL's vision start and end tokens too, where they are
+            for text in self.placeholders:
+                prompt = prompt.replace(text, "")
         return prompt
 
     def _score_chunk(self, rows: list[dict]) -> list[dict]:
