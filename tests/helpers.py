@@ -103,7 +103,7 @@ def global_order(batches: list[TrainBatch], minibatches: int) -> TrainBatch:
     """All DP ranks' sequences as one process takes them: minibatch k of every rank before minibatch
     k+1 of any (then one process's minibatch k is the ranks' minibatches k together)."""
     parts = [b.split(minibatches) for b in batches]
-    return concat(*(p[k] for k in range(minibatches) for p in parts))
+    return TrainBatch.concat([p[k] for k in range(minibatches) for p in parts])  # every field (a critic's values, returns)
 
 
 def params_of(model) -> dict[str, torch.Tensor]:

@@ -3,11 +3,12 @@ processes, two DP groups of two ranks each (hybrid sharding: each group shards t
 groups hold replicas), train the step one process trains on both groups' rows; the checkpoints
 of either trainer resume in the other (the optimizer's state by index or by parameter name).
 Each check runs on the whole policy and on a LoRA adapter over it (``train.lora``), in the same
-processes."""
+processes; and on PPO's critic (``TorchCritic``), sharded the same way."""
 
 from __future__ import annotations
 
 import os
+import random
 from datetime import timedelta
 
 import pytest
@@ -15,10 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engines.backends.torch import lora
+from engines.backends.base import TrainBatch
+from engines.backends.torch import fsdp, lora
+from engines.backends.torch.critic import TorchCritic
 from engines.backends.torch.trainer import TorchTrainer
 from engines.config.train import LoraConfig
 from engines.rl.grpo import GRPOConfig
+from engines.rl.ppo import PPOConfig
 from helpers import (STEP_RTOL, free_port, global_order, parity, random_batch, save_tiny_model, step_gap,
                      with_old_logprobs)
 
@@ -28,9 +32,11 @@ STEP = {"minibatches": 2, "micro_batch_tokens": 16, "algorithm": GRPOConfig(loss
 GROUPS, SHARDS = 2, 2
 # what each kind of trainer adds: a LoRA adapter without dropout (the ranks' rows differ from one process's)
 KINDS = {"full": {}, "lora": {"lora": LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])}}
+CRITIC = {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.1, "grad_clip": 0.5}
+CRITIC_STEP = {"algorithm": PPOConfig(), "minibatches": 2, "micro_batch_tokens": 16}
 
 
-def _worker(rank: int, port: int, model_dir: str, steps: list, plain: str, out: str) -> None:
+def _worker(rank: int, port: int, model_dir: str, steps: list, critic_steps: list, plain: str, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=GROUPS * SHARDS,
@@ -47,6 +53,14 @@ def _worker(rank: int, port: int, model_dir: str, steps: list, plain: str, out: 
             trainer.load_checkpoint(os.path.join(plain, kind))  # the one-process trainer's checkpoint after the same step
             trainer.train_step(steps[1][group], **STEP)
             result["resumed"] = weights(trainer)
+        critic = TorchCritic(os.path.join(out, "critic-folder"), **CRITIC, shards=SHARDS)
+        valued = critic_steps[0][group]
+        result = results["critic"] = {"values": critic.values(valued), "stats": critic.train_step(valued, **CRITIC_STEP)}
+        result["after"] = critic_weights(critic)
+        critic.freeze_checkpoint(os.path.join(out, "critic", "sharded"), copy=True).write()  # rank 0 writes the whole state
+        critic.load_checkpoint(os.path.join(plain, "critic"))
+        critic.train_step(critic_steps[1][group], **CRITIC_STEP)
+        result["resumed"] = critic_weights(critic)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -55,6 +69,20 @@ def _worker(rank: int, port: int, model_dir: str, steps: list, plain: str, out: 
 def weights(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
     """A copy of the trainer's weights now (its export yields the live tensors)."""
     return {name: t.clone() for name, t in trainer.export_weights()}
+
+
+def critic_weights(critic: TorchCritic) -> dict[str, torch.Tensor]:
+    """A copy of the critic's weights now, whole (sharded: gathered, a collective of the group)."""
+    return {name: fsdp.full(p.detach()).clone() for name, p in critic.model.named_parameters()}
+
+
+def critic_batch(critic: TorchCritic, n: int, seed: int) -> TrainBatch:
+    """Old values and returns near the critic's values: both branches of the clipped value loss are taken."""
+    rng, batch = random.Random(seed), random_batch(n, seed=seed)
+    now = critic.values(batch)
+    batch.values = [[v + rng.uniform(-0.4, 0.4) for v in row] for row in now]
+    batch.returns = [[v + rng.uniform(-0.6, 0.6) for v in row] for row in now]
+    return batch
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +105,26 @@ def runs(tmp_path_factory):
         one.save_checkpoint(str(tmp / "plain" / kind))
         one.train_step(global_order(steps[1], STEP["minibatches"]), **STEP)
         result["second"] = weights(one)
-    mp.spawn(_worker, args=(free_port(), model_dir, steps, str(tmp / "plain"), str(tmp)), nprocs=GROUPS * SHARDS, join=True)
+    # the critic: a folder with a non-zero value head (a fresh one's is zero: its backbone would get no gradient)
+    probe = TorchCritic(model_dir, **CRITIC)
+    with torch.no_grad():
+        probe.model.value_head.weight.copy_(torch.randn(probe.model.value_head.weight.shape,
+                                                        generator=torch.Generator().manual_seed(0)) * 0.5)
+    probe.save_hf(str(tmp / "critic-folder"))
+    one = TorchCritic(str(tmp / "critic-folder"), **CRITIC)
+    critic_steps = [[critic_batch(one, n, seed=100 + 10 * s + g) for g, n in enumerate((5, 7))] for s in range(2)]
+    before["critic"] = critic_weights(one)
+    result = single["critic"] = {"values": one.values(critic_steps[0][0]),
+                                 "stats": one.train_step(global_order(critic_steps[0], 2), **CRITIC_STEP)}
+    result["after"] = critic_weights(one)
+    one.freeze_checkpoint(str(tmp / "plain" / "critic"), copy=True).write()
+    one.train_step(global_order(critic_steps[1], 2), **CRITIC_STEP)
+    result["second"] = critic_weights(one)
+    mp.spawn(_worker, args=(free_port(), model_dir, steps, critic_steps, str(tmp / "plain"), str(tmp)), nprocs=GROUPS * SHARDS,
+             join=True)
     ranks = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(GROUPS * SHARDS)]
-    return {"model_dir": model_dir, "steps": steps, "before": before, "single": single, "ranks": ranks, "tmp": tmp}
+    return {"model_dir": model_dir, "steps": steps, "critic_steps": critic_steps, "before": before, "single": single,
+            "ranks": ranks, "tmp": tmp}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -116,3 +161,33 @@ def test_checkpoints_resume_across_sharded_and_unsharded_trainers(runs, kind):
     one.train_step(global_order(runs["steps"][1], STEP["minibatches"]), **STEP)
     assert parity(f"fsdp {kind}: one process resumed from the sharded one, next step",
                   step_gap(weights(one), single["second"], single["after"])) <= STEP_RTOL
+
+
+def test_a_critic_sharded_over_two_groups_of_two_ranks_values_and_steps_as_one_process(runs):
+    """PPO's critic under train.fsdp=2, dp=2: the values of one process, the step one process takes
+    on both groups' rows, each group's value loss over its own tokens (its two ranks' rows
+    together), and checkpoints that resume across the layouts both ways."""
+    single, before, ranks = runs["single"]["critic"], runs["before"]["critic"], [r["critic"] for r in runs["ranks"]]
+    gap = max(abs(u - v) for a, b in zip(ranks[0]["values"], single["values"]) for u, v in zip(a, b))
+    assert parity("fsdp critic: hsdp 2x2 vs one process, values", gap) <= 1e-5
+    assert ranks[0]["after"].keys() == before.keys()
+    assert parity("fsdp critic: hsdp 2x2 vs one process, step", step_gap(ranks[0]["after"], single["after"], before)) <= STEP_RTOL
+    assert all(torch.equal(r["after"][k], ranks[0]["after"][k]) for r in ranks for k in before)  # replicas equal
+    for rank, result in enumerate(ranks):
+        stats = result["stats"]
+        assert stats == ranks[rank // SHARDS * SHARDS]["stats"]  # a group's two ranks report the group's figures
+        assert stats["critic_grad_norm"] == pytest.approx(single["stats"]["critic_grad_norm"], rel=1e-5)
+        assert stats["explained_variance"] == pytest.approx(single["stats"]["explained_variance"], rel=1e-6)
+    # each group's value loss is over its own tokens: weighted by them, the groups' make one process's
+    tokens = [sum(b.trained_tokens()) for b in runs["critic_steps"][0]]
+    pooled = sum(ranks[g * SHARDS]["stats"]["value_loss"] * n for g, n in enumerate(tokens)) / sum(tokens)
+    assert pooled == pytest.approx(single["stats"]["value_loss"], rel=1e-5)
+    assert parity("fsdp critic: resumed from one process, next step",
+                  step_gap(ranks[0]["resumed"], single["second"], single["after"])) <= STEP_RTOL
+    sharded = runs["tmp"] / "critic" / "sharded"
+    assert sorted(p.name for p in sharded.iterdir()) == ["critic.pt"]
+    one = TorchCritic(str(runs["tmp"] / "critic-folder"), **CRITIC)
+    one.load_checkpoint(str(sharded))  # the optimizer's state by parameter name
+    one.train_step(global_order(runs["critic_steps"][1], 2), **CRITIC_STEP)
+    assert parity("fsdp critic: one process resumed from the sharded one, next step",
+                  step_gap(critic_weights(one), single["second"], single["after"])) <= STEP_RTOL

@@ -69,10 +69,12 @@ def test_each_layout_needs_its_trainer_and_is_refused_where_it_is_not_wired_yet(
         load_config(None, ["train.pipeline_parallel=2"])
     with pytest.raises(ConfigError, match=r"field 'train\.reshardable_optimizer': .*set train\.distributed_optimizer=true"):
         load_config(None, ["train.backend=megatron", "train.reshardable_optimizer=true"])
-    ppo = ["train.algorithm.name=ppo", "model.critic=models/critic"]  # a critic: over train.tensor_parallel only
+    ppo = ["train.algorithm.name=ppo", "model.critic=models/critic"]  # a critic: over TP (Megatron) or FSDP (torch)
     assert load_config(None, MEGATRON_TP2 + ppo).layout == Layout(2, 2)
-    with pytest.raises(ConfigError, match=r"name=ppo has a critic, which splits over train\.tensor_parallel only .*"
-                                          r"set train\.pipeline_parallel=1, train\.expert_parallel=1 and train\.fsdp=1 \(now 2, 1 and 1\)"):
+    assert load_config(None, ["train.fsdp=2", *ppo]).layout == Layout(2, fsdp=2)
+    with pytest.raises(ConfigError, match=r"name=ppo has a critic, which splits over train\.tensor_parallel \(Megatron\) or "
+                                          r"train\.fsdp \(torch\) only .*set train\.pipeline_parallel=1 and "
+                                          r"train\.expert_parallel=1 \(now 2 and 1\)"):
         load_config(None, ["train.backend=megatron", "train.pipeline_parallel=2", *ppo])
     with pytest.raises(ConfigError, match=r"name=ppo has a critic, whose values every rank .* set rollout\.max_staleness=0"):
         load_config(None, MEGATRON_TP2 + ppo + ["rollout.max_staleness=1", "train.old_policy=decoupled"])

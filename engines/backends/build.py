@@ -59,7 +59,7 @@ def make_critic(cfg: RunConfig, model_dir: str, device=None):
                               recompute_num_layers=t.recompute_num_layers, recompute_modules=t.recompute_modules, **kwargs)
     from engines.backends.torch.critic import TorchCritic
 
-    return TorchCritic(model_dir, **kwargs)
+    return TorchCritic(model_dir, shards=t.fsdp, **kwargs)
 
 
 def make_generator(backend: str, model_dir: str, cfg: RunConfig, threads: int, device=None,

@@ -116,15 +116,16 @@ class RunConfig(Section):
         t = self.train
         if self.layout.size > 1 and t.algorithm.needs.critic:
             critic = f"train.algorithm: name={t.algorithm.name} has a critic"
-            if t.pipeline_parallel > 1 or t.fsdp > 1 or t.expert_parallel > 1:
-                raise ValueError(f"{critic}, which splits over train.tensor_parallel only (the Megatron critic has no "
-                                 f"pipeline schedule and no experts, and the torch critic no FSDP2): set "
-                                 f"train.pipeline_parallel=1, train.expert_parallel=1 and train.fsdp=1 (now {t.pipeline_parallel}, "
-                                 f"{t.expert_parallel} and {t.fsdp})")
+            if t.pipeline_parallel > 1 or t.expert_parallel > 1:
+                raise ValueError(f"{critic}, which splits over train.tensor_parallel (Megatron) or train.fsdp (torch) "
+                                 f"only (the Megatron critic has no pipeline schedule and no experts): set "
+                                 f"train.pipeline_parallel=1 and train.expert_parallel=1 (now {t.pipeline_parallel} and "
+                                 f"{t.expert_parallel})")
             if self.rollout.max_staleness:
                 raise ValueError(f"{critic}, whose values every rank of a group of {self.layout.size} computes together in "
                                  "the dynamic filter, which rollout.max_staleness >= 1 runs on the rollout lane of the "
-                                 "group's rollout engines alone: set rollout.max_staleness=0, or train.tensor_parallel=1")
+                                 "group's rollout engines alone: set rollout.max_staleness=0, or train.tensor_parallel=1 "
+                                 "and train.fsdp=1")
         return self
 
     @model_validator(mode="after")

@@ -68,8 +68,8 @@ class TrainConfig(Section):
     fsdp: int = Field(
         1, gt=0, description="FSDP2 with the torch trainer: each DP group is this many engine-host processes, one device "
         "each, over which the policy's parameters, gradients and Adam state are sharded (fully_shard, one transformer "
-        "block at a time); each trains its share of the group's rows, and the DP groups hold replicas of the shards "
-        "(hybrid sharding; docs/parallelism.md). backend=stub takes it as the layout alone."
+        "block at a time), and PPO's critic's the same way; each trains its share of the group's rows, and the DP groups "
+        "hold replicas of the shards (hybrid sharding; docs/parallelism.md). backend=stub takes it as the layout alone."
     )
     distributed_optimizer: bool = Field(False, description="Megatron-Core distributed optimizer (optimizer state sharded over DP).")
     reshardable_optimizer: bool = Field(

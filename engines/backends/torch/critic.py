@@ -6,10 +6,14 @@ with a fresh scalar value head, zero-initialised so that every replica starts th
 first values are 0 (the first advantages are then the rewards themselves). The value of response
 token t is read at the position that predicts it (where the policy's log-probability of t is
 read), i.e. the value of the state before t. Its own AdamW; data parallel like ``TorchTrainer``
-(one all-reduce of the gradients, losses normalised by DP-global token counts).
+(one all-reduce of the gradients, losses normalised by DP-global token counts), and sharded with
+FSDP2 as the policy is (``train.fsdp``: ``shards`` ranks per DP group, each training its share of
+the group's rows; its values a collective of the group's ranks, which all compute them on the
+whole batch; checkpoints whole, by parameter name: ``fsdp.py``).
 
 On CUDA ``sleep`` moves weights and optimizer state to host memory (full colocation, like the
-Megatron trainer's offload); on the CPU it has nothing to release.
+Megatron trainer's offload); on the CPU it has nothing to release, nor sharded (resident, as the
+sharded policy).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch.distributed as dist
 from engines.backends import value_head
 from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
 from engines.backends.batching import micro_batches, pad_batch
+from engines.backends.torch import fsdp
 from engines.backends.torch.model import forward_precision, resolve_device
 from engines.backends.torch.trainer import all_reduce_grads, copy_state
 from engines.rl.base import on_response_tokens
@@ -54,7 +59,7 @@ class TorchCritic:
 
     def __init__(self, model_dir: str, lr: float, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
                  grad_clip: float = 1.0, dtype: str = "float32", device: torch.device | str | None = None,
-                 autocast: bool | None = None):
+                 autocast: bool | None = None, shards: int = 1):
         from transformers import AutoModel, AutoTokenizer  # here: hosts without a critic never import it
 
         self.device = resolve_device(device)
@@ -67,6 +72,10 @@ class TorchCritic:
                 self.model.value_head.weight.copy_(head[0])
                 self.model.value_head.bias.copy_(head[1])
         self.model.to(self.device).train()
+        self.mesh = fsdp.mesh(shards, self.device) if shards > 1 else None  # train.fsdp: the policy's mesh
+        if self.mesh is not None:
+            fsdp.shard(self.model, self.mesh)
+        self._names = [n for n, _ in self.model.named_parameters()]  # the optimizer's order
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.pad_id = self.tokenizer.pad_token_id or 0  # masked out: any id will do
         fused = True if self.device.type == "cuda" else None
@@ -101,30 +110,45 @@ class TorchCritic:
         ``critic_grad_norm``."""
         sums: dict[str, torch.Tensor] = {}
         grad_norm = 0.0
+        copies = self.mesh.size(1) if self.mesh is not None else 1  # ranks given each group's batch
         for part in batch.split(minibatches):
             self.optimizer.zero_grad(set_to_none=True)
             total = torch.tensor([float(sum(part.trained_tokens()))], dtype=torch.float64, device=self.device)
             if self.distributed:
                 dist.all_reduce(total)
-            for micro in micro_batches(part, micro_batch_tokens):
+            total /= copies
+            mine = part if self.mesh is None else fsdp.rows(part, 1, self.mesh)  # FSDP: the group's rows, split
+            passes = micro_batches(mine, micro_batch_tokens)
+            real = len(passes)
+            if self.mesh is not None:  # as many passes as the group's busiest rank: each one's all-gathers are the group's
+                passes += [fsdp.filler(self.pad_id)] * (fsdp.passes_of_the_busiest(real, self.mesh, self.device) - real)
+            for k, micro in enumerate(passes):
                 report_progress()
+                if self.mesh is not None:
+                    fsdp.sync_gradients(self.model, now=k == len(passes) - 1)
                 values, resp = self._forward(micro)
+                if k >= real:  # a filler pass
+                    (values.sum() * 0.0).backward()
+                    continue
                 old, returns = (on_response_tokens(x, resp).to(values.dtype) for x in (micro.values, micro.returns))
                 loss_per_token, stats = algorithm.critic_loss(values, old, returns)
                 (loss_per_token * resp).sum().div(max(total.item(), 1.0)).backward()
                 with torch.no_grad():
                     for name, value in {"value_loss": loss_per_token, **stats}.items():
                         sums[name] = sums.get(name, 0.0) + (value.double() * resp).sum()
-            all_reduce_grads(self.model, self.distributed)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+            if self.mesh is None:  # FSDP reduced them in the last backward pass
+                all_reduce_grads(self.model, self.distributed)
+            grad_norm = float(fsdp.full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)))
             self.optimizer.step()
+        if self.mesh is not None:  # each rank's sums are of its rows: the group's are their sums
+            sums = dict(zip(sums, fsdp.group_sums([float(v) for v in sums.values()], self.mesh, self.device)))
         tokens = float(sum(batch.trained_tokens()))
         out = {name: float(value) / max(tokens, 1.0) for name, value in sums.items()}
         # over every DP group's tokens (one all-reduce): equal on every group, like the gradient norm
         moments = torch.tensor(variance_sums(batch.returns or [], batch.values or []), dtype=torch.float64, device=self.device)
         if self.distributed:
             dist.all_reduce(moments)
-        return out | {"explained_variance": explained_variance(moments.tolist()), "critic_grad_norm": grad_norm}
+        return out | {"explained_variance": explained_variance((moments / copies).tolist()), "critic_grad_norm": grad_norm}
 
     # -- placement ---------------------------------------------------------------------------
 
@@ -136,7 +160,7 @@ class TorchCritic:
         self._move(self.device)
 
     def _move(self, device) -> None:
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" or self.mesh is not None:
             return
         self.model.to(device)  # in place: the optimizer's parameters are the same objects
         for state in self.optimizer.state.values():
@@ -151,20 +175,23 @@ class TorchCritic:
     def save_hf(self, local_dir: str) -> None:
         """The critic as a Hugging Face ``*ForTokenClassification`` folder (``value_head.py``): what a
         run can load back as ``model.critic``."""
-        backbone = self.model.backbone
-        tensors = {f"{backbone.base_model_prefix}.{k}": v.detach().to("cpu", copy=True) for k, v in backbone.state_dict().items()}
-        tensors |= {value_head.WEIGHT: self.model.value_head.weight.detach().cpu(),
-                    value_head.BIAS: self.model.value_head.bias.detach().cpu()}
+        backbone, head = self.model.backbone, self.model.value_head  # sharded: gathered (collective over the group)
+        tensors = {f"{backbone.base_model_prefix}.{k}": fsdp.full(v.detach()).to("cpu", copy=True)
+                   for k, v in backbone.state_dict().items()}
+        tensors |= {value_head.WEIGHT: fsdp.full(head.weight.detach()).cpu(), value_head.BIAS: fsdp.full(head.bias.detach()).cpu()}
         value_head.save_folder(local_dir, backbone.config, tensors, self.tokenizer)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
     def freeze_checkpoint(self, local_dir: str, copy: bool) -> FrozenCheckpoint:
         """As ``TorchTrainer.freeze_checkpoint``: weights (value head included) and optimizer,
-        copied into host memory with ``copy``; rank 0 writes (replicas are equal)."""
+        copied into host memory with ``copy``; rank 0 writes (replicas are equal). Sharded, the
+        state is gathered whole to rank 0 now, in host memory, whatever ``copy`` (collective)."""
+        state = self._live_state() if self.mesh is not None else None
         if self.distributed and dist.get_rank() != 0:
             return FrozenCheckpoint(lambda: [])
-        state = self._staged = copy_state(self._live_state(), into=self._staged) if copy else None
+        if state is None and copy:
+            state = self._staged = copy_state(self._live_state(), into=self._staged)
 
         def write() -> list[str]:
             os.makedirs(local_dir, exist_ok=True)
@@ -174,12 +201,22 @@ class TorchCritic:
         return FrozenCheckpoint(write)
 
     def _live_state(self) -> dict:
+        """Weights and optimizer state; sharded: whole on rank 0, the optimizer's by parameter name (collective)."""
+        if self.mesh is not None:
+            model, optimizer = fsdp.full_state(self.model, self.optimizer)
+            return {"model": model, "optimizer": optimizer}
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def load_checkpoint(self, local_dir: str) -> None:
+        """Either layout's checkpoint: the optimizer's state by index (one rank wrote it) or by name (a sharded critic did)."""
         state = torch.load(os.path.join(local_dir, CHECKPOINT_FILE), weights_only=True, map_location="cpu")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        optimizer = state["optimizer"]
+        named = any(isinstance(p, str) for g in optimizer["param_groups"] for p in g["params"])
+        if self.mesh is not None:
+            fsdp.load_full_state(self.model, self.optimizer, state["model"], optimizer if named else fsdp.by_name(optimizer, self._names))
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(fsdp.by_index(optimizer, self._names) if named else optimizer)
 
 
 def variance_sums(returns: list[list[float]], values: list[list[float]]) -> list[float]:

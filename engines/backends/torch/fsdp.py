@@ -45,11 +45,12 @@ def mesh(size: int, device: torch.device) -> DeviceMesh:
 
 
 def shard(model: torch.nn.Module, mesh: DeviceMesh) -> None:
-    """``fully_shard`` ``model`` over ``mesh``'s groups: each transformer block, then the rest
-    (embeddings, final norm, output layer) as the root; gradients summed, not averaged."""
+    """``fully_shard`` ``model`` over ``mesh``'s groups: each transformer block (the blocks its
+    Hugging Face models name in ``_no_split_modules``, a critic's backbone too), then the rest
+    (embeddings, final norm, output layer or value head) as the root; gradients summed, not averaged."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or ())}
     for module in model.modules():
         if type(module).__name__ in blocks:
             fully_shard(module, mesh=mesh)
