@@ -191,7 +191,7 @@ class DynamicFilter(Request):
     target_groups: int
     carry_in: str | None = None
     carry_out: str | None = None
-    critic: bool = False  # the algorithm has a critic: its values are a collective over the group's ranks (TP)
+    critic: bool = False  # the algorithm has a critic: its values are a collective over the group's ranks (TP, FSDP)
 
     @property
     def ranks(self) -> str:
