@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from engines.backends import value_head
 from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
-from engines.backends.batching import micro_batches, pad_batch
+from engines.backends.batching import pad_batch
 from engines.backends.torch import fsdp
 from engines.backends.torch.model import forward_precision, resolve_device
 from engines.backends.torch.trainer import all_reduce_grads, copy_state
@@ -110,18 +110,13 @@ class TorchCritic:
         ``critic_grad_norm``."""
         sums: dict[str, torch.Tensor] = {}
         grad_norm = 0.0
-        copies = self.mesh.size(1) if self.mesh is not None else 1  # ranks given each group's batch
         for part in batch.split(minibatches):
             self.optimizer.zero_grad(set_to_none=True)
-            total = torch.tensor([float(sum(part.trained_tokens()))], dtype=torch.float64, device=self.device)
+            # FSDP: this rank's share of the group's rows, and as many passes as the group's busiest rank
+            mine, passes, real = fsdp.passes(part, micro_batch_tokens, 1, self.mesh, self.device, self.pad_id)
+            total = torch.tensor([float(sum(mine.trained_tokens()))], dtype=torch.float64, device=self.device)
             if self.distributed:
                 dist.all_reduce(total)
-            total /= copies
-            mine = part if self.mesh is None else fsdp.rows(part, 1, self.mesh)  # FSDP: the group's rows, split
-            passes = micro_batches(mine, micro_batch_tokens)
-            real = len(passes)
-            if self.mesh is not None:  # as many passes as the group's busiest rank: each one's all-gathers are the group's
-                passes += [fsdp.filler(self.pad_id)] * (fsdp.passes_of_the_busiest(real, self.mesh, self.device) - real)
             for k, micro in enumerate(passes):
                 report_progress()
                 if self.mesh is not None:
@@ -148,6 +143,7 @@ class TorchCritic:
         moments = torch.tensor(variance_sums(batch.returns or [], batch.values or []), dtype=torch.float64, device=self.device)
         if self.distributed:
             dist.all_reduce(moments)
+        copies = self.mesh.size(1) if self.mesh is not None else 1  # ranks given each group's batch
         return out | {"explained_variance": explained_variance((moments / copies).tolist()), "critic_grad_norm": grad_norm}
 
     # -- placement ---------------------------------------------------------------------------

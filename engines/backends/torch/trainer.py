@@ -20,7 +20,7 @@ from torch.profiler import record_function
 
 from engines.backends import multimodal
 from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
-from engines.backends.batching import micro_batches, pad_batch, pad_weights, padded_routes, response_values
+from engines.backends.batching import pad_batch, pad_weights, padded_routes, response_values
 from engines.backends.torch import fsdp, lora as lora_adapter, routing
 from engines.backends.torch.model import forward_precision, is_vision_tower, load_model, resolve_device, sequence_logprobs
 from engines.rl import registry
@@ -153,14 +153,12 @@ class TorchTrainer:
         pixel_cache = multimodal.PixelCache(self.processor) if self.processor is not None else None  # this step's images
         for part in batch.split(minibatches, step.unit):
             self.optimizer.zero_grad(set_to_none=True)
-            mine = part if self.mesh is None else fsdp.rows(part, step.unit, self.mesh)  # FSDP: the group's rows, split
+            # FSDP: this rank's share of the group's rows, and as many passes as the group's busiest rank
+            # (each pass's all-gathers are the group's)
+            mine, passes, real = fsdp.passes(part, micro_batch_tokens, step.unit, self.mesh, self.device,
+                                             self.tokenizer.pad_token_id)
             (total,) = self._global_sums([step.count(mine)])
             loss_value = 0.0
-            passes = micro_batches(mine, micro_batch_tokens, step.unit)
-            real = len(passes)
-            if self.mesh is not None:  # as many passes as the group's busiest rank: each one's all-gathers are the group's
-                passes += [fsdp.filler(self.tokenizer.pad_token_id)] * (
-                    fsdp.passes_of_the_busiest(real, self.mesh, self.device) - real)
             for k, micro in enumerate(passes):
                 report_progress()  # the host's heartbeat: a long train step is moving
                 if self.mesh is not None:
