@@ -1,13 +1,15 @@
 """The torch trainer sharded with FSDP2 (``train.fsdp``, engines/backends/torch/fsdp.py): four gloo
 processes, two DP groups of two ranks each (hybrid sharding: each group shards the policy, the
 groups hold replicas), train the step one process trains on both groups' rows; the checkpoints
-of either trainer resume in the other (the optimizer's state by index or by parameter name).
+of either trainer resume in the other (the sharded trainers' in sharded files, each rank writing
+its own shards).
 Each check runs on the whole policy and on a LoRA adapter over it (``train.lora``), in the same
 processes; and on PPO's critic (``TorchCritic``), sharded the same way."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
 from datetime import timedelta
 
@@ -17,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engines.backends.base import TrainBatch
-from engines.backends.torch import fsdp, lora
+from engines.backends.torch import fsdp, lora, shards
 from engines.backends.torch.critic import TorchCritic
 from engines.backends.torch.trainer import TorchTrainer
 from engines.config.train import LoraConfig
@@ -49,7 +51,7 @@ def _worker(rank: int, port: int, model_dir: str, steps: list, critic_steps: lis
             result = results[kind] = {"logprobs": trainer.logprobs(steps[0][group]),
                                       "stats": trainer.train_step(steps[0][group], **STEP)}
             result["after"] = weights(trainer)
-            trainer.save_checkpoint(os.path.join(out, kind, "sharded"))  # rank 0 writes the whole state
+            result["files"] = trainer.save_checkpoint(os.path.join(out, kind, "sharded"))  # each rank its shards
             trainer.load_checkpoint(os.path.join(plain, kind))  # the one-process trainer's checkpoint after the same step
             trainer.train_step(steps[1][group], **STEP)
             result["resumed"] = weights(trainer)
@@ -57,7 +59,7 @@ def _worker(rank: int, port: int, model_dir: str, steps: list, critic_steps: lis
         valued = critic_steps[0][group]
         result = results["critic"] = {"values": critic.values(valued), "stats": critic.train_step(valued, **CRITIC_STEP)}
         result["after"] = critic_weights(critic)
-        critic.freeze_checkpoint(os.path.join(out, "critic", "sharded"), copy=True).write()  # rank 0 writes the whole state
+        result["files"] = critic.freeze_checkpoint(os.path.join(out, "critic", "sharded"), copy=True).write()  # each rank its shards
         critic.load_checkpoint(os.path.join(plain, "critic"))
         critic.train_step(critic_steps[1][group], **CRITIC_STEP)
         result["resumed"] = critic_weights(critic)
@@ -83,6 +85,14 @@ def critic_batch(critic: TorchCritic, n: int, seed: int) -> TrainBatch:
     batch.values = [[v + rng.uniform(-0.4, 0.4) for v in row] for row in now]
     batch.returns = [[v + rng.uniform(-0.6, 0.6) for v in row] for row in now]
     return batch
+
+
+def assert_sharded_files(folder, written: list[list[str]], record: list[str]) -> None:
+    """Every rank wrote its own shards (none holds the whole state), rank 0 the index and ``record``;
+    the folder holds those files and nothing else."""
+    assert all(files and all(f.startswith(f"__{rank}_") for f in files[:1]) for rank, files in enumerate(written))
+    assert sorted(written[0][1:]) == sorted([shards.INDEX, *record]) and all(len(files) == 1 for files in written[1:])
+    assert sorted(p.name for p in folder.iterdir()) == sorted(f for files in written for f in files)
 
 
 @pytest.fixture(scope="module")
@@ -151,10 +161,12 @@ def test_checkpoints_resume_across_sharded_and_unsharded_trainers(runs, kind):
     single, ranks, sharded = runs["single"][kind], [r[kind] for r in runs["ranks"]], runs["tmp"] / kind / "sharded"
     assert parity(f"fsdp {kind}: resumed from one process, next step",
                   step_gap(ranks[0]["resumed"], single["second"], single["after"])) <= STEP_RTOL
-    assert sorted(p.name for p in sharded.iterdir()) == ["trainer.pt"]
+    assert_sharded_files(sharded, [r["files"] for r in ranks], ["trainer.json"])
+    stored = shards.names(str(sharded))
     if kind == "lora":  # the adapter and its Adam state only, by name
-        state = torch.load(sharded / "trainer.pt", weights_only=True)
-        assert state["model"] and all(lora.is_adapter(n) for n in state["model"]) and state["optimizer"]["state"]
+        assert stored == set(lora.adapter_state(TorchTrainer(runs["model_dir"], **HYPER, **KINDS[kind]).model))
+    else:
+        assert stored == set(runs["before"][kind])
     one = TorchTrainer(runs["model_dir"], **HYPER, **KINDS[kind])
     one.load_checkpoint(str(sharded))
     assert one.version == 1
@@ -185,9 +197,34 @@ def test_a_critic_sharded_over_two_groups_of_two_ranks_values_and_steps_as_one_p
     assert parity("fsdp critic: resumed from one process, next step",
                   step_gap(ranks[0]["resumed"], single["second"], single["after"])) <= STEP_RTOL
     sharded = runs["tmp"] / "critic" / "sharded"
-    assert sorted(p.name for p in sharded.iterdir()) == ["critic.pt"]
+    assert_sharded_files(sharded, [r["files"] for r in ranks], [])
     one = TorchCritic(str(runs["tmp"] / "critic-folder"), **CRITIC)
     one.load_checkpoint(str(sharded))  # the optimizer's state by parameter name
     one.train_step(global_order(runs["critic_steps"][1], 2), **CRITIC_STEP)
     assert parity("fsdp critic: one process resumed from the sharded one, next step",
                   step_gap(critic_weights(one), single["second"], single["after"])) <= STEP_RTOL
+
+
+def test_sharded_files_read_back_and_a_planted_pickle_in_their_index_never_runs(tmp_path):
+    """One process writes and reads the sharded files (the whole tensors); an index replaced by a
+    pickle that would run a command is refused, naming the file, and the command never runs."""
+    torch.manual_seed(0)
+    model, other = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    optimizer, other_optimizer = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(other.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    folder = tmp_path / "shards"
+    assert shards.save(model, optimizer, str(folder)) == ["__0_0.distcp", shards.INDEX]
+    shards.load(other, other_optimizer, str(folder))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    assert torch.equal(other_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    marker = tmp_path / "ran"
+
+    class Planted:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    (folder / shards.INDEX).write_bytes(pickle.dumps(Planted()))
+    with pytest.raises(ValueError, match=rf"{folder / shards.INDEX}: not the index of a checkpoint's shards \(.*system is not"):
+        shards.load(other, other_optimizer, str(folder))
+    assert not marker.exists()

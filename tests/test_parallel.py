@@ -470,3 +470,32 @@ def test_ppo_with_its_critic_over_two_tensor_parallel_ranks_trains_as_one_rank(t
         for key in ("loss", "value_loss", "explained_variance", "critic_grad_norm"):
             assert b.statistics[key] == pytest.approx(a.statistics[key], rel=1e-3, abs=1e-5), key
     assert parity("ppo: policy and critic at tp=2 vs tp=1, 2 steps", step_gap(two["after"], one["after"], one["before"])) <= STEP_RTOL
+
+
+def test_a_run_sharded_with_fsdp_resumes_unsharded_from_its_sharded_checkpoint(prefect_server, tp_root):
+    """A real training run (Prefect, engine hosts, storage) of one DP group of two FSDP2 ranks
+    writes sharded checkpoints, each rank its own shards; the same run continued with
+    train.fsdp=1 (one host) resumes from them and trains on."""
+    import asyncio
+
+    from safetensors.torch import load_file
+
+    from engines.backends.base import fingerprint
+    from engines.backends.torch.trainer import TorchTrainer
+    from flows.training import train
+    from helpers import no_engine_hosts_left
+
+    overrides = [*task(tp_root), "name=fsdp-resharded", "dp=1", "checkpoint.every=1", "train.micro_batch_tokens=48"]
+    first = asyncio.run(train(overrides=[*overrides, "steps=2", "train.fsdp=2"]))
+    checkpoint = tp_root / "runs" / "fsdp-resharded" / "checkpoints" / "000001"
+    assert sorted(p.name for p in (checkpoint / "trainer-torch").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                                                 "trainer.json"]
+    assert json.loads((checkpoint / "layout.json").read_text())["fsdp"] == 2
+    # the shards read whole by one process are the weights the run had after its second step
+    one = TorchTrainer(str(tp_root / "models" / "policy"), lr=1e-6)
+    one.load_checkpoint(str(checkpoint / "trainer-torch"))
+    assert (one.version, fingerprint(one.export_weights())) == (2, first["history"][-1]["params_sha"])
+    assert load_file(str(checkpoint / "model" / "model.safetensors")).keys() == dict(one.export_weights()).keys()
+    second = asyncio.run(train(overrides=[*overrides, "steps=3", "train.fsdp=1"]))
+    assert [(m["step"], m["policy_version"]) for m in second["history"]] == [(2, 3)]
+    no_engine_hosts_left()

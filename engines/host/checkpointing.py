@@ -4,10 +4,10 @@ run resumes from it.
 Layout of a checkpoint (each rank writes its share; the controller commits the manifest once
 every rank's files are written, ``storage/runstate.py``):
 
-    trainer-{backend}/   the train engine's own format (one file for torch; Megatron
-                         ``dist_checkpointing`` shards written by every rank)
+    trainer-{backend}/   the train engine's own format (one file for torch, or with train.fsdp
+                         the shards every rank writes; Megatron ``dist_checkpointing`` shards)
     critic-{backend}/    an algorithm with a critic: its weights (value head included) and optimizer (torch:
-                         rank 0's file; Megatron: ``dist_checkpointing`` shards written by every rank)
+                         rank 0's file, or every rank's shards; Megatron: ``dist_checkpointing`` shards)
     model/               the policy as a Hugging Face folder (rank 0; group 0's other ranks gather it
                          with rank 0: a tensor-parallel export is a collective); with train.lora the adapter
                          folder (the base is the policy folder, recorded in trainer-torch/)

@@ -14,6 +14,8 @@ from megatron.core.dist_checkpointing.serialization import get_default_save_shar
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER, OptimizerConfig, get_megatron_optimizer
 
+from engines.backends.torch import shards
+
 
 def megatron_adam(ddp_model, config, lr: float, betas: tuple[float, float], weight_decay: float, grad_clip: float,
                   distributed_optimizer: bool):
@@ -76,7 +78,9 @@ def save(state: dict, path: Path, async_save: bool = False, metadata: dict | Non
 
 def load(ddp_model, optimizer, local_dir: str, repairs: bool) -> dict:
     """Restore model and optimizer from a whole checkpoint folder (collective); answers the loaded
-    state (its extra values). ``repairs``: :func:`needs_adam_repairs`."""
+    state (its extra values). ``repairs``: :func:`needs_adam_repairs`. The index is read first by
+    ``shards.read_index`` (the classes of an index only): Megatron's reader unpickles anything."""
+    shards.read_index(local_dir)
     if repairs:
         _materialise_adam_state(optimizer)
     written = dist_checkpointing.load_content_metadata(str(local_dir)) or sharding(False)  # (older checkpoints: none)

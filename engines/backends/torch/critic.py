@@ -9,7 +9,7 @@ read), i.e. the value of the state before t. Its own AdamW; data parallel like `
 (one all-reduce of the gradients, losses normalised by DP-global token counts), and sharded with
 FSDP2 as the policy is (``train.fsdp``: ``shards`` ranks per DP group, each training its share of
 the group's rows; its values a collective of the group's ranks, which all compute them on the
-whole batch; checkpoints whole, by parameter name: ``fsdp.py``).
+whole batch; checkpoints in sharded files that any layout reads: ``shards.py``).
 
 On CUDA ``sleep`` moves weights and optimizer state to host memory (full colocation, like the
 Megatron trainer's offload); on the CPU it has nothing to release, nor sharded (resident, as the
@@ -181,12 +181,17 @@ class TorchCritic:
 
     def freeze_checkpoint(self, local_dir: str, copy: bool) -> FrozenCheckpoint:
         """As ``TorchTrainer.freeze_checkpoint``: weights (value head included) and optimizer,
-        copied into host memory with ``copy``; rank 0 writes (replicas are equal). Sharded, the
-        state is gathered whole to rank 0 now, in host memory, whatever ``copy`` (collective)."""
-        state = self._live_state() if self.mesh is not None else None
+        copied into host memory with ``copy``; rank 0 writes (replicas are equal). Sharded, every
+        rank writes its shards now (a collective, on this thread) and ``write`` lists them."""
+        if self.mesh is not None:
+            from engines.backends.torch import shards
+
+            written = shards.save(self.model, self.optimizer, local_dir)
+            return FrozenCheckpoint(lambda: written)
         if self.distributed and dist.get_rank() != 0:
             return FrozenCheckpoint(lambda: [])
-        if state is None and copy:
+        state = None
+        if copy:
             state = self._staged = copy_state(self._live_state(), into=self._staged)
 
         def write() -> list[str]:
@@ -197,14 +202,15 @@ class TorchCritic:
         return FrozenCheckpoint(write)
 
     def _live_state(self) -> dict:
-        """Weights and optimizer state; sharded: whole on rank 0, the optimizer's by parameter name (collective)."""
-        if self.mesh is not None:
-            model, optimizer = fsdp.full_state(self.model, self.optimizer)
-            return {"model": model, "optimizer": optimizer}
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def load_checkpoint(self, local_dir: str) -> None:
-        """Either layout's checkpoint: the optimizer's state by index (one rank wrote it) or by name (a sharded critic did)."""
+        """Either kind of checkpoint into either layout: ``critic.pt`` (whole; its optimizer's state
+        by index, or by name from a sharded critic before sharded files) or sharded files."""
+        from engines.backends.torch import shards
+
+        if shards.is_sharded(local_dir):
+            return shards.load(self.model, self.optimizer, local_dir)
         state = torch.load(os.path.join(local_dir, CHECKPOINT_FILE), weights_only=True, map_location="cpu")
         optimizer = state["optimizer"]
         named = any(isinstance(p, str) for g in optimizer["param_groups"] for p in g["params"])

@@ -16,9 +16,10 @@ as many forward and backward passes: a rank with fewer passes runs ``filler`` pa
 until it has as many as the busiest (``passes_of_the_busiest``). Log-probabilities are computed
 by every rank on the whole batch (the same passes everywhere, no exchange).
 
-Checkpoints hold the full model and optimizer state (``full_state``: gathered to rank 0, written
-once, keyed by parameter name; with LoRA the adapter's), so they resume under any ``train.fsdp``
-and without it; a 72B policy would want ``torch.distributed.checkpoint``'s sharded files instead (not built).
+Checkpoints are sharded files (``shards.py``: each rank writes its own shards, no rank holds the
+whole state), keyed by parameter name and resharded as they are read, so they resume under any
+``train.fsdp`` and without it; a sharded trainer still reads a whole checkpoint file
+(``load_full_state``), one that was not sharded wrote.
 """
 
 from __future__ import annotations
@@ -111,15 +112,6 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # a DTensor
 
 
-def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, frozen: bool = True) -> tuple[dict, dict]:
-    """(model, optimizer) state dicts whole, in host memory, keyed by parameter name, on rank 0
-    ({} on the others; collective). ``frozen=False``: the trained parameters only (a LoRA adapter)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                     ignore_frozen_params=not frozen))
-
-
 def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict,
                     strict: bool = True) -> None:
     """Each rank takes its shards of a whole state (every rank holds it: read from the checkpoint);
@@ -142,3 +134,4 @@ def by_index(optimizer_state: dict, names: list[str]) -> dict:
     index = {n: i for i, n in enumerate(names)}
     return {"state": {index[n]: v for n, v in optimizer_state["state"].items()},
             "param_groups": [dict(g, params=[index[n] for n in g["params"]]) for g in optimizer_state["param_groups"]]}
+

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy as copy_module
+import json
 import os
 from typing import Iterator
 
@@ -25,6 +26,8 @@ from engines.backends.torch import fsdp, lora as lora_adapter, routing
 from engines.backends.torch.model import forward_precision, is_vision_tower, load_model, resolve_device, sequence_logprobs
 from engines.rl import registry
 from engines.rl.base import AlgorithmConfig, LossStep
+
+SHARDED_RECORD = "trainer.json"  # beside a sharded checkpoint's files: its version (and LoRA base), written by rank 0
 
 
 class TorchTrainer:
@@ -239,13 +242,26 @@ class TorchTrainer:
         """This rank's checkpoint as it is now: with ``copy``, model, optimizer and version copied
         into host memory (rank 0; reusing the last copy's buffers), serialised by ``write`` on any
         thread; without, ``write`` saves the live state (call it at once). Replicas are equal, so
-        the copy's model is also the policy's Hugging Face weights."""
+        the copy's model is also the policy's Hugging Face weights. Sharded, every rank's shards are
+        written now, and with ``copy`` the Hugging Face weights copied to rank 0's host memory."""
+        if self.mesh is not None:  # every rank writes its shards now (a collective: on this thread); write lists them
+            written = self.save_checkpoint(local_dir)
+            return FrozenCheckpoint(lambda: written, self._hf_copy() if copy and hf_weights else None)
         state = None
         if copy:
-            state = self._staged = self.checkpoint_state(into=self._staged)  # sharded: gathered to rank 0 (collective)
+            state = self._staged = self.checkpoint_state(into=self._staged)
             if state is None:  # a rank that writes nothing; nothing collective may run on the writer's thread
                 return FrozenCheckpoint(lambda: [], None)
         return FrozenCheckpoint(lambda: self.save_checkpoint(local_dir, state), state["model"] if state is not None else None)
+
+    def _hf_copy(self) -> dict[str, torch.Tensor] | None:
+        """Sharded: the policy's Hugging Face weights (with LoRA the adapter's) in rank 0's host
+        memory, gathered one tensor at a time (collective over the group); None elsewhere."""
+        named = ((n, fsdp.full(p.detach())) for n, p in lora_adapter.adapter_state(self.model).items()) \
+            if self.lora is not None else self.export_weights()
+        keep = dist.get_rank() == 0
+        copies = {name: tensor.to("cpu", copy=True) for name, tensor in named if keep}
+        return copies if keep else None
 
     def checkpoint_state(self, into: dict | None = None) -> dict | None:
         """A copy of model, optimizer and version in host memory, to write later (on any thread)
@@ -254,27 +270,34 @@ class TorchTrainer:
         are overwritten instead of allocating new ones (copying into memory that is already mapped
         is several times faster). None on ranks that write nothing (see :meth:`save_checkpoint`).
         """
-        state = self._live_state()  # sharded: gathered to rank 0 (collective)
+        state = self._live_state()
         if self.distributed and dist.get_rank() != 0:
             return None
         return copy_state(state, into)
 
     def _live_state(self) -> dict:
         """What a checkpoint holds: model (with LoRA: the adapter, and the base it adapts), optimizer, version."""
-        if self.mesh is not None:  # whole, the optimizer's state by parameter name: any layout resumes it
-            model, optimizer = fsdp.full_state(self.model, self.optimizer, frozen=self.lora is None)
-        else:
-            model = lora_adapter.adapter_state(self.model) if self.lora is not None else self.model.state_dict()
-            optimizer = self.optimizer.state_dict()
-        return {"model": model, "optimizer": optimizer, "version": self.version} | ({"lora": self.lora} if self.lora else {})
+        model = lora_adapter.adapter_state(self.model) if self.lora is not None else self.model.state_dict()
+        return {"model": model, "optimizer": self.optimizer.state_dict(), "version": self.version} | \
+            ({"lora": self.lora} if self.lora else {})
 
     def save_checkpoint(self, local_dir: str, state: dict | None = None) -> list[str]:
         """Model, optimizer and version into ``local_dir``; returns the files this rank wrote.
 
         ``state``: a copy from :meth:`checkpoint_state` to write instead of the live state.
-        Replicas are identical (sharded ones gather to rank 0), so rank 0 writes everything and the
-        others nothing.
+        Replicas are identical, so rank 0 writes everything and the others nothing. Sharded
+        (``train.fsdp``), every rank writes its shards (``shards.py``, a collective) and rank 0
+        ``trainer.json`` (the version, and with LoRA the base it adapts).
         """
+        if self.mesh is not None:
+            from engines.backends.torch import shards
+
+            files = shards.save(self.model, self.optimizer, local_dir, frozen=self.lora is None)
+            if dist.get_rank() == 0:
+                with open(os.path.join(local_dir, SHARDED_RECORD), "w") as f:
+                    json.dump({"version": self.version} | ({"lora": self.lora} if self.lora else {}), f)
+                files.append(SHARDED_RECORD)
+            return files
         if state is None:
             state = self._live_state()
         if self.distributed and dist.get_rank() != 0:
@@ -284,16 +307,17 @@ class TorchTrainer:
         return ["trainer.pt"]
 
     def load_checkpoint(self, local_dir: str) -> None:
+        """Either kind of checkpoint, into either layout: ``trainer.pt`` (whole, one rank wrote it) or
+        sharded files (``train.fsdp``; collective when distributed)."""
+        if not os.path.exists(os.path.join(local_dir, "trainer.pt")):
+            return self._load_shards(local_dir)
         # read into host memory (a checkpoint may come from another device); load_state_dict
         # copies into the parameters, and the optimizer moves its state to theirs
         state = torch.load(os.path.join(local_dir, "trainer.pt"), weights_only=True, map_location="cpu")
-        if ("lora" in state) != (self.lora is not None):
-            raise ValueError(f"train.lora: checkpoint {local_dir} was trained {'with' if 'lora' in state else 'without'} LoRA "
-                             f"and this run is {'with' if self.lora is not None else 'without'}: set train.lora as it was")
+        self._check_lora(state, local_dir)
         if self.lora is not None:
-            lora_adapter.check_base(state["lora"], self.lora, local_dir)
             lora_adapter.check_adapter_state(self.model, state["model"], local_dir)
-        # the optimizer's state by index (one rank wrote it) or by name (a sharded trainer did)
+        # the optimizer's state by index (one rank wrote it) or by name (a sharded trainer did, before sharded files)
         optimizer = state["optimizer"]
         named = any(isinstance(p, str) for g in optimizer["param_groups"] for p in g["params"])
         if self.mesh is not None:  # with LoRA the model's state is the adapter's only
@@ -303,6 +327,28 @@ class TorchTrainer:
             self.model.load_state_dict(state["model"], strict=self.lora is None)
             self.optimizer.load_state_dict(fsdp.by_index(optimizer, self._trained_names) if named else optimizer)
         self.version = state["version"]
+
+    def _load_shards(self, local_dir: str) -> None:
+        from engines.backends.torch import shards
+
+        record_path = os.path.join(local_dir, SHARDED_RECORD)
+        if not shards.is_sharded(local_dir) or not os.path.exists(record_path):
+            raise ValueError(f"{local_dir}: neither trainer.pt nor the sharded files ({shards.INDEX}, {SHARDED_RECORD}) of a "
+                             "torch trainer's checkpoint")
+        with open(record_path) as f:
+            record = json.load(f)
+        self._check_lora(record, local_dir)
+        if self.lora is not None:
+            lora_adapter.check_adapter_state(self.model, dict.fromkeys(shards.names(local_dir)), local_dir)
+        shards.load(self.model, self.optimizer, local_dir, frozen=self.lora is None)
+        self.version = int(record["version"])
+
+    def _check_lora(self, state: dict, local_dir: str) -> None:
+        if ("lora" in state) != (self.lora is not None):
+            raise ValueError(f"train.lora: checkpoint {local_dir} was trained {'with' if 'lora' in state else 'without'} LoRA "
+                             f"and this run is {'with' if self.lora is not None else 'without'}: set train.lora as it was")
+        if self.lora is not None:
+            lora_adapter.check_base(state["lora"], self.lora, local_dir)
 
     def save_hf(self, local_dir: str, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """The policy as a Hugging Face folder; ``tensors``: Hugging Face-named weights to write
