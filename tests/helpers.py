@@ -59,6 +59,17 @@ def save_tiny_model(path: str | Path, hidden_size: int = 32, num_layers: int = 1
     return str(path)
 
 
+def save_tiny_vlm(path, seed: int = 0) -> str:
+    """The tiny Idefics3 (SmolVLM's architecture) and its processor, saved as a Hugging Face folder."""
+    from engines.demo.tiny_vision import build_tiny_idefics3, build_vision_processor
+
+    processor = build_vision_processor("0123456789+=sum:")
+    model = build_tiny_idefics3(processor.tokenizer, seed=seed, init_std=0.1)
+    model.save_pretrained(str(path))
+    processor.save_pretrained(str(path))
+    return str(path)
+
+
 def random_batch(n: int, seed: int, vocab: int = 49, max_prompt: int = 5, max_response: int = 6) -> TrainBatch:
     """``n`` sequences: prompts start with <s>, responses end with </s>; lengths vary.
 

@@ -21,11 +21,14 @@ import torch.multiprocessing as mp
 from engines.backends.base import TrainBatch
 from engines.backends.torch import fsdp, lora, shards
 from engines.backends.torch.critic import TorchCritic
+from engines.backends.torch.generator import TorchGenerator
+from engines.backends.torch.model import is_vision_tower
 from engines.backends.torch.trainer import TorchTrainer
 from engines.config.train import LoraConfig
+from engines.demo import vision
 from engines.rl.grpo import GRPOConfig
 from engines.rl.ppo import PPOConfig
-from helpers import (STEP_RTOL, free_port, global_order, parity, random_batch, save_tiny_model, step_gap,
+from helpers import (STEP_RTOL, free_port, global_order, parity, random_batch, save_tiny_model, save_tiny_vlm, step_gap,
                      with_old_logprobs)
 
 HYPER = {"lr": 1e-3, "betas": (0.8, 0.95), "weight_decay": 0.1, "grad_clip": 0.5, "reference": True}
@@ -33,12 +36,14 @@ HYPER = {"lr": 1e-3, "betas": (0.8, 0.95), "weight_decay": 0.1, "grad_clip": 0.5
 STEP = {"minibatches": 2, "micro_batch_tokens": 16, "algorithm": GRPOConfig(loss_aggregation="token", kl_coef=0.5)}
 GROUPS, SHARDS = 2, 2
 # what each kind of trainer adds: a LoRA adapter without dropout (the ranks' rows differ from one process's)
-KINDS = {"full": {}, "lora": {"lora": LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])}}
+# and a vision-language policy (the tiny Idefics3), its frozen vision tower whole on every rank
+KINDS = {"full": {}, "lora": {"lora": LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])},
+         "vision": {}}
 CRITIC = {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.1, "grad_clip": 0.5}
 CRITIC_STEP = {"algorithm": PPOConfig(), "minibatches": 2, "micro_batch_tokens": 16}
 
 
-def _worker(rank: int, port: int, model_dir: str, steps: list, critic_steps: list, plain: str, out: str) -> None:
+def _worker(rank: int, port: int, cases: dict, critic_steps: list, plain: str, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=GROUPS * SHARDS,
@@ -47,6 +52,7 @@ def _worker(rank: int, port: int, model_dir: str, steps: list, critic_steps: lis
         group = rank // SHARDS  # every rank of a group is given the group's batch (the controller fans out)
         results = {}
         for kind, extra in KINDS.items():
+            model_dir, steps = cases[kind]
             trainer = TorchTrainer(model_dir, **HYPER, **extra, shards=SHARDS)
             result = results[kind] = {"logprobs": trainer.logprobs(steps[0][group]),
                                       "stats": trainer.train_step(steps[0][group], **STEP)}
@@ -95,26 +101,42 @@ def assert_sharded_files(folder, written: list[list[str]], record: list[str]) ->
     assert sorted(p.name for p in folder.iterdir()) == sorted(f for files in written for f in files)
 
 
+def vision_steps(model_dir: str) -> list[list[TrainBatch]]:
+    """Two steps of two groups' batches (5 and 7 sequences) sampled by the tiny vision-language policy
+    on its pictures, each sequence with its prompt's image."""
+    rows = vision.make_problems(12, seed=5)
+    gens = TorchGenerator(model_dir).generate([p for p, *_ in rows], n=2, max_new_tokens=6, seed=2,
+                                              images=[im for _, im, *_ in rows])
+    rng = random.Random(0)
+    batch = TrainBatch([g.prompt_ids for g in gens], [g.response_ids for g in gens], [g.logprobs for g in gens],
+                       [rng.uniform(-1, 1) for _ in gens], images=[rows[g.prompt_index][1] for g in gens])
+    return [[batch.take(range(12 * s, 12 * s + 5)), batch.take(range(12 * s + 5, 12 * s + 12))] for s in range(2)]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
     model_dir = save_tiny_model(tmp / "model", hidden_size=32, num_layers=2)
+    vision_dir = save_tiny_vlm(tmp / "vlm")
     torch.set_num_threads(1)
+    pictures = vision_steps(vision_dir)
     steps, before, single = [], {}, {}
     for kind, extra in KINDS.items():
-        one = TorchTrainer(model_dir, **HYPER, **extra)
+        one = TorchTrainer(vision_dir if kind == "vision" else model_dir, **HYPER, **extra)
         # the batches once, by the first trainer (a fresh adapter leaves the policy as it was): per step, each
         # group's batch, of sizes that split unevenly over its two ranks
         for s in range(2 * (not steps)):
             batches = [random_batch(n, seed=10 * s + g) for g, n in enumerate((5, 7))]
             steps.append([with_old_logprobs(b, one.logprobs(b), noise=0.5, seed=g) for g, b in enumerate(batches)])
+        kind_steps = pictures if kind == "vision" else steps
         before[kind] = weights(one)
-        result = single[kind] = {"logprobs": one.logprobs(steps[0][0]),
-                                 "stats": one.train_step(global_order(steps[0], STEP["minibatches"]), **STEP)}
+        result = single[kind] = {"logprobs": one.logprobs(kind_steps[0][0]),
+                                 "stats": one.train_step(global_order(kind_steps[0], STEP["minibatches"]), **STEP)}
         result["after"] = weights(one)
         one.save_checkpoint(str(tmp / "plain" / kind))
-        one.train_step(global_order(steps[1], STEP["minibatches"]), **STEP)
+        one.train_step(global_order(kind_steps[1], STEP["minibatches"]), **STEP)
         result["second"] = weights(one)
+    cases = {kind: (vision_dir, pictures) if kind == "vision" else (model_dir, steps) for kind in KINDS}
     # the critic: a folder with a non-zero value head (a fresh one's is zero: its backbone would get no gradient)
     probe = TorchCritic(model_dir, **CRITIC)
     with torch.no_grad():
@@ -130,10 +152,9 @@ def runs(tmp_path_factory):
     one.freeze_checkpoint(str(tmp / "plain" / "critic"), copy=True).write()
     one.train_step(global_order(critic_steps[1], 2), **CRITIC_STEP)
     result["second"] = critic_weights(one)
-    mp.spawn(_worker, args=(free_port(), model_dir, steps, critic_steps, str(tmp / "plain"), str(tmp)), nprocs=GROUPS * SHARDS,
-             join=True)
+    mp.spawn(_worker, args=(free_port(), cases, critic_steps, str(tmp / "plain"), str(tmp)), nprocs=GROUPS * SHARDS, join=True)
     ranks = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(GROUPS * SHARDS)]
-    return {"model_dir": model_dir, "steps": steps, "critic_steps": critic_steps, "before": before, "single": single,
+    return {"model_dir": model_dir, "cases": cases, "critic_steps": critic_steps, "before": before, "single": single,
             "ranks": ranks, "tmp": tmp}
 
 
@@ -146,7 +167,7 @@ def test_two_groups_of_two_fsdp_ranks_train_the_step_one_process_trains(runs, ki
     assert ranks[0]["after"].keys() == before.keys()  # every parameter gathered, by its Hugging Face name
     assert parity(f"fsdp {kind}: hsdp 2x2 vs one process, step", step_gap(ranks[0]["after"], single["after"], before)) <= STEP_RTOL
     assert all(torch.equal(r["after"][k], ranks[0]["after"][k]) for r in ranks for k in before)  # replicas equal
-    tokens = [sum(len(r) for r in b.response_ids) for b in runs["steps"][0]]
+    tokens = [sum(len(r) for r in b.response_ids) for b in runs["cases"][kind][1][0]]
     for rank, result in enumerate(ranks):  # each group's statistics: its two ranks' rows together
         stats = result["stats"]
         assert stats["tokens"] == tokens[rank // SHARDS] and stats == ranks[rank // SHARDS * SHARDS]["stats"]
@@ -165,12 +186,15 @@ def test_checkpoints_resume_across_sharded_and_unsharded_trainers(runs, kind):
     stored = shards.names(str(sharded))
     if kind == "lora":  # the adapter and its Adam state only, by name
         assert stored == set(lora.adapter_state(TorchTrainer(runs["model_dir"], **HYPER, **KINDS[kind]).model))
+    elif kind == "vision":  # the frozen tower too, written once though every rank holds it whole
+        assert stored == set(runs["before"][kind]) and any(is_vision_tower(n) for n in stored)
     else:
         assert stored == set(runs["before"][kind])
-    one = TorchTrainer(runs["model_dir"], **HYPER, **KINDS[kind])
+    model_dir, steps = runs["cases"][kind]
+    one = TorchTrainer(model_dir, **HYPER, **KINDS[kind])
     one.load_checkpoint(str(sharded))
     assert one.version == 1
-    one.train_step(global_order(runs["steps"][1], STEP["minibatches"]), **STEP)
+    one.train_step(global_order(steps[1], STEP["minibatches"]), **STEP)
     assert parity(f"fsdp {kind}: one process resumed from the sharded one, next step",
                   step_gap(weights(one), single["second"], single["after"])) <= STEP_RTOL
 

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import ROOT  # noqa: F401  (puts the checkout on sys.path)
+from helpers import ROOT, save_tiny_vlm  # noqa: F401  (puts the checkout on sys.path)
 
 from engines.backends import multimodal
 from engines.backends.base import TrainBatch
@@ -29,14 +29,6 @@ from engines.host import validation
 from storage import datasets
 
 TOL = 1e-5
-
-
-def save_tiny_vlm(path, seed: int = 0) -> str:
-    processor = build_vision_processor("0123456789+=sum:")
-    model = build_tiny_idefics3(processor.tokenizer, seed=seed, init_std=0.1)
-    model.save_pretrained(str(path))
-    processor.save_pretrained(str(path))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +121,11 @@ def test_bad_vision_inputs_fail_before_engines_load_naming_file_prompt_and_field
         assert path in str(e.value)
     with pytest.raises(validation.InputError, match=r"'images'\[0\]: .* over data.max_image_bytes=100"):
         validation.validate_inputs(config_for(tmp_path, vlm, ok, "data.max_image_bytes=100"))
+    # FSDP2 shards the policy and keeps its tower whole and frozen on every rank: training the tower is refused
+    assert validation.validate_inputs(config_for(tmp_path, vlm, ok, "train.fsdp=2")) == {"data.prompts": 1}
+    with pytest.raises(validation.InputError, match=r"train\.freeze_vision=false with train\.fsdp=2: .* keeps whole on every "
+                                                    r"rank, frozen: set train\.freeze_vision=true .*or train\.fsdp=1"):
+        validation.validate_inputs(config_for(tmp_path, vlm, ok, "train.fsdp=2", "train.freeze_vision=false"))
     # Megatron trains Idefics3/SmolVLM (the Hugging Face tower beside a Megatron GPT), no other family
     assert validation.validate_inputs(config_for(tmp_path, vlm, ok, "train.backend=megatron")) == {"data.prompts": 1}
     other = tmp_path / "other-vlm"

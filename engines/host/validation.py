@@ -288,9 +288,10 @@ def check_vision(config, policy: str):
     a vision model without a processor, or a trainer that cannot train one."""
     if not multimodal.is_vision_folder(policy):
         return None
-    if config.train.fsdp > 1:
-        raise InputError(f"train.fsdp={config.train.fsdp}: {config.uri(config.model.policy)} is a vision-language model, "
-                         "which the FSDP2 torch trainer does not shard yet: use train.fsdp=1")
+    if config.train.fsdp > 1 and not config.train.freeze_vision:
+        raise InputError(f"train.freeze_vision=false with train.fsdp={config.train.fsdp}: {config.uri(config.model.policy)} "
+                         "is a vision-language model, whose vision tower the FSDP2 torch trainer keeps whole on every rank, "
+                         "frozen: set train.freeze_vision=true (the default), or train.fsdp=1 to train the tower")
     if config.train.backend == "megatron":
         model_type = multimodal.folder_model_type(policy)
         if model_type not in MEGATRON_VISION_MODELS:

@@ -46,17 +46,22 @@ def mesh(size: int, device: torch.device) -> DeviceMesh:
     return init_device_mesh(device.type, (world // size, size), mesh_dim_names=("replicate", "shard"))
 
 
-def shard(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+def shard(model: torch.nn.Module, mesh: DeviceMesh, whole: set[torch.nn.Parameter] | None = None) -> None:
     """``fully_shard`` ``model`` over ``mesh``'s groups: each transformer block (the blocks its
     Hugging Face models name in ``_no_split_modules``, a critic's backbone too), then the rest
-    (embeddings, final norm, output layer or value head) as the root; gradients summed, not averaged."""
+    (embeddings, final norm, output layer or value head) as the root; gradients summed, not averaged.
+
+    ``whole``: parameters FSDP leaves alone, whole on every rank (a vision-language policy's frozen
+    vision tower): a rank runs them on its own images with no collective, so the ranks of a group
+    need not encode images in the same passes (a filler pass has none)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    whole = whole or set()
     blocks = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or ())}
     for module in model.modules():
-        if type(module).__name__ in blocks:
+        if type(module).__name__ in blocks and not set(module.parameters()) <= whole:
             fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, ignored_params=whole)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

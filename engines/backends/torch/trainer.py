@@ -92,11 +92,9 @@ class TorchTrainer:
         self.routed = self.routes is not None  # a mixture of experts: its load balance is a step figure
         self.mesh = None  # with train.fsdp > 1: the replicate x shard mesh the model is sharded over
         if shards > 1:
-            if self.processor is not None:
-                raise ValueError("train.fsdp > 1 is not wired for a vision-language model yet: train.fsdp=1")
             self.mesh = fsdp.mesh(shards, self.device)
             for model in filter(None, (self.model, self.reference)):
-                fsdp.shard(model, self.mesh)
+                fsdp.shard(model, self.mesh, whole=self._frozen_tower(model))
         # fused: one kernel for all parameters on CUDA; on the CPU torch's default, as always
         fused = True if self.device.type == "cuda" else None
         trained = [p for p in self.model.parameters() if p.requires_grad]
@@ -110,6 +108,17 @@ class TorchTrainer:
     @property
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def _frozen_tower(self, model: torch.nn.Module) -> set[torch.nn.Parameter]:
+        """A vision-language model's vision tower, which FSDP leaves whole on every rank (``fsdp.shard``):
+        it must be frozen, since nothing would reduce its gradients."""
+        if self.processor is None:
+            return set()
+        tower = {name: p for name, p in model.named_parameters() if is_vision_tower(name)}
+        if model is self.model and any(p.requires_grad for p in tower.values()):
+            raise ValueError("train.fsdp > 1 keeps a vision-language policy's vision tower whole on every rank, frozen: "
+                             "set train.freeze_vision=true (the default), or train.fsdp=1 to train the tower")
+        return set(tower.values())
 
     def _global_sums(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
