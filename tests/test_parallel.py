@@ -69,13 +69,14 @@ def test_each_layout_needs_its_trainer_and_is_refused_where_it_is_not_wired_yet(
         load_config(None, ["train.pipeline_parallel=2"])
     with pytest.raises(ConfigError, match=r"field 'train\.reshardable_optimizer': .*set train\.distributed_optimizer=true"):
         load_config(None, ["train.backend=megatron", "train.reshardable_optimizer=true"])
-    ppo = ["train.algorithm.name=ppo", "model.critic=models/critic"]  # a critic: over TP (Megatron) or FSDP (torch)
+    ppo = ["train.algorithm.name=ppo", "model.critic=models/critic"]  # a critic: over TP and PP (Megatron) or FSDP (torch)
     assert load_config(None, MEGATRON_TP2 + ppo).layout == Layout(2, 2)
+    assert load_config(None, ["train.backend=megatron", "train.pipeline_parallel=2", *ppo]).layout == Layout(2, pp=2)
     assert load_config(None, ["train.fsdp=2", *ppo]).layout == Layout(2, fsdp=2)
-    with pytest.raises(ConfigError, match=r"name=ppo has a critic, which splits over train\.tensor_parallel \(Megatron\) or "
-                                          r"train\.fsdp \(torch\) only .*set train\.pipeline_parallel=1 and "
-                                          r"train\.expert_parallel=1 \(now 2 and 1\)"):
-        load_config(None, ["train.backend=megatron", "train.pipeline_parallel=2", *ppo])
+    with pytest.raises(ConfigError, match=r"name=ppo has a critic, which splits over train\.tensor_parallel and "
+                                          r"train\.pipeline_parallel \(Megatron\) or train\.fsdp \(torch\), not over experts.*"
+                                          r"set train\.expert_parallel=1 \(now 2\)"):
+        load_config(None, ["train.backend=megatron", "train.expert_parallel=2", *ppo])
     with pytest.raises(ConfigError, match=r"name=ppo has a critic, whose values every rank .* set rollout\.max_staleness=0"):
         load_config(None, MEGATRON_TP2 + ppo + ["rollout.max_staleness=1", "train.old_policy=decoupled"])
     # FSDP2 shards the torch trainer (the default backend): a group of train.fsdp ranks
@@ -414,8 +415,8 @@ def test_a_vllm_rollout_engine_over_two_ranks_samples_with_the_trainers_weights(
         assert abs(t.statistics["is_ratio_max"] - 1) < 1e-3 and abs(t.statistics["is_ratio_mean"] - 1) < 1e-4, t.statistics
 
 
-def ppo_steps(root: Path, tp: int) -> dict:
-    """dp=1 PPO, the policy and the critic on Megatron over ``tp`` tensor-parallel ranks: two steps
+def ppo_steps(root: Path, tp: int, pp: int = 1) -> dict:
+    """dp=1 PPO, the policy and the critic on Megatron over ``tp`` tensor-parallel ranks x ``pp`` stages: two steps
     through the group's client as the flow sends them (the filter, with the critic's values, on
     every rank), the critic and the policy exported before and after."""
     from safetensors.torch import load_file
@@ -425,8 +426,10 @@ def ppo_steps(root: Path, tp: int) -> dict:
     from engines.wire.launch import LocalHosts
     from storage import datasets
 
-    run, out_dir = f"ppo-tp{tp}", root / f"ppo-tp{tp}"
+    run = f"ppo-tp{tp}-pp{pp}"
+    out_dir = root / run
     config = load_config(None, [f"name={run}", "dp=1", *task(root), "train.backend=megatron", f"train.tensor_parallel={tp}",
+                                f"train.pipeline_parallel={pp}",
                                 "train.algorithm.name=ppo", "train.minibatches=2", "train.micro_batch_tokens=48", "host_timeout_s=300"])
     out = lambda what, step: str(out_dir / what / str(step) / "part-000.parquet")  # noqa: E731
     exported = lambda name: {f"{part}/{k}": v for part in ("", "critic/")  # noqa: E731
@@ -451,25 +454,29 @@ def ppo_steps(root: Path, tp: int) -> dict:
     return found | {"before": exported("before"), "after": exported("after")}
 
 
-def test_ppo_with_its_critic_over_two_tensor_parallel_ranks_trains_as_one_rank(tp_root):
-    """The critic splits over train.tensor_parallel as the policy does: its values in the filter
-    (computed by both ranks together), the steps of both models and their gathered exports are
-    one rank's."""
+def test_ppo_with_its_critic_over_two_tensor_parallel_ranks_or_two_stages_trains_as_one_rank(tp_root):
+    """The critic splits over train.tensor_parallel and train.pipeline_parallel as the policy does
+    (its value head on the last stage, its passes on Megatron's 1F1B schedule): its values in the
+    filter (computed by both ranks together), the steps of both models and their gathered exports
+    are one rank's."""
     import torch
 
     from helpers import STEP_RTOL, parity, step_gap
 
-    one, two = ppo_steps(tp_root, tp=1), ppo_steps(tp_root, tp=2)
-    assert two["before"].keys() == one["before"].keys() and all(torch.equal(two["before"][k], v) for k, v in one["before"].items())
-    first = [[row["values"] for row in run["experience"][0]] for run in (one, two)]
-    assert first[0] == first[1] and {v for row in first[0] for v in row} == {0.0}  # a zero value head at first
-    values = [[v for row in run["experience"][1] for v in row["values"]] for run in (one, two)]
-    assert parity("ppo: critic values at tp=2 vs tp=1", max(abs(a - b) for a, b in zip(*values))) <= 1e-4
-    assert max(map(abs, values[0])) > 1e-3  # the critic's first step moved them
-    for a, b in zip(one["train"], two["train"]):
-        for key in ("loss", "value_loss", "explained_variance", "critic_grad_norm"):
-            assert b.statistics[key] == pytest.approx(a.statistics[key], rel=1e-3, abs=1e-5), key
-    assert parity("ppo: policy and critic at tp=2 vs tp=1, 2 steps", step_gap(two["after"], one["after"], one["before"])) <= STEP_RTOL
+    one = ppo_steps(tp_root, tp=1)
+    for name, split in {"tp=2": ppo_steps(tp_root, tp=2), "pp=2": ppo_steps(tp_root, tp=1, pp=2)}.items():
+        assert split["before"].keys() == one["before"].keys()
+        assert all(torch.equal(split["before"][k], v) for k, v in one["before"].items())
+        first = [[row["values"] for row in run["experience"][0]] for run in (one, split)]
+        assert first[0] == first[1] and {v for row in first[0] for v in row} == {0.0}  # a zero value head at first
+        values = [[v for row in run["experience"][1] for v in row["values"]] for run in (one, split)]
+        assert parity(f"ppo: critic values at {name} vs one rank", max(abs(a - b) for a, b in zip(*values))) <= 1e-4
+        assert max(map(abs, values[0])) > 1e-3  # the critic's first step moved them
+        for a, b in zip(one["train"], split["train"]):
+            for key in ("loss", "value_loss", "explained_variance", "critic_grad_norm"):
+                assert b.statistics[key] == pytest.approx(a.statistics[key], rel=1e-3, abs=1e-5), (name, key)
+        assert parity(f"ppo: policy and critic at {name} vs one rank, 2 steps",
+                      step_gap(split["after"], one["after"], one["before"])) <= STEP_RTOL
 
 
 def test_a_run_sharded_with_fsdp_resumes_unsharded_from_its_sharded_checkpoint(prefect_server, tp_root):

@@ -53,7 +53,8 @@ def make_critic(cfg: RunConfig, model_dir: str, device=None):
     if t.backend == "megatron":
         from engines.backends.megatron.critic import MegatronCritic
 
-        return MegatronCritic(model_dir, tensor_parallel=t.tensor_parallel, distributed_optimizer=t.distributed_optimizer,
+        return MegatronCritic(model_dir, tensor_parallel=t.tensor_parallel, pipeline_parallel=t.pipeline_parallel,
+                              distributed_optimizer=t.distributed_optimizer,
                               reshardable_optimizer=t.reshardable_optimizer,
                               recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
                               recompute_num_layers=t.recompute_num_layers, recompute_modules=t.recompute_modules, **kwargs)

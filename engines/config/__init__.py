@@ -116,11 +116,10 @@ class RunConfig(Section):
         t = self.train
         if self.layout.size > 1 and t.algorithm.needs.critic:
             critic = f"train.algorithm: name={t.algorithm.name} has a critic"
-            if t.pipeline_parallel > 1 or t.expert_parallel > 1:
-                raise ValueError(f"{critic}, which splits over train.tensor_parallel (Megatron) or train.fsdp (torch) "
-                                 f"only (the Megatron critic has no pipeline schedule and no experts): set "
-                                 f"train.pipeline_parallel=1 and train.expert_parallel=1 (now {t.pipeline_parallel} and "
-                                 f"{t.expert_parallel})")
+            if t.expert_parallel > 1:
+                raise ValueError(f"{critic}, which splits over train.tensor_parallel and train.pipeline_parallel (Megatron) "
+                                 f"or train.fsdp (torch), not over experts (the Megatron critic is a dense model's): set "
+                                 f"train.expert_parallel=1 (now {t.expert_parallel})")
             if self.rollout.max_staleness:
                 raise ValueError(f"{critic}, whose values every rank of a group of {self.layout.size} computes together in "
                                  "the dynamic filter, which rollout.max_staleness >= 1 runs on the rollout lane of the "

@@ -10,15 +10,18 @@ critic's ``score.*`` (``engines/backends/value_head.py``; veRL loads ``score.wei
 The transformer is mapped as a tied model's, whose name table has no output layer, so a folder's
 ``lm_head.weight`` is left out and nothing of vocabulary size is allocated for the head.
 
-Its own Megatron Adam (``critic_lr``), wrapped in Megatron's DDP and all-reduced with
-``finalize_model_grads`` as the policy's; ``sleep``/``wake`` through ``offload.py`` (full
-colocation); checkpoints with ``dist_checkpointing`` like ``MegatronTrainer``'s (every rank writes
-its shards, exact resume). Methods are collective as ``MegatronTrainer``'s.
+It splits over the policy's layout, ``tensor_parallel x pipeline_parallel``: each pipeline stage
+holds a run of the layers, the last the value head, and its passes run on Megatron-Core's schedules
+as the policy's do (``pipeline.schedule``; the last stage computes values and the loss, and
+``pipeline.from_last_stage`` hands them to the other stages). Its own Megatron Adam
+(``critic_lr``), wrapped in Megatron's DDP and all-reduced with ``finalize_model_grads`` as the
+policy's; ``sleep``/``wake`` through ``offload.py`` (full colocation); checkpoints with
+``dist_checkpointing`` like ``MegatronTrainer``'s (every rank writes its shards, exact resume).
+Methods are collective as ``MegatronTrainer``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 from pathlib import Path
@@ -30,8 +33,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from transformers import AutoConfig, AutoTokenizer
 
 from engines.backends import value_head
-from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
-from engines.backends.batching import micro_batches, pad_batch
+from engines.backends.base import FrozenCheckpoint, TrainBatch
+from engines.backends.batching import micro_batches
 from engines.backends.distributed import default_device
 from engines.backends.megatron import optimizer as megatron_optimizer, pipeline
 from engines.backends.megatron.mapping import _param_to_hf, load_hf_state
@@ -70,15 +73,15 @@ class MegatronCritic(Sleeps):
     """``values`` before a step, ``train_step`` on its returns, checkpoints: ``TorchCritic``'s interface."""
 
     def __init__(self, model_dir: str, lr: float, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
-                 grad_clip: float = 1.0, dtype: str = "float32", tensor_parallel: int = 1, distributed_optimizer: bool = False,
-                 reshardable_optimizer: bool = False,
+                 grad_clip: float = 1.0, dtype: str = "float32", tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                 distributed_optimizer: bool = False, reshardable_optimizer: bool = False,
                  recompute_granularity: RecomputeGranularity = "none", recompute_method: str = "uniform",
                  recompute_num_layers: int = 1, recompute_modules: list[str] | tuple[str, ...] = ("core_attn",),
                  device: torch.device | str | None = None):
         self.device = torch.device(device) if device is not None else default_device()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        _init_distributed(tensor_parallel, self.device)
+        _init_distributed(tensor_parallel, self.device, pipeline_parallel)
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype {dtype!r}: float32 or bfloat16 (float16 would need loss scaling)")
         self.hf_config = AutoConfig.from_pretrained(model_dir)
@@ -86,21 +89,23 @@ class MegatronCritic(Sleeps):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.pad_id = self.tokenizer.pad_token_id or 0  # masked out: any id will do
         self.config = transformer_config(self.text_config, tensor_parallel, getattr(torch, dtype), recompute_granularity,
-                                         recompute_method, recompute_num_layers, recompute_modules)
+                                         recompute_method, recompute_num_layers, recompute_modules, pipeline_parallel)
         hf_state = load_hf_state(model_dir)
         head = value_head.read_head(model_dir)
         for name in (*value_head.HEAD, "lm_head.weight"):  # heads: the policy's vocabulary one is not the critic's
             hf_state.pop(name, None)
         gpt = build_gpt(self.text_config, self.config, hf_state, self.device)
         del hf_state
-        gpt.output_layer = ValueHead(self.config.hidden_size, self.device, self.config.params_dtype)
         # the tied model's forward would hand the head the embedding matrix, and its sharded state
-        # dict would file the head under the embedding's name: the head is a weight of its own
+        # dict would file the head under the embedding's name: the head is a weight of its own (and
+        # no embedding gradient is shared between the first and the last stage)
         gpt.share_embeddings_and_output_weights = False
-        if head is not None:
-            with torch.no_grad():
-                gpt.output_layer.weight.copy_(head[0])
-                gpt.output_layer.bias.copy_(head[1])
+        if parallel_state.is_pipeline_last_stage():  # the head: the last stage's
+            gpt.output_layer = ValueHead(self.config.hidden_size, self.device, self.config.params_dtype)
+            if head is not None:
+                with torch.no_grad():
+                    gpt.output_layer.weight.copy_(head[0])
+                    gpt.output_layer.bias.copy_(head[1])
         self.model = DistributedDataParallel(
             config=self.config,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -109,29 +114,42 @@ class MegatronCritic(Sleeps):
         )
         self.optimizer = megatron_optimizer.megatron_adam(self.model, self.config, lr, betas, weight_decay, grad_clip,
                                                           distributed_optimizer)
-        self.config.finalize_model_grads_func = finalize_model_grads  # as MegatronTrainer's: else no DP all-reduce
+        # as MegatronTrainer's: the schedules' one all-reduce per minibatch, the loss normalised already
+        self.config.no_sync_func = self.model.no_sync
+        self.config.finalize_model_grads_func = lambda chunks, num_tokens=None, **kw: finalize_model_grads(chunks, None, **kw)
+        self.processor, self.replays = None, None  # what pipeline.schedule asks of a policy: no images, no routes
         self._adam_repairs = megatron_optimizer.needs_adam_repairs(distributed_optimizer)
         self._sharding = megatron_optimizer.sharding(reshardable_optimizer)
         self._offload = Offload(self.device)
 
     # -- forward -------------------------------------------------------------------------------
 
-    def _values(self, ids: torch.Tensor) -> torch.Tensor:
-        """Values [batch, len - 1], position p's being of the state after tokens <= p (as
-        ``TorchCritic``'s). Right-padded rows, causal attention, no mask tensor (as ``MegatronTrainer``)."""
+    def _forward(self, model, ids: torch.Tensor, pixels=None) -> torch.Tensor:
+        """This stage's output: the next stage's input, or on the last stage the values [batch, len, 1].
+        Right-padded rows, causal attention, no mask tensor (as ``MegatronTrainer``)."""
         batch, length = ids.shape
         positions = torch.arange(length, device=ids.device).expand(batch, length)
-        return self.model(input_ids=ids, position_ids=positions, attention_mask=None)[:, :-1, 0]
+        return model(input_ids=ids, position_ids=positions, attention_mask=None)
+
+    def _read(self, output: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Values [batch, len - 1] from the last stage's output, position p's being of the state after
+        tokens <= p (as ``TorchCritic``'s)."""
+        return output[:, :-1, 0]
 
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> list[list[float]]:
-        """Each response token's value under the current weights (collective over TP)."""
+        """Each response token's value under the current weights (collective over the group's ranks:
+        the last stage computes them, every stage answers them)."""
         self._require_awake("values")
         if not len(batch):
             return []
-        ids, _, resp, _ = pad_batch(batch, self.pad_id)
-        values = self._values(ids.to(self.device)).cpu()
-        return [values[i][resp[i].bool()].tolist() for i in range(len(batch))]
+
+        def response_values(micro, padded, values, k):
+            values, resp = values.cpu(), padded.response.cpu().bool()
+            return [values[i][resp[i]].tolist() for i in range(len(micro))]
+
+        (values,) = pipeline.schedule(self, self.model, [batch], response_values, forward_only=True) or [None]
+        return pipeline.from_last_stage(values, self.device)
 
     # -- training ------------------------------------------------------------------------------
 
@@ -146,31 +164,33 @@ class MegatronCritic(Sleeps):
         minibatch accumulate in DDP's grad buffers, one all-reduce and Adam step per minibatch."""
         self._require_awake("train_step")
         self.model.train()
-        sums: dict[str, torch.Tensor] = {}
+        sums: dict[str, torch.Tensor] = {}  # the step's statistics: the last stage's (where the loss is)
         grad_norm = 0.0
         for part in batch.split(minibatches):
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             (total,) = self._dp_sums([float(sum(part.trained_tokens()))])
             passes = micro_batches(part, micro_batch_tokens)
-            for k, micro in enumerate(passes):
-                report_progress()
-                with self.model.no_sync() if k < len(passes) - 1 else contextlib.nullcontext():
-                    ids, _, resp, _ = (t.to(self.device) for t in pad_batch(micro, self.pad_id))
-                    values = self._values(ids)
-                    old, returns = (on_response_tokens(x, resp).to(values.dtype) for x in (micro.values, micro.returns))
-                    loss_per_token, stats = algorithm.critic_loss(values, old, returns)
-                    (loss_per_token * resp).sum().div(max(total, 1.0)).backward()
+
+            def loss(micro, padded, values, k):
+                old, returns = (on_response_tokens(x, padded.response).to(values.dtype) for x in (micro.values, micro.returns))
+                loss_per_token, stats = algorithm.critic_loss(values, old, returns)
                 with torch.no_grad():
                     for name, value in {"value_loss": loss_per_token, **stats}.items():
-                        sums[name] = sums.get(name, 0.0) + (value.double() * resp).sum()
-            finalize_model_grads([self.model])  # the DP all-reduce (a sum: calculate_per_token_loss)
+                        sums[name] = sums.get(name, 0.0) + (value.double() * padded.response).sum()
+                return (loss_per_token * padded.response).sum().div(max(total, 1.0))
+
+            if passes:  # accumulates into DDP's grad buffer, then the all-reduce
+                pipeline.schedule(self, self.model, passes, loss, False)
+            else:  # an empty minibatch still joins the all-reduce
+                self.config.finalize_model_grads_func([self.model])
             _, norm, _ = self.optimizer.step()
             grad_norm = float(norm)
         tokens = float(sum(batch.trained_tokens()))
         out = {name: float(value) / max(tokens, 1.0) for name, value in sums.items()}
         moments = self._dp_sums(variance_sums(batch.returns or [], batch.values or []))
-        return out | {"explained_variance": explained_variance(moments), "critic_grad_norm": grad_norm}
+        result = out | {"explained_variance": explained_variance(moments), "critic_grad_norm": grad_norm}
+        return pipeline.from_last_stage(result, self.device)
 
     # -- placement -----------------------------------------------------------------------------
 

@@ -41,16 +41,19 @@ class Padded(NamedTuple):
     old: torch.Tensor
 
 
-# take(micro, padded, logprobs, k): on the last stage, what a pass yields — the loss to backpropagate
-# (training) or what to keep (forward only); k is the micro-batch's index
+# take(micro, padded, read, k): on the last stage, what a pass yields — the loss to backpropagate
+# (training) or what to keep (forward only); ``read`` is what the trainer reads off the last stage's
+# output (the policy's token log-probs, a critic's values); k is the micro-batch's index
 Take = Callable[[TrainBatch, Padded, torch.Tensor, int], Any]
 
 
 def schedule(trainer, model, micros: list[TrainBatch], take: Take, forward_only: bool, pixel_cache=None) -> list:
-    """Run ``model`` (the policy or the reference) over ``micros`` on this rank's stage. Training
-    accumulates gradients in DDP's buffers and ends with ``config.finalize_model_grads_func`` (the
-    all-reduce); forward only returns what ``take`` kept. Returns ``take``'s value per micro-batch,
-    in order, on the last stage; nothing on the others."""
+    """Run ``model`` (the policy, the reference or a critic) over ``micros`` on this rank's stage.
+    Training accumulates gradients in DDP's buffers and ends with ``config.finalize_model_grads_func``
+    (the all-reduce); forward only returns what ``take`` kept. Returns ``take``'s value per
+    micro-batch, in order, on the last stage; nothing on the others. ``trainer`` gives the stage's
+    ``_forward(model, ids, pixels)``, what to read off the last stage's output, ``_read(output, ids)``,
+    and the id its rows are padded with, ``pad_id``."""
     if not micros:
         return []
     device = trainer.device
@@ -58,7 +61,7 @@ def schedule(trainer, model, micros: list[TrainBatch], take: Take, forward_only:
     def forward_step(items, chunk):
         k, micro = next(items)
         report_progress()  # the host's heartbeat: a long train step is moving (engines/wire/channel.py)
-        ids, _, response, old = (t.to(device) for t in pad_batch(micro, trainer.tokenizer.pad_token_id))
+        ids, _, response, old = (t.to(device) for t in pad_batch(micro, trainer.pad_id))
         padded = Padded(ids, response, old)
         if trainer.replays is not None and model is trainer.model:  # the policy replays the rollout's routes
             routing.set_routes(trainer.replays, None if micro.routed_experts is None else padded_routes(
@@ -66,7 +69,7 @@ def schedule(trainer, model, micros: list[TrainBatch], take: Take, forward_only:
         output = trainer._forward(chunk, ids, multimodal.pixels(trainer.processor, micro, device, pixel_cache))
 
         def loss_func(logits, non_loss_data=False):
-            value = take(micro, padded, trainer._token_logprobs(logits, ids), k)
+            value = take(micro, padded, trainer._read(logits, ids), k)
             if forward_only:
                 return value
             # (loss, tokens, what the schedule collects): the token count is only the schedule's

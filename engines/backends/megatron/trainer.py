@@ -104,6 +104,7 @@ class MegatronTrainer(Sleeps):
             self.banned = multimodal.image_token_ids(self.processor)
         self.tokenizer = self.processor.tokenizer if self.processor is not None else AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer.padding_side = "left"
+        self.pad_id = self.tokenizer.pad_token_id  # right-pads the passes' rows (masked out)
         self.temperature = temperature
         self._adam_repairs = megatron_optimizer.needs_adam_repairs(distributed_optimizer)  # see load_checkpoint
         self._sharding = megatron_optimizer.sharding(reshardable_optimizer)  # the optimizer's checkpoint format
@@ -185,7 +186,7 @@ class MegatronTrainer(Sleeps):
             decoder_input = vision.merge(embeddings, ids, features, self.hf_config.image_token_id)
         return model(input_ids=ids, position_ids=positions, attention_mask=None, decoder_input=decoder_input)
 
-    def _token_logprobs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _read(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """log p(token t | tokens < t) for t >= 1 from the last stage's logits; shape [batch, len-1]
         (on every TP rank)."""
         logits = logits[:, :-1].float()
