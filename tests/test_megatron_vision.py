@@ -189,7 +189,8 @@ def test_vlm_train_step_checkpoint_sleep_and_save_hf(vlm, tmp_path):
     assert diff <= ATOL
 
 
-# --- two processes over gloo: TP=2 (tower and connector replicated), DP=2 (connector all-reduced) ---
+# --- two processes over gloo: TP=2 (tower and connector replicated), PP=2 (tower and connector on the first
+# stage), DP=2 (connector all-reduced) ---
 
 
 def _worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) -> None:
@@ -206,15 +207,21 @@ def _worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) -> 
               "after": dict(trainer.export_weights())}
         del trainer
         parallel_state.destroy_model_parallel()
+        # two stages, the tower and connector on the first; passes of at most 64 tokens on the 1F1B schedule
+        trainer = MegatronTrainer(model_dir, **HYPER, pipeline_parallel=2)
+        pp = {"logprobs": trainer.logprobs(cases["whole"]), "stats": trainer.train_step(cases["whole"], micro_batch_tokens=64),
+              "after": dict(trainer.export_weights())}
+        del trainer
+        parallel_state.destroy_model_parallel()
         trainer = MegatronTrainer(model_dir, **HYPER)
         dp = {"stats": trainer.train_step(cases["halves"][rank]), "after": dict(trainer.export_weights())}
-        torch.save({"tp": tp, "dp": dp}, os.path.join(out, f"rank{rank}.pt"))
+        torch.save({"tp": tp, "pp": pp, "dp": dp}, os.path.join(out, f"rank{rank}.pt"))
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
 
-def test_vlm_tp2_and_dp2_equal_one_process(vlm, tmp_path):
+def test_vlm_tp2_pp2_and_dp2_equal_one_process(vlm, tmp_path):
     import torch.multiprocessing as mp
     from helpers import free_port
 
@@ -238,7 +245,7 @@ def test_vlm_tp2_and_dp2_equal_one_process(vlm, tmp_path):
     single_after = dict(single.export_weights())
     connector = [k for k in initial if ".connector." in k]
     assert max(float((single_after[k] - initial[k]).abs().max()) for k in connector) > 100 * ATOL
-    for mode in ("tp", "dp"):
+    for mode in ("tp", "pp", "dp"):
         rank0, rank1 = (r[mode] for r in results)
         assert max_diff(rank0["after"], rank1["after"]) == 0.0, mode  # replicas (and TP gathers) agree
         connector_only = {k: v for k, v in initial.items() if ".connector." in k}
@@ -247,3 +254,4 @@ def test_vlm_tp2_and_dp2_equal_one_process(vlm, tmp_path):
                         connector_only) <= STEP_RTOL, mode
         assert rank0["stats"]["grad_norm"] == pytest.approx(single_stats["grad_norm"], rel=1e-5), mode
     assert lp_diff(results[0]["tp"]["logprobs"], single_lp) <= ATOL
+    assert lp_diff(results[0]["pp"]["logprobs"], single_lp) <= ATOL and results[0]["pp"]["logprobs"] == results[1]["pp"]["logprobs"]

@@ -301,10 +301,6 @@ def check_vision(config, policy: str):
                 f"GPT language model for {tuple(MEGATRON_VISION_MODELS)} only (engines/backends/megatron/vision.py): its language "
                 "model must be a mapped Llama and its image features must fill the image-token positions, which other "
                 "families (Qwen-VL's 3-D rotary positions, LLaVA's, Gemma 3's) do not satisfy: use train.backend=torch")
-        if config.train.pipeline_parallel > 1:
-            raise InputError(f"train.pipeline_parallel={config.train.pipeline_parallel}: {config.uri(config.model.policy)} is a "
-                             "vision-language model, whose vision tower and connector yattflow's Megatron trainer keeps "
-                             "beside the first stage's embedding only in a model of one stage: use train.pipeline_parallel=1")
     try:
         return multimodal.load_processor(policy)
     except Exception as e:  # noqa: BLE001 - any failure means no usable processor

@@ -56,7 +56,7 @@ def schedule(trainer, model, micros: list[TrainBatch], take: Take, forward_only:
     and the id its rows are padded with, ``pad_id``."""
     if not micros:
         return []
-    device = trainer.device
+    device, first = trainer.device, parallel_state.is_pipeline_first_stage()
 
     def forward_step(items, chunk):
         k, micro = next(items)
@@ -66,7 +66,8 @@ def schedule(trainer, model, micros: list[TrainBatch], take: Take, forward_only:
         if trainer.replays is not None and model is trainer.model:  # the policy replays the rollout's routes
             routing.set_routes(trainer.replays, None if micro.routed_experts is None else padded_routes(
                 micro.routed_experts, ids.shape[1], len(trainer.replays), trainer.config.moe_router_topk))
-        output = trainer._forward(chunk, ids, multimodal.pixels(trainer.processor, micro, device, pixel_cache))
+        pixels = multimodal.pixels(trainer.processor, micro, device, pixel_cache) if first else None  # the tower's stage
+        output = trainer._forward(chunk, ids, pixels)
 
         def loss_func(logits, non_loss_data=False):
             value = take(micro, padded, trainer._read(logits, ids), k)

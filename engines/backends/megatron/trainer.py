@@ -97,9 +97,6 @@ class MegatronTrainer(Sleeps):
         self.text_config = self.hf_config
         if self.processor is not None:
             vision.check_supported(self.hf_config)
-            if pipeline_parallel > 1:
-                raise ValueError("a vision-language model's tower and connector sit beside the first stage's embedding: "
-                                 "pipeline_parallel > 1 is not wired for them")
             self.text_config = vision.text_config(self.hf_config)
             self.banned = multimodal.image_token_ids(self.processor)
         self.tokenizer = self.processor.tokenizer if self.processor is not None else AutoTokenizer.from_pretrained(model_dir)
@@ -121,7 +118,8 @@ class MegatronTrainer(Sleeps):
             if self.processor is None:
                 return build_gpt(self.hf_config, self.config, hf_state, self.device)
             gpt = build_gpt(self.text_config, self.config, vision.text_state(hf_state), self.device)
-            vision.attach(gpt, self.hf_config, hf_state, self.device, torch_dtype, freeze_vision)
+            if parallel_state.is_pipeline_first_stage():  # the tower and connector sit beside the embedding
+                vision.attach(gpt, self.hf_config, hf_state, self.device, torch_dtype, freeze_vision)
             return gpt
 
         model = build(freeze_vision)
@@ -175,7 +173,8 @@ class MegatronTrainer(Sleeps):
         padding, and positions 0..n-1 are the ones Hugging Face gives them. No mask tensor: the
         layers' causal mask type lets SDPA use its causal kernels (a [seq, seq] mask would rule
         flash attention out). ``pixels``: a vision batch's image inputs, whose features the
-        connector puts in place of the image tokens' embeddings (``vision.py``)."""
+        connector puts in place of the image tokens' embeddings (``vision.py``; the first stage's:
+        the others take the previous stage's activations)."""
         batch, length = ids.shape
         positions = torch.arange(length, device=ids.device).expand(batch, length)
         decoder_input = None
