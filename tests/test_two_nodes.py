@@ -1,6 +1,7 @@
 """Two nodes, for real: two network namespaces joined by a veth pair, each with its own address,
 process worker, engine hosts and node controller bound to that address, train one run across them,
-each DP group's two ranks on both nodes (gloo between the namespaces; timing-stub engines). Only addresses this test assigns to the pair it made are used;
+each DP group's two pipeline stages on both nodes (gloo between the namespaces; the real engines: torch
+rollout and judge, the Megatron trainer on the CPU). Only addresses this test assigns to the pair it made are used;
 both namespaces are removed after. Needs root and ``ip netns``; skips otherwise."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_steps_completed
+from tests.helpers import assert_steps_completed, save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,10 +44,12 @@ def test_one_run_across_two_namespaces(prepared, tmp_path):
                 ip("-n", ns, "link", "set", "lo", "up")
         except (subprocess.CalledProcessError, FileNotFoundError) as e:
             pytest.skip(f"ip netns does not work here: {getattr(e, 'stderr', e)}")
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        # Megatron-Core on the CPU in the engine hosts both nodes' workers start (tests/megatron_cpu_site)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "megatron_cpu_site"), str(ROOT)]))
+        policy = save_tiny_model(tmp_path / "policy", hidden_size=32, num_layers=2)  # a layer per stage
         env.pop("PREFECT_API_URL", None)  # node A's own server
         run = subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, "-m", "tests.two_nodes_run", "--store", prepared,
-                              "--work", str(tmp_path), "--a", a, "--b", b, "--ns-b", ns_b],
+                              "--policy", policy, "--work", str(tmp_path), "--a", a, "--b", b, "--ns-b", ns_b],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, f"{run.stdout[-5000:]}\n{run.stderr[-5000:]}"
     finally:
@@ -70,3 +73,8 @@ def test_one_run_across_two_namespaces(prepared, tmp_path):
     on_b = [s for s in result["listening"]["b"] if s.startswith(f"{b}:")]
     assert any("engines.host" in s for s in on_b) and any("flows.node_controller" in s for s in on_b), on_b
     assert "2 node controllers of 1 DP groups each, at " in result["train_log"] and f"{b}:" in result["train_log"]
+    for host in ("dp-0", "dp-1"):  # each group's two stages loaded Megatron, its rollout engine on the first
+        assert f"{host}: engines (rollout=torch judge=torch train=megatron)" in result["train_log"], host
+        assert f"{host}.1: engines (rollout=- judge=- train=megatron)" in result["train_log"], host
+    layout = json.loads((Path(prepared) / "runs" / "twonodes" / "checkpoints" / "000001" / "layout.json").read_text())
+    assert (layout["dp"], layout["pipeline_parallel"]) == (2, 2)

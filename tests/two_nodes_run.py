@@ -1,14 +1,16 @@
 """The inside of tests/test_two_nodes.py: run in network namespace A, with B reachable over a veth pair.
 
-    ip netns exec A python -m tests.two_nodes_run --store DIR --work DIR --a 169.254.X.1 --b 169.254.X.2 --ns-b B
+    ip netns exec A python -m tests.two_nodes_run --store DIR --policy DIR --work DIR --a 169.254.X.1 --b 169.254.X.2 --ns-b B
 
 Node A: PostgreSQL (its loopback), the Prefect server on A's address, a process worker for work
 queues q-0 and q-3, and the training run itself. Node B: a process worker for q-1 and q-2, started in
-namespace B. The run (dp=2 groups of train.tensor_parallel=2 ranks, hosts.launch=deployment,
+namespace B. The run (the real engines: torch rollout and judge, the Megatron trainer; dp=2 groups of
+train.pipeline_parallel=2 stages of --policy's two layers, hosts.launch=deployment,
 hosts.work_queue=q-{rank}, controllers.groups_per_node=1) starts each rank's engine host, and beside
 each group's leader that node's controller, as a flow run its node's worker takes, bound to the
 node's address (the worker's YATTFLOW_HOST_BIND): group 0 is ranks 0 (A) and 1 (B), group 1 ranks 2
-(B) and 3 (A), so each group spans both nodes. While it trains, every listening TCP socket of both
+(B) and 3 (A), so each group's two stages are on both nodes, its activations and their gradients
+crossing between them. While it trains, every listening TCP socket of both
 namespaces is recorded. Writes what it saw to --work/result.json.
 """
 
@@ -29,7 +31,6 @@ from tests.helpers import read_run_tree
 from tests.postgres import PostgresCluster, PrefectServer, run_flow_subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
-STUBS = ["rollout.backend=stub", "judge.backend=stub", "train.backend=stub"]
 
 
 def listeners(prefix: list[str]) -> set[str]:
@@ -64,7 +65,7 @@ def worker(prefix: list[str], name: str, queues: list[str], bind: str, env: dict
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    for arg in ("--store", "--work", "--a", "--b", "--ns-b"):
+    for arg in ("--store", "--policy", "--work", "--a", "--b", "--ns-b"):
         p.add_argument(arg, required=True)
     args = p.parse_args()
     work, in_b = Path(args.work), ["ip", "netns", "exec", args.ns_b]
@@ -93,11 +94,10 @@ def main() -> None:
         watcher.start()
         try:
             summary = run_flow_subprocess(server.url, "flows.training:train", timeout=420, log_path=work / "train.log",
-                                          overrides=TINY + STUBS + [
-                f"storage.root={args.store}", "name=twonodes", "steps=2", "dp=2", "train.tensor_parallel=2", "checkpoint.every=1",
-                "hosts.launch=deployment", "hosts.work_queue=q-{rank}", "controllers.groups_per_node=1",
-                "rollout.stub_seconds_per_token=0",
-                "train.stub_seconds_per_token=0"])
+                                          overrides=TINY + [
+                f"storage.root={args.store}", f"model.policy={args.policy}", "name=twonodes", "steps=2", "dp=2",
+                "train.backend=megatron", "train.pipeline_parallel=2", "train.micro_batch_tokens=64", "checkpoint.every=1",
+                "hosts.launch=deployment", "hosts.work_queue=q-{rank}", "controllers.groups_per_node=1"])
             result["steps"] = [m["step"] for m in summary["history"]]
             result["tree"] = asyncio.run(read_run_tree("twonodes", api_url=server.url))
         finally:
