@@ -37,7 +37,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2For
 
 from engines.backends.megatron.trainer import MegatronTrainer  # noqa: E402
 
-from engines.backends.megatron.mapping import hf_to_megatron, load_hf_state, megatron_to_hf  # noqa: E402
+from engines.backends.megatron.mapping import (HFState, hf_to_megatron, load_hf_state, megatron_tensors, megatron_to_hf,  # noqa: E402
+                                               stage_name)
 from engines.demo.tiny import build_char_tokenizer  # noqa: E402
 from engines.backends.base import TrainBatch  # noqa: E402
 from engines.backends.torch.generator import TorchGenerator  # noqa: E402
@@ -128,6 +129,27 @@ def test_qkv_is_interleaved_per_group_and_fc1_is_gate_up_per_rank(model_dir):
         assert torch.equal(qkv, torch.cat([q[16 * rank : 16 * rank + 16], k[8 * rank : 8 * rank + 8], v[8 * rank : 8 * rank + 8]]))
         fc1 = m["decoder.layers.0.mlp.linear_fc1.weight"]
         assert torch.equal(fc1, torch.cat([gate.chunk(2)[rank], up.chunk(2)[rank]]))
+
+
+def test_a_pipeline_stage_reads_only_its_own_tensors_from_the_folder(tmp_path):
+    """``megatron_tensors`` with a stage's ``keep`` reads its layers' Hugging Face tensors (and the
+    last stage's norm and output layer) from the folder and no other, and converts them as the
+    whole model's mapping does."""
+    model_dir = save_tiny_model(tmp_path / "policy", hidden_size=32, num_layers=4)
+    hf_config, reads = AutoConfig.from_pretrained(model_dir), []
+
+    class Counted(HFState):
+        def __getitem__(self, name):
+            reads.append(name)
+            return super().__getitem__(name)
+
+    last = lambda name: stage_name(name, 2, 2, False, True, hf_config.tie_word_embeddings)  # noqa: E731 - layers 2-3 of 4
+    mine = dict(megatron_tensors(Counted(HFState.open(model_dir).index), hf_config, keep=lambda n: last(n) is not None))
+    own = ("model.layers.2.", "model.layers.3.", "model.norm.", "lm_head.", *(("model.embed_tokens.",) * hf_config.tie_word_embeddings))
+    assert reads and all(name.startswith(own) for name in reads) and len(reads) == len(set(reads))
+    whole = hf_to_megatron(load_hf_state(model_dir), hf_config)
+    assert mine.keys() == {n for n in whole if last(n) is not None} and all(torch.equal(mine[n], whole[n]) for n in mine)
+    assert {last(n) for n in mine} >= {"decoder.layers.0.mlp.linear_fc2.weight", "decoder.final_layernorm.weight"}
 
 
 # --- 2./3. parity with TorchTrainer -----------------------------------------------------------

@@ -37,7 +37,7 @@ from engines.backends.base import FrozenCheckpoint, TrainBatch
 from engines.backends.batching import micro_batches
 from engines.backends.distributed import default_device
 from engines.backends.megatron import optimizer as megatron_optimizer, pipeline
-from engines.backends.megatron.mapping import _param_to_hf, load_hf_state
+from engines.backends.megatron.mapping import HFState, _param_to_hf
 from engines.backends.megatron.model import RecomputeGranularity, _init_distributed, build_gpt, transformer_config
 from engines.backends.megatron.offload import Offload, Sleeps, trainer_tensors
 from engines.backends.torch.critic import explained_variance, variance_sums
@@ -90,10 +90,10 @@ class MegatronCritic(Sleeps):
         self.pad_id = self.tokenizer.pad_token_id or 0  # masked out: any id will do
         self.config = transformer_config(self.text_config, tensor_parallel, getattr(torch, dtype), recompute_granularity,
                                          recompute_method, recompute_num_layers, recompute_modules, pipeline_parallel)
-        hf_state = load_hf_state(model_dir)
+        hf_state = HFState.open(model_dir)  # each tensor read when this rank's share needs it
         head = value_head.read_head(model_dir)
-        for name in (*value_head.HEAD, "lm_head.weight"):  # heads: the policy's vocabulary one is not the critic's
-            hf_state.pop(name, None)
+        heads = (*value_head.HEAD, "lm_head.weight")  # the policy's vocabulary one is not the critic's
+        hf_state = hf_state.view({name: name for name in hf_state if name not in heads})
         gpt = build_gpt(self.text_config, self.config, hf_state, self.device)
         del hf_state
         # the tied model's forward would hand the head the embedding matrix, and its sharded state

@@ -18,11 +18,12 @@ its ``local_experts``; names of the whole model number them as one rank would.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from engines.backends.megatron.architectures import Architecture, Rule, architecture, attention_shape
 
@@ -129,12 +130,22 @@ def fuse_experts(tensors: Iterable[tuple[str, torch.Tensor]], hf_config) -> Iter
         raise MappingError(f"model_type {hf_config.model_type!r}: expert tensors whose layer's others never came: {sorted(held)}")
 
 
-def hf_to_megatron(hf_state: dict, hf_config, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0,
+def hf_to_megatron(hf_state: Mapping, hf_config, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0,
                    ep_size: int = 1) -> dict[str, torch.Tensor]:
     """Hugging Face tensors → the state dict of TP rank ``tp_rank`` (and expert-parallel rank
-    ``ep_rank``: its experts only) of a Megatron ``GPTModel``; ``MappingError`` if a tensor the
-    table needs is absent or one it does not know is left over. A mixture of experts' tensors may
-    come per expert (checkpoints) or fused (transformers' model).
+    ``ep_rank``: its experts only) of a Megatron ``GPTModel`` (:func:`megatron_tensors`, all of them)."""
+    return dict(megatron_tensors(hf_state, hf_config, tp_rank, tp_size, ep_rank, ep_size))
+
+
+def megatron_tensors(hf_state: Mapping, hf_config, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0,
+                     ep_size: int = 1, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Hugging Face tensors → (whole-model Megatron name, TP rank ``tp_rank``'s tensor) of a
+    Megatron ``GPTModel``, one at a time (expert-parallel rank ``ep_rank``: its experts only);
+    ``MappingError`` before the first if a tensor the table needs is absent or one it does not know
+    is left over. A mixture of experts' tensors may come per expert (checkpoints) or fused
+    (transformers' model). ``keep``: the names wanted (a pipeline stage's); the others' tensors are
+    never read from ``hf_state`` (an ``HFState`` reads each when asked). A TP rank keeps its slice
+    of each tensor, not the whole.
 
     Layouts (``architectures.Rule``): Megatron fuses Q, K and V into one ``linear_qkv`` whose rows
     are grouped per key/value group (that group's query heads, then its key head, then its value
@@ -160,32 +171,12 @@ def hf_to_megatron(hf_state: dict, hf_config, tp_rank: int = 0, tp_size: int = 1
     def split(t: torch.Tensor, dim: int) -> torch.Tensor:
         if t.shape[dim] % tp_size:
             raise ValueError(f"dimension {dim} of a {tuple(t.shape)} tensor does not split over {tp_size} TP ranks")
-        return t.chunk(tp_size, dim)[tp_rank]
+        return t.chunk(tp_size, dim)[tp_rank].clone() if tp_size > 1 else t  # a copy: the whole tensor is freed
 
     rules = _rules(hf_config)
     absent = [h for _, names, _ in rules for h in names if h not in hf_state]
     if absent:
         raise MappingError(f"model_type {hf_config.model_type!r}: Hugging Face tensors the mapping needs are absent: {absent}")
-    out: dict[str, torch.Tensor] = {}
-    for name, hf_names, rule in rules:
-        name = local_expert(name, hf_config, ep_rank, ep_size)
-        if name is None:  # another expert-parallel rank's expert
-            continue
-        ts = [hf_state[h] for h in hf_names]
-        if rule.layout == "replicated":
-            out[name] = ts[0]
-        elif rule.layout == "row":
-            out[name] = split(ts[0], 1)
-        elif rule.layout == "vocab":
-            t = ts[0]
-            out[name] = split(torch.cat([t, t.new_zeros(vocab - t.shape[0], *t.shape[1:])]), 0)
-        elif rule.layout == "qkv":
-            grouped = torch.cat([t.unflatten(0, (groups, -1)) for t in ts], 1)
-            out[name] = split(grouped.flatten(0, 1), 0)
-        elif rule.layout == "gate_up":
-            out[name] = torch.cat([split(t, 0) for t in ts])
-        else:
-            raise ValueError(f"{rule}: unknown layout")
     consumed = {h for _, names, _ in rules for h in names}
     leftover = [k for k in hf_state if k not in consumed and not IGNORED.fullmatch(k)]
     if hf_config.tie_word_embeddings and "lm_head.weight" in leftover:
@@ -196,29 +187,43 @@ def hf_to_megatron(hf_state: dict, hf_config, tp_rank: int = 0, tp_size: int = 1
     if leftover:
         raise MappingError(f"model_type {hf_config.model_type!r}: Hugging Face tensors the Megatron mapping does not "
                            f"consume (they would be dropped): {sorted(leftover)}")
-    return out
+    for name, hf_names, rule in rules:
+        name = local_expert(name, hf_config, ep_rank, ep_size)
+        if name is None or keep is not None and not keep(name):  # another expert-parallel rank's expert, or stage's
+            continue
+        ts = [hf_state[h] for h in hf_names]
+        if rule.layout == "replicated":
+            yield name, ts[0]
+        elif rule.layout == "row":
+            yield name, split(ts[0], 1)
+        elif rule.layout == "vocab":
+            t = ts[0]
+            yield name, split(torch.cat([t, t.new_zeros(vocab - t.shape[0], *t.shape[1:])]), 0)
+        elif rule.layout == "qkv":
+            grouped = torch.cat([t.unflatten(0, (groups, -1)) for t in ts], 1)
+            yield name, split(grouped.flatten(0, 1), 0)
+        elif rule.layout == "gate_up":
+            yield name, torch.cat([split(t, 0) for t in ts])
+        else:
+            raise ValueError(f"{rule}: unknown layout")
 
 
-def stage_state(state: dict[str, torch.Tensor], offset: int, layers: int, first: bool, last: bool,
-                tied: bool) -> dict[str, torch.Tensor]:
-    """The part of a whole model's Megatron state dict (global layer numbers) that one pipeline
-    stage holds: its ``layers`` layers from ``offset`` on, renumbered from 0 as the stage's
-    ``TransformerBlock`` names them, the embedding on the first stage, the final norm and output
+def stage_name(name: str, offset: int, layers: int, first: bool, last: bool, tied: bool) -> str | None:
+    """A whole model's Megatron parameter → its name in the pipeline stage that holds it, or None
+    for another stage's: the stage's ``layers`` layers from ``offset`` on, renumbered from 0 as
+    its ``TransformerBlock`` names them, the embedding on the first stage, the final norm and output
     layer on the last. A tied output layer on a last stage that is not also the first is its own
     copy of the embedding (Megatron keeps the two in step: ``finalize_model_grads`` sums their
     gradients over the embedding group)."""
-    out = {}
-    for name, tensor in state.items():
-        match = LAYER.fullmatch(name)
-        if match:
-            index = int(match.group(1)) - offset
-            if 0 <= index < layers:
-                out[f"decoder.layers.{index}.{match.group(2)}"] = tensor
-        elif name.startswith("embedding.") and first or not name.startswith("embedding.") and last:
-            out[name] = tensor
-    if tied and last and not first:
-        out["output_layer.weight"] = state["embedding.word_embeddings.weight"]
-    return out
+    match = LAYER.fullmatch(name)
+    if match:
+        index = int(match.group(1)) - offset
+        return f"decoder.layers.{index}.{match.group(2)}" if 0 <= index < layers else None
+    if name.startswith("embedding."):
+        if first:
+            return name
+        return "output_layer.weight" if last and tied and name == "embedding.word_embeddings.weight" else None
+    return name if last else None
 
 
 def global_name(name: str, offset: int) -> str:
@@ -274,10 +279,43 @@ def _param_to_hf(name: str, shards: list[torch.Tensor], hf_config) -> dict[str, 
 
 
 def load_hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
+    """Every tensor of a Hugging Face folder, in memory (a whole model: tests and small folders)."""
+    return dict(HFState.open(model_dir).items())
+
+
+class HFState(Mapping):
+    """A Hugging Face folder's tensors by name, each read from its safetensors file when asked for
+    (memory-mapped, copied out one at a time): a pipeline stage or a TP rank that builds its share
+    of a model reads its share, not the whole folder (``hf_to_megatron``'s ``keep``)."""
+
+    def __init__(self, index: dict[str, tuple[str, str]]):
+        self.index = index  # name -> (file, name in the file)
+
+    @classmethod
+    def open(cls, model_dir: str | Path) -> "HFState":
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
+        index = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as opened:
+                index |= {name: (str(f), name) for name in opened.keys()}
+        return cls(index)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        file, stored = self.index[name]
+        with safe_open(file, framework="pt") as opened:
+            return opened.get_tensor(stored)
+
+    def __contains__(self, name) -> bool:  # (Mapping's would read the tensor)
+        return name in self.index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.index)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def view(self, names: dict[str, str]) -> "HFState":
+        """Some of the tensors under other names: ``{new name: name here}``."""
+        return HFState({new: self.index[old] for new, old in names.items()})

@@ -27,7 +27,7 @@ from megatron.core.utils import divide
 
 from engines.backends.distributed import default_device, init_process_groups
 from engines.backends.megatron.architectures import architecture, rope_scaling, rope_theta
-from engines.backends.megatron.mapping import MappingError, hf_to_megatron, padded_vocab_size, stage_state
+from engines.backends.megatron.mapping import MappingError, megatron_tensors, padded_vocab_size, stage_name
 
 # Megatron-Core 0.16's router (moe_utils.RouterGatingLinearFunction) asks ``te_general_gemm is not
 # None``, a name moe_utils only defines when Transformer Engine imports: without it every MoE
@@ -181,10 +181,11 @@ def transformer_config(hf_config, tensor_parallel: int, dtype: torch.dtype, reco
     )
 
 
-def build_gpt(hf_config, config: TransformerConfig, hf_state: dict, device: torch.device | None = None,
+def build_gpt(hf_config, config: TransformerConfig, hf_state, device: torch.device | None = None,
               layer_spec=None) -> GPTModel:
     """A GPT model on ``device`` (None: this process's, ``engines.backends.distributed.default_device``)
-    holding this TP rank's share of the Hugging Face weights. ``layer_spec``: the transformer
+    holding this TP rank's share of the Hugging Face weights, of this pipeline stage's layers
+    (``hf_state``: a mapping such as ``mapping.HFState``, of which only those tensors are read). ``layer_spec``: the transformer
     layer (default :func:`gpt_layer_spec`). Strict: every Megatron parameter is filled from the
     folder (and ``hf_to_megatron`` consumes every Hugging Face tensor), else ``MappingError``."""
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
@@ -217,11 +218,23 @@ def build_gpt(hf_config, config: TransformerConfig, hf_state: dict, device: torc
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     ep_size = parallel_state.get_expert_model_parallel_world_size()
-    state = stage_state(hf_to_megatron(hf_state, hf_config, tp_rank, tp_size, ep_rank, ep_size), get_transformer_layer_offset(config),
-                        config.num_layers // config.pipeline_model_parallel_size, first, last,
-                        hf_config.tie_word_embeddings)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    stage = (get_transformer_layer_offset(config), config.num_layers // config.pipeline_model_parallel_size, first, last,
+             hf_config.tie_word_embeddings)
+    # one tensor at a time, into its parameter: the stage's tensors are never all in memory beside the model
+    target, filled, unexpected = model.state_dict(), set(), []
+    mine = lambda name: stage_name(name, *stage) is not None  # noqa: E731
+    with torch.no_grad():
+        for name, tensor in megatron_tensors(hf_state, hf_config, tp_rank, tp_size, ep_rank, ep_size, keep=mine):
+            local = stage_name(name, *stage)
+            if local not in target:
+                unexpected.append(local)
+                continue
+            if target[local].shape != tensor.shape:
+                raise MappingError(f"model_type {hf_config.model_type!r}: {name} maps to a {tuple(tensor.shape)} tensor, "
+                                   f"the Megatron parameter {local} is {tuple(target[local].shape)}")
+            target[local].copy_(tensor)
+            filled.add(local)
+    missing = [k for k in target if k not in filled and not k.endswith("_extra_state")]
     if missing or unexpected:
         raise MappingError(f"model_type {hf_config.model_type!r}: Megatron parameters the Hugging Face folder did not "
                            f"fill: {missing}; mapped tensors the Megatron model has no parameter for: {unexpected}")

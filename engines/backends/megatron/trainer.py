@@ -44,7 +44,7 @@ from engines.backends.batching import micro_batches, pad_weights, response_value
 from engines.backends.distributed import default_device
 from engines.backends.megatron import optimizer as megatron_optimizer, pipeline, routing, vision
 from engines.backends.megatron.architectures import architecture
-from engines.backends.megatron.mapping import _param_to_hf, fuse_experts, load_hf_state, padded_vocab_size, unfuse_experts
+from engines.backends.megatron.mapping import HFState, _param_to_hf, fuse_experts, padded_vocab_size, unfuse_experts
 from engines.backends.megatron.model import RecomputeGranularity, _init_distributed, build_gpt, transformer_config
 from engines.backends.megatron.offload import Offload, Sleeps, trainer_tensors
 from engines.rl import registry
@@ -112,7 +112,7 @@ class MegatronTrainer(Sleeps):
         self.config = transformer_config(self.text_config, tensor_parallel, torch_dtype, recompute_granularity,
                                          recompute_method, recompute_num_layers, recompute_modules, pipeline_parallel,
                                          expert_parallel)
-        hf_state = load_hf_state(model_dir)
+        hf_state = HFState.open(model_dir)  # each tensor read when this rank's share needs it
 
         def build(freeze_vision: bool):
             if self.processor is None:

@@ -29,6 +29,8 @@ import copy
 
 import torch
 
+from engines.backends.megatron.mapping import HFState
+
 # model_type -> the transformers module that holds its vision tower and connector classes
 VISION_MODELS = {"idefics3": "idefics3", "smolvlm": "smolvlm"}
 VISION_PREFIX = "hf_vision."  # the Megatron-side names of the Hugging Face modules
@@ -53,15 +55,10 @@ def text_config(hf_config):
     return text
 
 
-def text_state(hf_state: dict) -> dict:
-    """The language model's tensors under the Llama names ``mapping.hf_to_megatron`` reads."""
-    out = {}
-    for name, tensor in hf_state.items():
-        if name.startswith(TEXT_PREFIX):
-            out["model." + name[len(TEXT_PREFIX):]] = tensor
-        elif name == "lm_head.weight":
-            out[name] = tensor
-    return out
+def text_state(hf_state: HFState) -> HFState:
+    """The language model's tensors under the Llama names ``mapping.hf_to_megatron`` reads (none read yet)."""
+    return hf_state.view({("model." + name[len(TEXT_PREFIX):] if name.startswith(TEXT_PREFIX) else name): name
+                          for name in hf_state if name.startswith(TEXT_PREFIX) or name == "lm_head.weight"})
 
 
 def to_vlm_name(text_name: str) -> str:
@@ -78,7 +75,7 @@ def hf_name(megatron_name: str) -> str | None:
     return None
 
 
-def attach(gpt: torch.nn.Module, hf_config, hf_state: dict, device, dtype: torch.dtype, freeze_vision: bool = True) -> None:
+def attach(gpt: torch.nn.Module, hf_config, hf_state: HFState, device, dtype: torch.dtype, freeze_vision: bool = True) -> None:
     """Build the Hugging Face vision tower and connector from ``hf_state`` and attach them to
     ``gpt`` as ``hf_vision`` (before DDP wraps it). ``freeze_vision``: the tower takes no gradient
     (the connector always trains)."""
@@ -92,7 +89,7 @@ def attach(gpt: torch.nn.Module, hf_config, hf_state: dict, device, dtype: torch
     container.vision_model = getattr(modeling, f"{prefix}VisionTransformer")._from_config(
         hf_config.vision_config, attn_implementation="sdpa")
     container.connector = getattr(modeling, f"{prefix}Connector")(hf_config)
-    state = {name[len("model."):]: t for name, t in hf_state.items()
+    state = {name[len("model."):]: hf_state[name] for name in hf_state  # these tensors only (an HFState reads them)
              if name.startswith(("model.vision_model.", "model.connector."))}
     missing, unexpected = container.load_state_dict(state, strict=False)
     if missing or unexpected:
