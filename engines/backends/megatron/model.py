@@ -185,8 +185,8 @@ def build_gpt(hf_config, config: TransformerConfig, hf_state, device: torch.devi
               layer_spec=None) -> GPTModel:
     """A GPT model on ``device`` (None: this process's, ``engines.backends.distributed.default_device``)
     holding this TP rank's share of the Hugging Face weights, of this pipeline stage's layers
-    (``hf_state``: a mapping such as ``mapping.HFState``, of which only those tensors are read). ``layer_spec``: the transformer
-    layer (default :func:`gpt_layer_spec`). Strict: every Megatron parameter is filled from the
+    (``hf_state``: a mapping such as ``mapping.HFState``, of which only those tensors are read).
+    ``layer_spec``: the transformer layer (default :func:`gpt_layer_spec`). Strict: every Megatron parameter is filled from the
     folder (and ``hf_to_megatron`` consumes every Hugging Face tensor), else ``MappingError``."""
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     model = GPTModel(

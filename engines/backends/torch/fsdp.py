@@ -139,4 +139,3 @@ def by_index(optimizer_state: dict, names: list[str]) -> dict:
     index = {n: i for i, n in enumerate(names)}
     return {"state": {index[n]: v for n, v in optimizer_state["state"].items()},
             "param_groups": [dict(g, params=[index[n] for n in g["params"]]) for g in optimizer_state["param_groups"]]}
-

@@ -76,6 +76,8 @@ def names(folder: str, part: str = "model") -> set[str]:
 def read_index(folder: str):
     """``folder``'s index (DCP's ``Metadata``), unpickled with the classes of an index only."""
     path = os.path.join(folder, INDEX)
+    if not os.path.exists(path):
+        raise ValueError(f"{folder}: no {INDEX}, the index of a checkpoint's shards (not a sharded checkpoint, or not all of one)")
     with open(path, "rb") as f:
         try:
             return IndexUnpickler(f).load()
