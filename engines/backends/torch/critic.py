@@ -71,10 +71,12 @@ class TorchCritic:
             with torch.no_grad():
                 self.model.value_head.weight.copy_(head[0])
                 self.model.value_head.bias.copy_(head[1])
-        self.model.to(self.device).train()
+        self.model.train()
         self.mesh = fsdp.mesh(shards, self.device) if shards > 1 else None  # train.fsdp: the policy's mesh
-        if self.mesh is not None:
-            fsdp.shard(self.model, self.mesh)
+        if self.mesh is not None:  # each rank's device takes its shards (fsdp.shard), never the whole critic
+            fsdp.shard(self.model, self.mesh, self.device)
+        else:
+            self.model.to(self.device)
         self._names = [n for n, _ in self.model.named_parameters()]  # the optimizer's order
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.pad_id = self.tokenizer.pad_token_id or 0  # masked out: any id will do

@@ -46,14 +46,16 @@ def mesh(size: int, device: torch.device) -> DeviceMesh:
     return init_device_mesh(device.type, (world // size, size), mesh_dim_names=("replicate", "shard"))
 
 
-def shard(model: torch.nn.Module, mesh: DeviceMesh, whole: set[torch.nn.Parameter] | None = None) -> None:
+def shard(model: torch.nn.Module, mesh: DeviceMesh, device: torch.device, whole: set[torch.nn.Parameter] | None = None) -> None:
     """``fully_shard`` ``model`` over ``mesh``'s groups: each transformer block (the blocks its
     Hugging Face models name in ``_no_split_modules``, a critic's backbone too), then the rest
     (embeddings, final norm, output layer or value head) as the root; gradients summed, not averaged.
+    ``model`` may be in host memory: ``fully_shard`` moves each block to ``device`` as it shards it,
+    so the device holds this rank's shards and at most one block whole, never the model.
 
     ``whole``: parameters FSDP leaves alone, whole on every rank (a vision-language policy's frozen
-    vision tower): a rank runs them on its own images with no collective, so the ranks of a group
-    need not encode images in the same passes (a filler pass has none)."""
+    vision tower), moved to ``device`` here: a rank runs them on its own images with no collective,
+    so the ranks of a group need not encode images in the same passes (a filler pass has none)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     whole = whole or set()
@@ -62,6 +64,9 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh, whole: set[torch.nn.Paramete
         if type(module).__name__ in blocks and not set(module.parameters()) <= whole:
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh, ignored_params=whole)
+    with torch.no_grad():
+        for p in whole:
+            p.data = p.data.to(device)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

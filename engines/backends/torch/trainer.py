@@ -71,14 +71,17 @@ class TorchTrainer:
     ):
         self.device = resolve_device(device)
         self.autocast = autocast
-        self.tokenizer, self.model, self.processor = load_model(model_dir, dtype, self.device)
+        # sharded, the model is read into host memory and each rank's device takes its shards only
+        # (fsdp.shard); a policy larger than one device never is whole on one
+        on = self.device if shards == 1 else torch.device("cpu")
+        self.tokenizer, self.model, self.processor = load_model(model_dir, dtype, on)
         self.lora = None  # with train.lora: what a checkpoint records of the base (lora_adapter.base_record)
         if lora is not None:
             self.model = lora_adapter.wrap(self.model, lora, freeze_vision and self.processor is not None, seed)
             self.lora = lora_adapter.base_record(model_dir, lora)
         self.model.train()
         # the KL reference: a second copy of the policy, or with LoRA the policy with its adapter disabled
-        self.reference = load_model(model_dir, dtype, self.device)[1].eval() if reference and lora is None else None
+        self.reference = load_model(model_dir, dtype, on)[1].eval() if reference and lora is None else None
         # a vision model's image tokens are never sampled: outside the policy's distribution here too
         self.banned = multimodal.image_token_ids(self.processor) if self.processor is not None else None
         if self.processor is not None and freeze_vision and lora is None:
@@ -94,7 +97,7 @@ class TorchTrainer:
         if shards > 1:
             self.mesh = fsdp.mesh(shards, self.device)
             for model in filter(None, (self.model, self.reference)):
-                fsdp.shard(model, self.mesh, whole=self._frozen_tower(model))
+                fsdp.shard(model, self.mesh, self.device, whole=self._frozen_tower(model))
         # fused: one kernel for all parameters on CUDA; on the CPU torch's default, as always
         fused = True if self.device.type == "cuda" else None
         trained = [p for p in self.model.parameters() if p.requires_grad]
