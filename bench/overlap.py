@@ -1,8 +1,15 @@
 """Off-policy overlap benchmark: step time of synchronous steps (``rollout.max_staleness=0``)
-against overlapping ones (``max_staleness=1``), alternated in one invocation.
+against overlapping ones (``max_staleness=1``) and the streaming lane (``rollout.mode=stream``,
+k=4), alternated in one invocation.
 
     .venv/bin/python -m bench.overlap                       # timing stubs, dp=2, ~6 min on 2 cores
+    .venv/bin/python -m bench.overlap --long-tail --rollout-spt 0.004 --train-spt 0.009 --steps 10
+                                                            # 1 response in 20 8x the median (docs/off-policy.md#streaming)
     .venv/bin/python -m bench.overlap --real --steps 6      # + the real torch engines at dp=2 (tiny demo models)
+
+Each mode's *busy* figures are a lane's seconds at work over the step's: the rollout engine's
+generate calls (``rollout_busy_s``; with waves the rollout stage's seconds) and the train step
+with its sync; the rest of the step is that lane's idle bubble.
 
 Everything but the engines is real: the ``flows.training:train`` flow in a fresh process against a
 ``prefect server`` (PostgreSQL when ``postgresql`` is installed, else SQLite), one engine-host
@@ -43,7 +50,10 @@ from tests.postgres import PostgresCluster, PostgresUnavailable, PrefectServer, 
 
 STUBS = ["rollout.backend=stub", "judge.backend=stub", "train.backend=stub"]
 MODES = {"sync": ["rollout.max_staleness=0"],
-         "max_staleness=1": ["rollout.max_staleness=1", "train.old_policy=decoupled", "train.off_policy_correction=tis"]}
+         "max_staleness=1": ["rollout.max_staleness=1", "train.old_policy=decoupled", "train.off_policy_correction=tis"],
+         "stream": ["rollout.mode=stream", "rollout.max_staleness=4", "train.old_policy=decoupled", "train.off_policy_correction=tis"]}
+# --long-tail: 1 response in 20 is 8x the median (the stub's batched-decode cost model), streamed 8 tokens a segment
+LONG_TAIL = ["rollout.stub_lengths=long_tail", "rollout.max_new_tokens=64", "rollout.segment_tokens=8", "placement.stream_chunk=4"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--carry-age", type=int, metavar="N", help="sampling.max_carry_age in both modes (default: the config's, 1). "
                    "0 makes both modes generate the same prompts per step: with max_staleness=1 a group carried over "
                    "is two versions old by the step that would train it, so it is dropped and generated again")
+    p.add_argument("--long-tail", action="store_true", help="the stubs' long-tailed lengths: 1 response in 20 is 8x the "
+                   "median, a generate call costs its longest x its sequences (rollout.stub_lengths=long_tail)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"which of {', '.join(MODES)} (default: all)")
     p.add_argument("--real", action="store_true", help="also the real torch engines (tiny demo models), dp=--dp")
     p.add_argument("--no-stub", action="store_true", help="leave out the timing stubs (with --real: the real engines only)")
     p.add_argument("--keep", metavar="DIR", help="keep the work folder in DIR")
@@ -73,27 +86,34 @@ def figures(history: list[dict], warmup: int) -> dict:
             "staleness": {k: sum(m["staleness"].get(k, 0) for m in rows) for k in sorted({k for m in rows for k in m["staleness"]})},
             "is_ratio_mean": statistics.fmean(m["train"].get("is_ratio_mean", 1.0) for m in rows),
             "is_ratio_max": max(m["train"].get("is_ratio_max", 1.0) for m in rows),
-            "is_truncated_fraction": statistics.fmean(m["train"].get("is_truncated_fraction", 0.0) for m in rows)}
+            "is_truncated_fraction": statistics.fmean(m["train"].get("is_truncated_fraction", 0.0) for m in rows),
+            "rollout_busy": mean("rollout_busy_s") / mean("step_s"),  # the lanes' busy fractions: the bubble is the rest
+            "train_busy": (mean("train_step_s") + mean("sync_weights_s")) / mean("step_s"),
+            "stale_dropped": mean("stale_dropped"), "mixed": statistics.fmean(m["train"].get("mixed_version_fraction", 0.0) for m in rows)}
 
 
 def compare(server, root: str, work: Path, args, engines: str, extra: list[str]) -> dict:
-    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    modes = args.modes.split(",")
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for rep in range(args.repeats):
-        for mode in (list(MODES) if rep % 2 == 0 else list(MODES)[::-1]):  # alternate which goes first
+        for mode in (modes if rep % 2 == 0 else modes[::-1]):  # alternate which goes first
             history, wall, _ = train_once(server, root, work, "bench", args.dp, args.steps, f"{engines}-{mode}-r{rep}".replace("=", "").replace("_", ""),
                                           extra=[*extra, *MODES[mode]], prefix="overlap", timeout=1800)
             fig = figures(history, args.warmup) | {"wall_s": wall}
             runs[mode].append(fig)
-            print(f"  {engines:5s} {mode:16s} run {rep}: step {fig['step_s']:.2f}s, {fig['waves']:.2f} waves, {fig['prompts']:.1f} prompts (r {fig['r_s']:.2f}s, "
+            print(f"  {engines:5s} {mode:16s} run {rep}: step {fig['step_s']:.2f}s, busy rollout {fig['rollout_busy']:.2f} "
+                  f"train {fig['train_busy']:.2f}, stale-dropped {fig['stale_dropped']:.2f}, "
+                  f"mixed-version samples {fig['mixed']:.3f}, {fig['waves']:.2f} waves, {fig['prompts']:.1f} prompts (r {fig['r_s']:.2f}s, "
                   f"slowest train + sync {fig['train_s']:.2f}s), "
                   f"staleness {fig['staleness']}, IS ratio mean {fig['is_ratio_mean']:.3f} max {fig['is_ratio_max']:.3f}, "
                   f"run {wall:.0f}s", flush=True)
-    pooled = {mode: {k: statistics.fmean(f[k] for f in figs) for k in ("step_s", "r_s", "waves", "prompts", "is_ratio_mean")}
+    pooled = {mode: {k: statistics.fmean(f[k] for f in figs) for k in ("step_s", "r_s", "waves", "prompts", "is_ratio_mean", "stale_dropped", "mixed",
+                                                                 "rollout_busy", "train_busy")}
               | {"is_ratio_max": max(f["is_ratio_max"] for f in figs), "staleness": figs[-1]["staleness"]}
               for mode, figs in runs.items()}
     r = pooled["sync"]["r_s"]
     t = pooled["sync"]["t_s"] = pooled["sync"]["step_s"] - r  # the rest of the synchronous step (module docstring)
-    return {"runs": runs, "pooled": pooled, "ratio": pooled["max_staleness=1"]["step_s"] / pooled["sync"]["step_s"],
+    return {"runs": runs, "pooled": pooled, "ratios": {m: pooled[m]["step_s"] / pooled["sync"]["step_s"] for m in modes},
             "bound": max(r, t) / (r + t)}
 
 
@@ -116,7 +136,8 @@ def main(argv=None) -> dict:
         carry = [] if args.carry_age is None else [f"sampling.max_carry_age={args.carry_age}"]
         if not args.no_stub:
             out["stub"] = compare(server, root, work, args, "stub", [*carry, *STUBS, f"rollout.stub_seconds_per_token={args.rollout_spt}",
-                                                                     f"train.stub_seconds_per_token={args.train_spt}"])
+                                                                     f"train.stub_seconds_per_token={args.train_spt}",
+                                                                     *(LONG_TAIL if args.long_tail else [])])
         if args.real:
             out["real"] = compare(server, root, work, args, "torch", carry)
     finally:
@@ -132,15 +153,19 @@ def main(argv=None) -> dict:
 
 def report(out: dict, args) -> str:
     carry = "" if args.carry_age is None else f", sampling.max_carry_age={args.carry_age}"
-    lines = [f"dp={args.dp}{carry}, {args.steps} steps per run (first {args.warmup} and the last left out), {args.repeats} alternated runs "
-             "per mode", "", "| engines | r (s) | t = sync step - r (s) | sync step (s) | max_staleness=1 step (s) | waves, prompts per step (sync / k=1) "
-             "| ratio | bound max(r,t)/(r+t) |", "|---|---|---|---|---|---|---|---|"]
+    modes = args.modes.split(",")
+    lines = [f"dp={args.dp}{carry}{', long-tailed lengths' if args.long_tail else ''}, {args.steps} steps per run (first "
+             f"{args.warmup} and the last left out), {args.repeats} alternated runs per mode", "",
+             "| engines | r (s) | t = sync step - r (s) | " + " | ".join(f"{m} step (s)" for m in modes) + " | waves, prompts per step | "
+             + " | ".join(f"{m} / sync" for m in modes if m != "sync") + " | bound max(r,t)/(r+t) | stale-dropped per step | busy rollout, train |",
+             "|---" * (6 + 2 * len(modes)) + "|"]
     for engines, fig in out.items():
         p = fig["pooled"]
-        lines.append(f"| {engines} | {p['sync']['r_s']:.2f} | {p['sync']['t_s']:.2f} | {p['sync']['step_s']:.2f} | "
-                     f"{p['max_staleness=1']['step_s']:.2f} | {p['sync']['waves']:.2f}, {p['sync']['prompts']:.1f} / "
-                     f"{p['max_staleness=1']['waves']:.2f}, {p['max_staleness=1']['prompts']:.1f} | "
-                     f"{fig['ratio']:.2f} | {fig['bound']:.2f} |")
+        lines.append(f"| {engines} | {p['sync']['r_s']:.2f} | {p['sync']['t_s']:.2f} | " + " | ".join(f"{p[m]['step_s']:.2f}" for m in modes)
+                     + " | " + " / ".join(f"{p[m]['waves']:.2f}, {p[m]['prompts']:.1f}" for m in modes) + " | "
+                     + " | ".join(f"{fig['ratios'][m]:.2f}" for m in modes if m != "sync") + f" | {fig['bound']:.2f} | "
+                     + " / ".join(f"{p[m]['stale_dropped']:.2f}" for m in modes) + " | "
+                     + " / ".join(f"{p[m]['rollout_busy']:.2f}, {p[m]['train_busy']:.2f}" for m in modes) + " |")
     return "\n".join(lines)
 
 

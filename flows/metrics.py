@@ -111,6 +111,7 @@ class StepMetrics(BaseModel):
     engine_loads: int  # per host, this run: stays 1
     # the slowest group's seconds per stage, and its device hand-over seconds before each
     rollout_s: float
+    rollout_busy_s: float = 0.0  # the slowest group's seconds generating (rollout.mode=stream: its lane's, beside the step)
     genrm_score_s: float
     rollout_and_score_s: float
     dynamic_filter_s: float
@@ -154,7 +155,7 @@ class StepMetrics(BaseModel):
             carried_groups=sum(g.kept.carried_in for g in groups),
             carried_over=sum(g.kept.carried_out for g in groups),
             surplus_dropped=sum(g.kept.surplus_dropped for g in groups),
-            stale_dropped=sum(g.kept.stale_dropped for g in groups),
+            stale_dropped=sum(g.kept.stale_dropped + sum(w.rollout.stale_dropped for w in g.waves) for g in groups),
             staleness={k: sum(g.train.staleness.get(k, 0) for g in groups) for k in sorted({k for g in groups for k in g.train.staleness})},
             keep_ratio=_mean([GroupSampling.from_dict(g.sampling).keep_ratio for g in groups]),
             train=train_statistics([(g.train.statistics, g.train.tokens) for g in groups]),
@@ -170,6 +171,7 @@ class StepMetrics(BaseModel):
             engine_loads=max(g.train.engine_loads for g in groups),
             **{f"{k}_s": max(g.stage_s.get(k, 0.0) for g in groups) for k in TIMED},
             **{f"switch_{k}_s": max(g.switch_s(k) for g in groups) for k in SWITCHED},
+            rollout_busy_s=max(sum(w.rollout.busy_s for w in g.waves) for g in groups),
             placement=config.placement.mode,
             checkpoint_stall_s=max(g.checkpoint.stall_s if g.checkpoint else 0.0 for g in groups),
             cursors=[g.waves[-1].rollout.cursor for g in groups],

@@ -34,7 +34,7 @@ flow parameters and ``state.json``, never sample data::
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -45,6 +45,7 @@ class GroupSampling:
     carried: int = 0  # groups in ``carry``
     kept: float = 0.0  # recency-weighted groups kept ...
     drawn: float = 0.0  # ... over recency-weighted prompts drawn: the keep-ratio estimate
+    ahead: list[int] = field(default_factory=list)  # rollout.mode=stream: prompts beyond the cursor taken already
 
     @property
     def keep_ratio(self) -> float | None:

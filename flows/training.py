@@ -51,7 +51,7 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int | None,
     ``end``: this run stops before that step; ``written``: the earlier step whose checkpoint the
     host is still writing in the background; ``sampling``: the group's dynamic-sampling state
     after the previous step (``GroupSampling``)."""
-    s, partial = config.sampling, config.placement.mode == "partial"
+    s, partial = config.sampling, config.placement.mode == "partial" or config.rollout.mode == "stream"  # a stream: scored groups
     if cursor is None:  # overlapping steps: where this group's generation of the previous step ends (flows/pipeline.py)
         cursor, sampling = await pipeline.generation_start(config.name, step, group)
     checkpointing = is_checkpoint_step(config, step, end)
@@ -65,14 +65,14 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int | None,
             clock.progress.another_wave(wave)
         count = plan_wave(s, state, have)  # fixed, or from the keep-ratio estimate (flows/sampling.py)
         if partial:  # rollout and judge resident at once, samples streaming to the judge
-            both = await clock("rollout_and_score", stages.rollout_and_score(config, step, group, wave, cursor, count), wave)
+            both = await clock("rollout_and_score", stages.rollout_and_score(config, step, group, wave, cursor, count, state.ahead), wave)
             rolled, scored = both.rollout, both.score
         else:  # full colocation: one engine after the other, each on all the group's devices
             rolled = await clock("rollout", stages.rollout(config, step, group, wave, cursor, count), wave)
             scored = await clock("genrm_score", stages.genrm_score(config, step, group, wave), wave)
         kept = await clock("dynamic_filter", stages.dynamic_filter(config, step, group, wave, state.carry), wave)
         waves.append(Wave(rollout=rolled, score=scored, filter=kept))
-        cursor, have = rolled.cursor, kept.kept
+        cursor, have, state.ahead = rolled.cursor, kept.kept, rolled.ahead
         state.observe(count, kept.new_kept, s.keep_ratio_decay)
         if kept.enough:
             break
@@ -81,12 +81,12 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int | None,
                           "keep ratio estimate %.2f", group, step, kept.reason, len(waves),
                           "+".join(str(w.rollout.prompts) for w in waves), kept.carried_out, kept.surplus_dropped,
                           state.keep_ratio or 0.0)
-    if config.rollout.max_staleness:  # overlapping steps: train in step order, when the run gives the turn (flows/pipeline.py)
+    if config.rollout.overlapped:  # overlapping steps: train in step order, when the run gives the turn (flows/pipeline.py)
         turn = await pipeline.generated_then_turn(config.name, step, group, cursor, state.to_dict())
         written = turn["step"] if turn else None
     trained = await clock("train_step", stages.train_step(config, step, group))
     synced = await clock("sync_weights", stages.sync_weights(config, group))
-    if config.rollout.max_staleness:  # this group's generation of step + k may start (flows/pipeline.py)
+    if config.rollout.overlapped:  # this group's generation of step + k may start (flows/pipeline.py)
         pipeline.synced(config.name, step, group)
     waited = saved = None
     if written is not None:
@@ -139,7 +139,7 @@ async def iteration(config: RunConfig, step: int, cursors: list[int] | None, end
     shas = {g.train.params_sha for g in groups}
     if len(shas) != 1:
         raise RuntimeError(f"step {step}: DP replicas diverged (parameter fingerprints {sorted(shas)})")
-    if config.rollout.max_staleness:
+    if config.rollout.overlapped:
         written = pipeline.turn_given(config.name, step)  # the checkpoint its groups waited for
     metrics = StepMetrics.of(config, step, groups, time.perf_counter() - start)
     if written is not None:
@@ -461,7 +461,7 @@ async def _steps(config: RunConfig, state: RunState, first: int, end: int, histo
         return written
 
     try:
-        if config.rollout.max_staleness:  # step n+1's generation overlaps step n's training (flows/pipeline.py)
+        if config.rollout.overlapped:  # step n+1's generation overlaps step n's training (flows/pipeline.py)
             written = await pipeline.overlapped(
                 config.name, config.rollout.max_staleness, first, end, cursors, sampling,
                 lambda step, cursors, sampling: iteration(config, step, cursors, end, None, sampling), record)

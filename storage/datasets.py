@@ -63,6 +63,9 @@ ROLLOUTS = pa.schema(
         # a mixture-of-experts policy under train.router_replay: per token the rollout fed, per MoE layer, the
         # experts it took (engines/backends/torch/routing.py); null otherwise
         pa.field("routed_experts", pa.list_(pa.int16())),
+        # rollout.mode=stream: per response token, the policy version that sampled it (a sample continued across a
+        # weight update mixes versions; ``policy_version`` is its oldest); null for a sample of one version
+        pa.field("token_versions", pa.list_(pa.int32())),
         # an episode (rollout.env / rollout.tools, engines/agents): ``response_ids`` are its assistant turns as
         # sampled and the observations between them, ``logprobs`` 0 at observations; null for a single-turn sample
         pa.field("loss_mask", pa.list_(pa.int8())),  # per response token: 1 sampled by the policy, 0 an observation

@@ -48,11 +48,14 @@ async def genrm_score(config: RunConfig, step: int, group: int, wave: int) -> Ge
 
 
 @stage(name="rollout-and-score", task_run_name="rollout_and_score dp={group} wave={wave}")
-async def rollout_and_score(config: RunConfig, step: int, group: int, wave: int, cursor: int, count: int) -> RolloutAndScoreResult:
+async def rollout_and_score(config: RunConfig, step: int, group: int, wave: int, cursor: int, count: int,
+                            ahead: list[int] | None = None) -> RolloutAndScoreResult:
     """Partial colocation: the wave's rollout and its GenRM scoring at once, each finished chunk of
-    samples streaming to the judge; the same outputs as ``rollout`` then ``genrm_score``."""
+    samples streaming to the judge; the same outputs as ``rollout`` then ``genrm_score``.
+    ``rollout.mode=stream``: the groups the host's lane has generated and scored (``ahead``: the
+    prompts beyond ``cursor`` taken already)."""
     rollouts, scored = (stage_uri(config.run_uri, step, name, group, wave) for name in ("rollouts", "scored"))
-    return await call_host(config.name, group, RolloutAndScore(step=step, wave=wave, cursor=cursor, count=count,
+    return await call_host(config.name, group, RolloutAndScore(step=step, wave=wave, cursor=cursor, count=count, ahead=ahead or [],
                                                                rollouts_out=rollouts, scored_out=scored), lane(config))
 
 

@@ -74,7 +74,8 @@ def make_generator(backend: str, model_dir: str, cfg: RunConfig, threads: int, d
     if backend == "stub":  # timing stub for scale benchmarks, not training (engines/backends/stub/engines.py)
         from engines.backends.stub.engines import TimingStubGenerator
 
-        return TimingStubGenerator(model_dir, cfg.rollout.stub_seconds_per_token, (cfg.judge.good, cfg.judge.bad))
+        return TimingStubGenerator(model_dir, cfg.rollout.stub_seconds_per_token, (cfg.judge.good, cfg.judge.bad),
+                                   cfg.rollout.max_new_tokens if cfg.rollout.stub_lengths == "long_tail" else None)
     if backend == "vllm":
         from engines.backends.vllm.generator import VLLMGenerator
 

@@ -193,6 +193,24 @@ class RunConfig(Section):
             raise ValueError(f"rollout.max_staleness={k} with controllers.groups_per_node={self.controllers.groups_per_node}: "
                              "node controllers run each step's groups in order (overlap is one process's, flows/pipeline.py); "
                              "use one of the two")
+        r = self.rollout
+        if r.mode == "stream":
+            if not k:
+                raise ValueError("rollout.mode=stream with rollout.max_staleness=0: the lane generates while the trainer "
+                                 "trains, so its samples are at least one version behind; set rollout.max_staleness to the "
+                                 "versions a sample may lag (1 or more)")
+            unwired = [what for what, on in (
+                (f"placement.mode={self.placement.mode} (the lane scores with the host's own judge; use full)",
+                 self.placement.mode == "partial"),
+                (f"rollout.replicas={r.replicas} (one lane per group; use 1)", r.replicas > 1),
+                (f"a DP group of {self.layout.size} ranks (train.tensor_parallel x pipeline_parallel x fsdp; use 1)",
+                 self.layout.size > 1),
+                ("multi-turn episodes (rollout.env / rollout.tools)", r.episodes),
+                ("a preference dataset (data.preferences)", self.data.preferences is not None),
+            ) if on]
+            if unwired:
+                raise ValueError(f"rollout.mode=stream is not wired yet for {'; '.join(unwired)}: use rollout.mode=waves "
+                                 "(docs/off-policy.md#streaming)")
         return self
 
     def uri(self, path: str) -> str:

@@ -100,6 +100,11 @@ class RolloutConfig(Section):
         "seconds slept per generated token, by the policy and the judge stub; the default was measured from the torch "
         "engine with `python -m engines.backends.stub.engines --measure`.",
     )
+    stub_lengths: Literal["uniform", "long_tail"] = Field(
+        "uniform", description="rollout.backend=stub only: sampled response lengths. uniform: 1 to max_new_tokens, a "
+        "call costing its tokens. long_tail: 19 in 20 about max_new_tokens / 8 (the median), 1 in 20 max_new_tokens (8x "
+        "the median), a call costing its longest response's tokens x its sequences (batched decoding: every slot waits "
+        "for the last one): the straggler that rollout.mode=stream is for (python -m bench.overlap --long-tail).")
     samples_per_prompt: int = Field(8, ge=2, description="Group size G: samples drawn per prompt.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used for trainer log-probs).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
@@ -111,6 +116,23 @@ class RolloutConfig(Section):
         "and training one after the other (on-policy). k >= 1: step n+1's rollout, scoring and filtering run while step n "
         "trains, from weights at most k versions older than the trainer's when it trains them (carried-over groups "
         "included; older ones are dropped and counted); pair it with train.old_policy=decoupled and a correction.")
+    mode: Literal["waves", "stream"] = Field(
+        "waves", description="waves: each step generates its prompt groups in waves of sampling.prompts_per_wave, each "
+        "chunk of placement.stream_chunk prompts one generate call that waits for its longest response (with "
+        "max_staleness >= 1 the next step's waves run while this step trains). stream (docs/off-policy.md#streaming): "
+        "two threads on each group's host generate and score all along, placement.stream_chunk prompts' samples in "
+        "flight, segment_tokens at a time, a finished sample's slot refilled at once; a step takes scored groups as "
+        "they are ready (a straggler's later), and the steps run one after the other beside it. The lane keeps "
+        "sampling.target_groups and half as many again drawn ahead; a group whose oldest token is more than "
+        "max_staleness versions behind the trainer is dropped and counted. Needs max_staleness >= 1; long responses "
+        "continued across several updates need more (the bench uses 4).")
+    partial: Literal["continue", "abort"] = Field(
+        "continue", description="rollout.mode=stream: a sample still generating when new weights arrive continues "
+        "under them, each token keeping the version and the log-probability that produced it (continue), or starts "
+        "again under the new weights (abort: every sample one version).")
+    segment_tokens: int = Field(
+        32, gt=0, description="rollout.mode=stream: tokens each in-flight sample generates per generate call; weights "
+        "that arrived meanwhile load between two calls, and finished samples' slots refill there.")
     replicas: int = Field(
         1, ge=1, description="Rollout engines per DP group, each over rollout.tensor_parallel of the group's ranks, from its "
         "first (docs/parallelism.md): they split each wave's chunks (placement.stream_chunk prompts; chunk k on replica k "
@@ -147,6 +169,12 @@ class RolloutConfig(Section):
                                 "turns, one half generating while the other's tools and environment steps run. Worth it "
                                 "when those take about as long as a turn of generation; each generate call then has half "
                                 "the episodes.")
+
+    @property
+    def overlapped(self) -> bool:
+        """Steps overlap (flows/pipeline.py): step n+1's waves generated while step n trains. A
+        stream (``mode=stream``) generates beside the steps instead, which run one after the other."""
+        return self.max_staleness > 0 and self.mode == "waves"
 
     @property
     def episodes(self) -> bool:

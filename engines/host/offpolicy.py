@@ -44,7 +44,12 @@ def staleness(trainer_version: int, rows: list[dict]) -> tuple[dict[int, int], d
     n = sum(counts.values())
     if not n:
         return counts, {}
-    return counts, {"staleness_mean": sum(k * c for k, c in counts.items()) / n, "staleness_max": float(max(counts))}
+    stats = {"staleness_mean": sum(k * c for k, c in counts.items()) / n, "staleness_max": float(max(counts))}
+    streamed = [r["token_versions"] for r in rows if r.get("token_versions")]  # rollout.mode=stream: per token
+    if streamed:  # how far each token is behind, and how many samples mix versions (rollout.partial=continue)
+        stats["token_staleness_mean"] = sum(trainer_version - v for vs in streamed for v in vs) / sum(len(vs) for vs in streamed)
+        stats["mixed_version_fraction"] = sum(len(set(vs)) > 1 for vs in streamed) / len(streamed)
+    return counts, stats
 
 
 class RolloutWeights:

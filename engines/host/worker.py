@@ -10,7 +10,6 @@ atomically; requests and results carry URIs and metrics, never sample data.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
@@ -31,6 +30,7 @@ from engines.agents.episodes import Episodes
 from engines.host import balance, critic as critic_host, experience, offpolicy, replicas, rewards, validation
 from engines.host.preferences import PreferenceRows
 from engines.host.prompts import Frames, PromptStream
+from engines.host.stream import StreamLane
 
 from engines.backends import chat, distributed, build, multimodal
 from engines.wire.channel import progress
@@ -83,6 +83,8 @@ class Worker:
         self.engine_loads = 0  # times this host loaded its models: once per run is the point of a host
         self.awake: set[str] = set()  # the engines holding the group's devices (see ``take``)
         self.rollout_weights = offpolicy.RolloutWeights()  # the rollout engine, between an overlapping host's two lanes
+        self.stream: StreamLane | None = None  # rollout.mode=stream: the lane generating all along (engines/host/stream.py)
+        self.judge_lock = threading.Lock()  # one judge call at a time (a streaming lane's scoring thread and an evaluation)
         self.replicas = {role: replicas.Replicas(self.layout, rank, role) for role in replicas.ROLES}  # one of each
 
     group = property(lambda self: self.layout.group(self.rank))  # this rank's DP group
@@ -127,6 +129,9 @@ class Worker:
             self.replicas = replicas.replica_groups(self.layout, self.rank, timedelta(seconds=cfg.host_timeout_s))
         policy_dir = objectstore.local_folder(cfg.uri(cfg.model.policy))
         self.vision = multimodal.is_vision_folder(policy_dir)
+        if self.vision and cfg.rollout.mode == "stream":
+            raise ValueError(f"rollout.mode=stream is not wired yet for a vision-language policy (model.policy="
+                             f"{cfg.model.policy}): use rollout.mode=waves")
         self.trainer = build.make_trainer(cfg, policy_dir, device)
         if cfg.train.algorithm.needs.critic:
             self.critic = build.make_critic(cfg, objectstore.local_folder(critic_host.folder(cfg)), device)
@@ -157,6 +162,13 @@ class Worker:
         self.episodes = Episodes.of(cfg, policy_dir) if cfg.rollout.episodes and rolls else None
         self.preferences = PreferenceRows(policy_dir, cfg, self.vision) if cfg.data.preferences else None
         self.rollout_weights.reset(self.trainer.version, int(cfg.rollout.sync_bucket_mb * 2**20))  # both engines loaded the same folder
+        if self.stream is not None:
+            self.stream.stop()
+        self.stream = None if cfg.rollout.mode == "waves" or not rolls else StreamLane(
+            self.policy, self.rollout_weights, lambda i: self._wave_prompts(i, 1)[0], self._score_chunk, cfg.rollout,
+            slots=cfg.placement.stream_chunk * cfg.rollout.samples_per_prompt,
+            room=cfg.sampling.target_groups + (cfg.sampling.target_groups + 1) // 2,  # a step's groups and spares
+            seed=lambda n: stable_seed(cfg.seed, "stream", self.group, n))
         if request.resume:
             self.checkpoints.load(self.trainer, request.resume, self.critic)
             self.sync_weights(SyncWeights())
@@ -212,6 +224,8 @@ class Worker:
         generating. On a CPU the group's threads are split between the two."""
         cfg, r = self.config, request
         start = time.perf_counter()
+        if self.stream is not None:  # rollout.mode=stream: the groups the lane has generated and scored
+            return self._streamed(r, start)
         switch = self.take("policy", "judge")
         finished: queue.Queue = queue.Queue(maxsize=cfg.placement.queue_size)
         scored: dict[int, list[dict]] = {}  # by chunk
@@ -265,6 +279,18 @@ class Worker:
             score=rewards.score_result(self.config.judge, r.scored_out, flat, judge["busy_s"], 0.0),
             seconds=seconds, generate_s=generate_s, judge_busy_s=judge["busy_s"], judge_tail_s=seconds - generate_s,
             queue_wait_s=blocked, switch_s=switch)
+
+    def _streamed(self, r: RolloutAndScore, start: float) -> RolloutAndScoreResult:
+        """``rollout_and_score``'s outputs from the streaming lane's scored groups (engines/host/stream.py)."""
+        rows, scored, cursor, ahead, dropped = self.stream.take(r.cursor, r.ahead, r.count, r.step, r.wave)
+        datasets.write_rows(r.rollouts_out, rows, datasets.ROLLOUTS)
+        datasets.write_rows(r.scored_out, scored, datasets.SCORED)
+        seconds = time.perf_counter() - start
+        rolled = self._rollout_result(Rollout(step=r.step, wave=r.wave, cursor=r.cursor, count=r.count, out=r.rollouts_out),
+                                      rows, seconds, 0.0)
+        rolled = rolled.model_copy(update={"cursor": cursor, "ahead": ahead, "stale_dropped": dropped, "busy_s": self.stream.busy()})
+        return RolloutAndScoreResult(rollout=rolled, score=rewards.score_result(self.config.judge, r.scored_out, scored, 0.0, 0.0),
+                                     seconds=seconds, generate_s=seconds, judge_busy_s=0.0, judge_tail_s=0.0, queue_wait_s=0.0)
 
     @handle.register
     def dynamic_filter(self, request: DynamicFilter) -> DynamicFilterResult:
@@ -499,8 +525,9 @@ class Worker:
             images = self.prompts.images([r["prompt_row"] for r in rows])
         prompts = [cfg.template.format(prompt=self._judge_text(r["prompt"]), response=r["response"], answer=r["answer"] or "")
                    for r in rows]
-        # overlapping lanes: the held-out evaluation's judge and the rollout lane's never generate at once
-        with self.rollout_weights if self.config.rollout.max_staleness else contextlib.nullcontext():
+        # overlapping lanes: the held-out evaluation's judge and the rollout lane's never generate at once; a
+        # streaming lane's scoring thread and an evaluation take turns on the judge
+        with self.rollout_weights if self.config.rollout.overlapped else self.judge_lock:
             return [o.response.strip() for o in self.judge.generate(prompts, greedy=True, max_new_tokens=cfg.max_new_tokens,
                                                                       images=images)]
 
@@ -528,7 +555,7 @@ class Worker:
                  self.config.rollout.samples_per_prompt, tokens, seconds)
         episodes = {name: float(sum(row[name] for row in rows)) for name in EPISODE_FIGURES} if self.episodes else {}
         return RolloutResult(uri=r.out, cursor=r.cursor + r.count, prompts=r.count, samples=len(rows), tokens=tokens, seconds=seconds,
-                             truncated=sum(row["truncated"] for row in rows), switch_s=switch, episodes=episodes)
+                             busy_s=seconds, truncated=sum(row["truncated"] for row in rows), switch_s=switch, episodes=episodes)
 
     def params_sha(self) -> str:
         """Fingerprint of the trainer's parameters: equal on every replica after a step."""

@@ -99,6 +99,9 @@ class RolloutResult(Result):
     truncated: int
     seconds: float
     switch_s: float = 0.0  # placement: seconds the engines took to hand the devices over
+    busy_s: float = 0.0  # seconds the rollout engine generated for it (rollout.mode=stream: the lane, since the last take)
+    stale_dropped: int = 0  # rollout.mode=stream: groups taken but older than rollout.max_staleness (not in ``uri``)
+    ahead: list[int] = []  # rollout.mode=stream: prompts beyond ``cursor`` taken already (a straggler holds the cursor)
     # multi-turn episodes (rollout.env / rollout.tools): sums over this wave's episodes of ``EPISODE_FIGURES``
     episodes: dict[str, float] = {}
 
@@ -160,6 +163,7 @@ class RolloutAndScore(Request):
     wave: int
     cursor: int
     count: int
+    ahead: list[int] = []  # rollout.mode=stream: prompts beyond ``cursor`` taken already (engines/host/stream.py)
     rollouts_out: str
     scored_out: str
 

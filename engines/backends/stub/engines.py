@@ -59,36 +59,67 @@ def _sleep(seconds: float) -> None:
 
 
 class TimingStubGenerator:
-    """TIMING STUB (not an engine): ``generate`` sleeps tokens x ``seconds_per_token``."""
+    """TIMING STUB (not an engine): ``generate`` sleeps tokens x ``seconds_per_token``.
+
+    ``long_tail=L`` (``rollout.stub_lengths=long_tail``, L = ``rollout.max_new_tokens``): a sampled
+    response is about L / 8 tokens long (the median), one in twenty runs to L (8x the median), and
+    a call costs what batched decoding costs: its longest response's tokens x its sequences (a
+    finished sequence's slot idles until the call's last one ends). A sample longer than the call's
+    ``max_new_tokens`` is cut there and remembered: a token-id prompt (``chat.Tokens``) that is
+    such a cut sample continues it to the length it drew (a streaming lane's next segment,
+    engines/host/stream.py)."""
 
     stub = True
+    TAIL_FRACTION, TAIL_FACTOR = 0.05, 8
 
-    def __init__(self, model_dir: str, seconds_per_token: float, verdicts: tuple[str, str] = ("correct", "wrong")):
-        self.model_dir, self.seconds_per_token, self.verdicts = model_dir, seconds_per_token, verdicts
+    def __init__(self, model_dir: str, seconds_per_token: float, verdicts: tuple[str, str] = ("correct", "wrong"),
+                 long_tail: int | None = None):
+        self.model_dir, self.seconds_per_token, self.verdicts, self.long_tail = model_dir, seconds_per_token, verdicts, long_tail
         self.version = 0  # weight updates received
         self.slept_s = 0.0
+        self._unfinished: dict[tuple[int, ...], int] = {}  # a cut sample's ids (prompt + response so far) -> tokens left
+
+    def _length(self, rng: random.Random, max_new_tokens: int, greedy: bool) -> int:
+        """A response's length; above ``max_new_tokens``: cut there (truncated)."""
+        if not self.long_tail or greedy:  # uniform; the judge and held-out evaluation (greedy) always
+            return rng.randint(1, max_new_tokens + 1)
+        median = max(1, self.long_tail // self.TAIL_FACTOR)
+        if rng.random() < self.TAIL_FRACTION:
+            return self.long_tail
+        return rng.randint(max(1, median // 2), median + median // 2)
 
     def generate(self, prompts: list, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
                  max_new_tokens: int = 16, seed: int = 0, greedy: bool = False, images=None) -> list:
         from engines.backends.base import Generation
+        from engines.backends.chat import Tokens
         # images: carried by the bench's vision runs and not looked at (the stub reads no pixels)
 
-        out, tokens = [], 0
+        out, tokens, longest, seen = [], 0, 0, {}
         for i, prompt in enumerate(prompts):
-            if not isinstance(prompt, str):  # chat messages: their text (the stub has no template)
-                prompt = "\n".join(m["content"] for m in prompt)
-            prompt_ids = [BOS] + [FIRST_ID + ord(c) % ID_RANGE for c in prompt]
+            if isinstance(prompt, Tokens):
+                prompt_ids, key = list(prompt.ids), ",".join(map(str, prompt.ids))
+            else:
+                if not isinstance(prompt, str):  # chat messages: their text (the stub has no template)
+                    prompt = "\n".join(m["content"] for m in prompt)
+                prompt_ids, key = [BOS] + [FIRST_ID + ord(c) % ID_RANGE for c in prompt], prompt
+            seen[key] = seen.get(key, -1) + 1  # the same prompt again in one call (a lane's G samples): drawn apart
+            key += f"#{seen[key]}" if seen[key] else ""
             for j in range(n):
-                rng = random.Random(f"{seed}/{prompt}/{j}/{self.version if not greedy else 0}")
-                length = rng.randint(1, max_new_tokens + 1)
+                rng = random.Random(f"{seed}/{key}/{j}/{self.version if not greedy else 0}")
+                left = self._unfinished.pop(tuple(prompt_ids), None) if n == 1 else None
+                length = left if left is not None else self._length(rng, max_new_tokens, greedy)
                 truncated = length > max_new_tokens
                 body = [FIRST_ID + rng.randrange(ID_RANGE) for _ in range(min(length, max_new_tokens) - (not truncated))]
                 ids = body if truncated else body + [EOS]
+                if truncated and self.long_tail:
+                    self._unfinished[tuple(prompt_ids + ids)] = length - max_new_tokens
+                    if len(self._unfinished) > 1 << 14:  # aborted samples are never continued: forget the oldest
+                        del self._unfinished[next(iter(self._unfinished))]
                 text = rng.choice(self.verdicts) + "".join(str(rng.randrange(10)) for _ in range(max(len(body) - 1, 0)))
                 out.append(Generation(prompt_index=i, prompt_ids=prompt_ids, response_ids=ids, response=text,
                                       logprobs=[round(-rng.expovariate(2.0), 6) for _ in ids], truncated=truncated))
-                tokens += len(ids)
-        seconds = tokens * self.seconds_per_token
+                tokens, longest = tokens + len(ids), max(longest, len(ids))
+        seconds = (longest * len(out) if self.long_tail else tokens) * self.seconds_per_token
         self.slept_s += seconds
         _sleep(seconds)
         return out
