@@ -189,3 +189,15 @@ def test_a_streaming_run_killed_resumes_with_no_prompt_trained_twice_or_skipped(
     for m in history:
         assert max(map(int, m["staleness"])) <= 8 and m["stale_dropped"] == 0, m["staleness"]
     assert any(m["train"].get("mixed_version_fraction", 0) > 0 for m in history), [m["train"] for m in history]
+
+
+def test_the_config_refuses_a_stream_without_staleness_or_where_it_is_not_wired(tmp_path):
+    from engines.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="rollout.mode=stream with rollout.max_staleness=0"):
+        load_config(None, ["rollout.mode=stream"])
+    with pytest.raises(ConfigError, match="not wired yet for placement.mode=partial"):
+        load_config(None, ["rollout.mode=stream", "rollout.max_staleness=2", "placement.mode=partial"])
+    with pytest.raises(ConfigError, match="a DP group of 2 ranks"):
+        load_config(None, ["rollout.mode=stream", "rollout.max_staleness=2", "train.fsdp=2"])
+    assert not load_config(None, ["rollout.mode=stream", "rollout.max_staleness=2"]).rollout.overlapped
