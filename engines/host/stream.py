@@ -75,12 +75,10 @@ class Group:
 
 @dataclass
 class Figures:
-    """What the lane did since it started (the bench's busy fraction, the run's counts)."""
+    """What the lane did since it started."""
 
-    started: float = field(default_factory=time.perf_counter)
-    busy_s: float = 0.0  # inside generate calls
+    busy_s: float = 0.0  # inside generate calls (a step's share: ``busy``)
     segments: int = 0
-    tokens: int = 0
     restarted: int = 0  # samples started again under new weights (rollout.partial=abort)
     stale_dropped: int = 0  # groups taken but older than rollout.max_staleness
 
@@ -245,5 +243,4 @@ class StreamLane:
                     s.text += gen.response
                     s.truncated = gen.truncated and len(s.response_ids) >= ro.max_new_tokens
                     s.done = s.truncated or not gen.truncated
-                    self.figures.tokens += len(gen.response_ids)
         self.figures.segments += 1
