@@ -283,3 +283,48 @@ def final_parameters(run_dir: Path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+def run_until_healed(args: list[str], faults: str, fired: Path, timeout: float) -> tuple[list[int], object, list]:
+    """``flows.training.train(overrides=args)`` in a fresh Python under ``YATTFLOW_FAULTS=faults``
+    (engines/host/faults.py; each fault fires once, recorded in ``fired``), run again until it
+    exits 0, three tries at most: each try's return code, the last try (``subprocess.CompletedProcess``)
+    and its training history."""
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), YATTFLOW_FAULTS_FIRED=str(fired), YATTFLOW_FAULTS=faults)
+    script = ("import asyncio, json, sys\nfrom flows.training import train\n"
+              "print('SUMMARY', json.dumps(asyncio.run(train(overrides=sys.argv[1:]))['history']))\n")
+    codes = []
+    for _ in range(3):
+        run = subprocess.run([sys.executable, "-c", script, *args], cwd=root, capture_output=True, text=True,
+                             timeout=timeout, env=env)
+        codes.append(run.returncode)
+        if run.returncode == 0:
+            break
+    history = json.loads(run.stdout.split("SUMMARY ", 1)[1]) if run.returncode == 0 else []
+    return codes, run, history
+
+
+def taken_prompts(step_dirs: list[Path], group: int) -> list:
+    """The prompts group ``group``'s rollouts took over these steps, in order, each once (G samples per prompt)."""
+    import pyarrow.parquet as pq
+
+    taken = [r for s in step_dirs for r in pq.read_table(s / "rollouts" / f"group={group}").column("prompt_id").to_pylist()]
+    return list(dict.fromkeys(taken))
+
+
+def trained_once(step_dirs: list[Path], groups) -> dict:
+    """{prompt_id: the step that trained it} over these steps' experience; fails if a prompt was
+    trained in two steps."""
+    import pyarrow.parquet as pq
+
+    trained_in: dict = {}
+    for g in groups:
+        for s in step_dirs:
+            for prompt in set(pq.read_table(s / "experience" / f"group={g}").column("prompt_id").to_pylist()):
+                assert prompt not in trained_in, f"prompt {prompt} trained in steps {trained_in[prompt]} and {s.name}"
+                trained_in[prompt] = int(s.name)
+    return trained_in
