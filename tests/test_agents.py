@@ -364,11 +364,11 @@ calculator.__doc__ = tools.calculator.__doc__  # the same schema: the prompts ar
 
 
 def test_a_run_trains_on_episodes_and_heals_from_a_host_killed_mid_episode(agent, prefect_server, tmp_path, monkeypatch):
-    """Two RL steps over two DP groups on the real flow, the rollout lane one step ahead
-    (rollout.max_staleness=1, decoupled correction): episodes with the calculator and an
-    environment's reward; the experience holds each episode's loss mask and the trainer counts
+    """Two RL steps over two DP groups on the real flow, the episodes streamed (rollout.mode=stream:
+    the lane plays them a turn at a time beside the steps, decoupled correction): episodes with the
+    calculator and an environment's reward; the experience holds each episode's loss mask and the trainer counts
     only the tokens the policy sampled; the step's figures show turns and tool calls. Then, without
-    the overlap (whose resume is exactly-once, not bit-identical: docs/off-policy.md), a run and the
+    the stream (whose resume is exactly-once, not bit-identical: docs/off-policy.md), a run and the
     same run with an engine host SIGKILLed by a tool call of its last step, in the middle of its
     episodes: the second heals from its last committed checkpoint, regenerates the cut episodes from
     the same seeds and trains exactly what the uninterrupted run trained, to the same final weights."""
@@ -387,9 +387,9 @@ def test_a_run_trains_on_episodes_and_heals_from_a_host_killed_mid_episode(agent
         f"rollout.tools=[{tmp_path}/killing_calculator.py:calculator]", "rollout.max_new_tokens=80", "rollout.temperature=0.3",
         "rollout.samples_per_prompt=4", "sampling.prompts_per_wave=2", "sampling.target_groups=1",
         "sampling.filter_equal_rewards=false", "dp=2", "checkpoint.every=1"]
-    overlapped = ["name=agents", "steps=2", "rollout.max_staleness=1", "train.old_policy=decoupled",
-                  "train.off_policy_correction=tis"]
-    summary = asyncio.run(train(overrides=overrides + overlapped))
+    streamed = ["name=agents", "steps=2", "rollout.mode=stream", "rollout.max_staleness=2", "train.old_policy=decoupled",
+                "train.off_policy_correction=tis"]
+    summary = asyncio.run(train(overrides=overrides + streamed))
     history = [StepMetrics(**m, checkpoint_files=[]) for m in summary["history"]]
     for m in history:
         print(step_figures(m))
@@ -400,6 +400,9 @@ def test_a_run_trains_on_episodes_and_heals_from_a_host_killed_mid_episode(agent
     assert any(0 in r["loss_mask"] for r in rows)  # tool turns between the sampled ones
     assert history[1].train_tokens == sum(sum(r["loss_mask"]) for r in rows)  # the trainers counted sampled tokens only
     assert 0 < history[1].train["is_ratio_mean"] < 2  # the correction's statistics, over sampled tokens
+    rolled = pq.read_table(tmp_path / "runs" / "agents" / "steps" / "000001" / "rollouts").to_pylist()
+    assert all(len(r["token_versions"]) == len(r["response_ids"]) for r in rolled)  # streamed: a version per token
+    assert "token_staleness_mean" in history[1].train
 
     (tmp_path / "kill").mkdir()
     monkeypatch.setenv("KILL_AT_CALL", f"{tmp_path / 'kill'}:1000000")  # counts the calls, kills none

@@ -6,7 +6,6 @@ server and engine hosts (timing-stub engines with long-tailed responses)."""
 from __future__ import annotations
 
 import copy
-import json
 import math
 import time
 
@@ -24,7 +23,7 @@ from engines.host import offpolicy
 from engines.host.prompts import PromptStream
 from engines.host.stream import StreamLane
 from engines.rl.grpo import GRPOConfig
-from helpers import random_batch, save_tiny_model, with_old_logprobs
+from helpers import random_batch, run_until_healed, save_tiny_model, taken_prompts, trained_once, with_old_logprobs
 
 
 def prompt_at(i: int) -> dict:
@@ -75,6 +74,64 @@ def test_a_sample_continued_under_three_versions_keeps_each_tokens_and_is_correc
     for i, s in enumerate(samples):
         want = [min(math.exp(o - under[v][i][t]), _Train.tis_cap) for t, (o, v) in enumerate(zip(own[i], s.versions))]
         assert corrected.is_weights[i] == pytest.approx(want, abs=1e-3)
+
+
+def test_an_episode_spans_weight_updates_turn_by_turn(tmp_path):
+    """Real torch engines and the calculator (rollout.tools): the lane plays each episode a turn per
+    segment, so a weight sync between two turns puts the call under version 0 and the answer under
+    version 1. Each sampled token's recorded log-prob is the trainer's under its own version; the
+    tool's tokens (mask 0) take their turn's version and are left out of the token figures."""
+    from engines.agents.episodes import Episodes
+    from engines.backends import chat
+    from engines.backends.torch.generator import TorchGenerator
+    from engines.backends.torch.trainer import TorchTrainer
+    from engines.demo.tool_agent import save_tool_agent
+
+    agent = save_tool_agent(tmp_path / "agent")
+    trainer, generator = TorchTrainer(agent, lr=3e-3, temperature=0.3), TorchGenerator(agent, prompt_format=chat.PromptFormat("auto"))
+    ro = RolloutConfig(mode="stream", max_staleness=2, samples_per_prompt=2, max_new_tokens=80, temperature=0.3,
+                       tools=["engines.agents.tools:calculator"], max_turns=3)
+    weights, play = offpolicy.RolloutWeights(), Episodes(ro, generator.renderer)
+    row = {"prompt_id": 0, "prompt": "What is 2+3?", "answer": "5", "prompt_row": 0}
+    lane = StreamLane(generator, weights, lambda i: row | {"prompt_id": i}, list, ro, slots=2, room=1, seed=lambda n: n,
+                      episodes=play)
+    lane._draw()  # (no threads: the segments run here, one by one)
+    samples, snapshots = lane.groups[0].samples, []
+    for version in range(3):
+        snapshots.append(copy.deepcopy(trainer.model.state_dict()))
+        for s in samples:
+            if s.answer is not None:
+                s.answer.result()  # the tool's answer is in before the next turn
+        lane._segment([s for s in samples if s.ready()])
+        batch = with_old_logprobs(random_batch(4, seed=version), trainer.logprobs(random_batch(4, seed=version)))
+        trainer.train_step(batch, GRPOConfig(), minibatches=1)
+        weights.sync(generator, trainer.version, trainer.export_weights())
+    lane.stop()
+    assert all(s.done for s in samples), [s.episode.turns for s in samples]
+    rows = lane._rows(lane.groups[0])
+    call = [r for r in rows if r["tool_calls"] == 1 and r["turns"] == 2]
+    assert call, [(r["turns"], r["tool_calls"]) for r in rows]  # the well-formed call: the answer a turn later
+    for r in call:
+        first = r["loss_mask"].index(0)
+        second = first + r["loss_mask"][first:].index(1)
+        assert set(r["token_versions"][:second]) == {0} and set(r["token_versions"][second:]) == {1}, r["token_versions"]
+    batch = TrainBatch([r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows], [r["logprobs"] for r in rows],
+                       [0.0] * len(rows), loss_mask=[r["loss_mask"] for r in rows])
+    latest, under = copy.deepcopy(trainer.model.state_dict()), []
+    for snapshot in snapshots:
+        trainer.model.load_state_dict(snapshot)
+        under.append(trainer.logprobs(batch))
+    trainer.model.load_state_dict(latest)
+    for i, r in enumerate(rows):
+        for t, (v, m) in enumerate(zip(r["token_versions"], r["loss_mask"])):
+            if m:
+                assert r["logprobs"][t] == pytest.approx(under[v][i][t], abs=1e-4), (r["token_versions"], t)
+    assert max(abs(under[0][i][t] - under[1][i][t]) for i, r in enumerate(call) for t in range(len(r["loss_mask"]))
+               if r["loss_mask"][t]) > 1e-3  # the versions differ
+    _, stats = offpolicy.staleness(2, rows)
+    sampled = sum(sum(r["loss_mask"]) for r in rows)
+    assert stats["token_staleness_mean"] == pytest.approx(
+        sum(2 - v for r in rows for v, m in zip(r["token_versions"], r["loss_mask"]) if m) / sampled)
 
 
 def long_tail_lane(partial: str, room: int = 8, k: int = 2) -> tuple[StreamLane, offpolicy.RolloutWeights, TimingStubGenerator]:
@@ -138,54 +195,32 @@ def test_a_streaming_run_killed_resumes_with_no_prompt_trained_twice_or_skipped(
     group's rollouts took every prompt before its cursor, and those its checkpoint lists beyond it,
     exactly once (a straggler's group taken after later ones), no prompt was trained in two steps,
     staleness stayed within k, and some samples mixed versions (continued across a weight update)."""
-    import os
     import signal
-    import subprocess
-    import sys
     from pathlib import Path
-
-    import pyarrow.parquet as pq
 
     from storage.runstate import RunState
 
-    root = Path(__file__).resolve().parents[1]
     fired = tmp_path / "fired"
     fired.mkdir()
-    env = dict(os.environ, PYTHONPATH=str(root), YATTFLOW_FAULTS_FIRED=str(fired),
-               YATTFLOW_FAULTS="train_step@3:dp-0:kill-run,rollout_and_score@4:dp-1:kill")
     args = TINY + STUBS + [
         f"storage.root={prepared}", "name=streaming", "steps=6", "dp=2", "checkpoint.every=2", "rollout.mode=stream",
         "rollout.max_staleness=8", "placement.stream_chunk=4", "rollout.stub_lengths=long_tail", "rollout.max_new_tokens=64",
         "rollout.segment_tokens=4", "train.old_policy=decoupled", "train.off_policy_correction=tis", "data.heldout=null",
         "retries.run=2", "timeouts.stage_s=60", "run.lease_s=10",
         "rollout.stub_seconds_per_token=0.01", "train.stub_seconds_per_token=0.002"]
-    script = ("import asyncio, json, sys\nfrom flows.training import train\n"
-              "print('SUMMARY', json.dumps(asyncio.run(train(overrides=sys.argv[1:]))['history']))\n")
-    codes = []
-    for _ in range(3):
-        run = subprocess.run([sys.executable, "-c", script, *args], cwd=root, capture_output=True, text=True, timeout=400, env=env)
-        codes.append(run.returncode)
-        if run.returncode == 0:
-            break
+    codes, run, history = run_until_healed(args, "train_step@3:dp-0:kill-run,rollout_and_score@4:dp-1:kill", fired, 400)
     assert codes == [-signal.SIGKILL, 0], run.stderr[-3000:]
     assert len(list(fired.iterdir())) == 2  # both faults happened
-    history = json.loads(run.stdout.split("SUMMARY ", 1)[1])
     run_dir = Path(prepared) / "runs" / "streaming"
     state = RunState.load(str(run_dir))
     assert state.step == 5
     steps = sorted((run_dir / "steps").iterdir())
     assert [int(s.name) for s in steps] == list(range(6))
-    trained_in: dict[int, int] = {}
     for g in (0, 1):
-        taken = [r for s in steps for r in pq.read_table(s / "rollouts" / f"group={g}").column("prompt_id").to_pylist()]
-        taken = list(dict.fromkeys(taken))  # G samples per prompt
         ahead = state.sampling[g]["ahead"]
         want = [r["prompt_id"] for r in PromptStream(str(Path(prepared) / "data" / "train"), g, 2).wave(0, max([state.cursors[g], *ahead]) + 1)]
-        assert sorted(taken) == sorted(want[: state.cursors[g]] + [want[i] for i in ahead])  # each once, none skipped
-        for s in steps:
-            for prompt in set(pq.read_table(s / "experience" / f"group={g}").column("prompt_id").to_pylist()):
-                assert prompt not in trained_in, f"prompt {prompt} trained in steps {trained_in[prompt]} and {s.name}"
-                trained_in[prompt] = int(s.name)
+        assert sorted(taken_prompts(steps, g)) == sorted(want[: state.cursors[g]] + [want[i] for i in ahead])  # each once, none skipped
+    trained_once(steps, (0, 1))
     for m in history:
         assert max(map(int, m["staleness"])) <= 8 and m["stale_dropped"] == 0, m["staleness"]
     assert any(m["train"].get("mixed_version_fraction", 0) > 0 for m in history), [m["train"] for m in history]

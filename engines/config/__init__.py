@@ -205,7 +205,6 @@ class RunConfig(Section):
                 (f"rollout.replicas={r.replicas} (one lane per group; use 1)", r.replicas > 1),
                 (f"a DP group of {self.layout.size} ranks (train.tensor_parallel x pipeline_parallel x fsdp; use 1)",
                  self.layout.size > 1),
-                ("multi-turn episodes (rollout.env / rollout.tools)", r.episodes),
                 ("a preference dataset (data.preferences)", self.data.preferences is not None),
             ) if on]
             if unwired:

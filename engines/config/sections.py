@@ -115,7 +115,8 @@ class RolloutConfig(Section):
         0, ge=0, description="k, off-policy overlap (docs/off-policy.md): 0 runs each step's rollout, scoring, filtering "
         "and training one after the other (on-policy). k >= 1: step n+1's rollout, scoring and filtering run while step n "
         "trains, from weights at most k versions older than the trainer's when it trains them (carried-over groups "
-        "included; older ones are dropped and counted); pair it with train.old_policy=decoupled and a correction.")
+        "included; older ones are dropped and counted); pair it with train.old_policy=decoupled and a correction. "
+        "With mode=stream it bounds each group's oldest token instead (see mode).")
     mode: Literal["waves", "stream"] = Field(
         "waves", description="waves: each step generates its prompt groups in waves of sampling.prompts_per_wave, each "
         "chunk of placement.stream_chunk prompts one generate call that waits for its longest response (with "

@@ -45,7 +45,9 @@ def staleness(trainer_version: int, rows: list[dict]) -> tuple[dict[int, int], d
     if not n:
         return counts, {}
     stats = {"staleness_mean": sum(k * c for k, c in counts.items()) / n, "staleness_max": float(max(counts))}
-    streamed = [r["token_versions"] for r in rows if r.get("token_versions")]  # rollout.mode=stream: per token
+    streamed = [[v for v, m in zip(r["token_versions"], r.get("loss_mask") or [1] * len(r["token_versions"])) if m]
+                for r in rows if r.get("token_versions")]  # rollout.mode=stream: per sampled token (an episode's observations not)
+    streamed = [vs for vs in streamed if vs]
     if streamed:  # how far each token is behind, and how many samples mix versions (rollout.partial=continue)
         stats["token_staleness_mean"] = sum(trainer_version - v for vs in streamed for v in vs) / sum(len(vs) for vs in streamed)
         stats["mixed_version_fraction"] = sum(len(set(vs)) > 1 for vs in streamed) / len(streamed)

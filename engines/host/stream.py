@@ -21,6 +21,12 @@ one before that, trains: one or two versions behind. A long response, continued 
 behind: a group whose oldest token is more than ``rollout.max_staleness`` versions behind the
 trainer when taken is dropped and counted (its prompt taken, not trained), as dynamic sampling
 drops a group.
+
+With ``rollout.env`` or ``rollout.tools`` a sample is an episode (engines/agents/episodes.py) and
+a segment is one turn: between two turns the newest weights load, so an episode spans weight
+updates turn by turn, each sampled token keeping its version (an observation's tokens, never
+trained, take the version of the turn before them). A turn's tools and environment step run on a
+pool beside the lane while the other samples generate; the episode's next turn waits for them.
 """
 
 from __future__ import annotations
@@ -28,11 +34,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+from engines.agents.episodes import Episode, Episodes
 from engines.backends import chat
+from engines.host import rewards
 from engines.wire.channel import progress
+from engines.wire.commands import Rollout, RolloutAndScore, RolloutAndScoreResult
+from storage import datasets
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +67,92 @@ class Sample:
     def restart(self) -> None:
         self.prompt_ids, self.response_ids, self.logprobs, self.versions, self.text = None, [], [], [], ""
 
+    def ready(self) -> bool:
+        return not self.done
+
+    def prepare(self) -> None:
+        pass
+
+    def tokens(self, ro) -> int:
+        """This segment's length: ``segment_tokens``, fewer where the response would pass ``max_new_tokens``."""
+        return min(ro.segment_tokens, ro.max_new_tokens - len(self.response_ids))
+
+    def add(self, gen, version: int, ro) -> None:
+        self.prompt_ids = list(gen.prompt_ids) if self.prompt_ids is None else self.prompt_ids
+        self.response_ids += gen.response_ids
+        self.logprobs += gen.logprobs
+        self.versions += [version] * len(gen.response_ids)
+        self.text += gen.response
+        self.truncated = gen.truncated and len(self.response_ids) >= ro.max_new_tokens
+        self.done = self.truncated or not gen.truncated
+
+    def columns(self) -> dict:
+        return {"prompt_ids": self.prompt_ids, "response": self.text, "response_ids": self.response_ids,
+                "logprobs": self.logprobs, "truncated": self.truncated}
+
+
+@dataclass
+class Turns:
+    """An episode (``rollout.env`` / ``rollout.tools``) played a turn per segment; its tools and
+    environment step on the lane's pool between two turns (``answer``: their future)."""
+
+    play: Episodes
+    row: dict
+    pool: ThreadPoolExecutor  # the lane's, for tools and environment steps
+    wake: Callable[[], None]  # the lane's: an answer is in
+    episode: Episode | None = None  # started (the environment's reset) at its first segment, on the lane's thread
+    versions: list[int] = field(default_factory=list)  # per response token (an observation's: its turn's)
+    answer: Future | None = None
+    finished: dict | None = None  # its rollout columns, once it ended
+
+    @property
+    def done(self) -> bool:
+        return self.finished is not None
+
+    def restart(self) -> None:
+        self.episode, self.versions, self.answer = None, [], None
+
+    def ready(self) -> bool:
+        return not self.done and (self.answer is None or self.answer.done())
+
+    def prepare(self) -> None:
+        """Started, or its last turn's observation on it (both tokenize: the lane's thread, under the weights lock)."""
+        if self.episode is None:
+            self.episode = self.play._start(self.row)
+        elif self.answer is not None:
+            before, answer, self.answer = len(self.episode.response_ids), self.answer, None
+            self.play._continue([self.episode], answer.result())
+            self.versions += self.versions[-1:] * (len(self.episode.response_ids) - before)
+        self._finish()
+
+    def tokens(self, ro) -> int:
+        return ro.max_new_tokens
+
+    def prompt(self) -> chat.Prompt:
+        return chat.Tokens(tuple(self.episode.prompt_ids + self.episode.response_ids))
+
+    def add(self, gen, version: int, ro) -> None:
+        before = len(self.episode.response_ids)
+        self.play._sampled(self.episode, gen)
+        self.versions += [version] * (len(self.episode.response_ids) - before)
+        if not self.episode.done:
+            self.answer = self.pool.submit(self.play._observe, [self.episode], self.episode.turns - 1)
+            self.answer.add_done_callback(lambda _: self.wake())
+        self._finish()
+
+    def _finish(self) -> None:
+        if self.episode is not None and self.episode.done and self.answer is None and self.finished is None:
+            self.finished = self.episode.columns(self.play.renderer.tokenizer)
+
+    def columns(self) -> dict:
+        return self.finished
+
 
 @dataclass
 class Group:
     index: int  # the prompt's position in the group's stream (the data cursor's unit)
     row: dict
-    samples: list[Sample]
+    samples: list[Sample] | list[Turns]
     scored: list[dict] | None = None  # its scored rows, once the scoring thread has them
 
     @property
@@ -87,8 +178,9 @@ class StreamLane:
     """One group's streaming lane: ``take`` a step's scored groups; the threads generate and score the rest."""
 
     def __init__(self, policy, weights, prompt_at: Callable[[int], dict], score: Callable[[list[dict]], list[dict]], rollout,
-                 slots: int, room: int, seed: Callable[[int], int]):
+                 slots: int, room: int, seed: Callable[[int], int], episodes: Episodes | None = None):
         self.policy, self.weights, self.prompt_at, self.score, self.ro = policy, weights, prompt_at, score, rollout
+        self.episodes, self.pool = episodes, None  # multi-turn: a sample is an episode, its tools and steps on the pool
         self.slots, self.room, self.seed = slots, room, seed  # samples in flight; groups drawn and not taken, at most
         self.cond = threading.Condition()
         self.groups: list[Group] = []  # drawn, not taken, in prompt order
@@ -98,6 +190,33 @@ class StreamLane:
         self.error: BaseException | None = None
         self._threads: list[threading.Thread] = []
         self._stop = False
+
+    @classmethod
+    def of(cls, worker) -> "StreamLane":
+        """The lane of a host whose run streams (``engines.host.worker.Worker``): its rollout engine,
+        weights, prompts, judge and rules, ``placement.stream_chunk`` prompts' samples in flight, and
+        room for a step's groups (``sampling.target_groups``) and half as many again."""
+        from engines.host.worker import stable_seed
+
+        cfg = worker.config
+        return cls(worker.policy, worker.rollout_weights, lambda i: worker._wave_prompts(i, 1)[0], worker._score_chunk,
+                   cfg.rollout, slots=cfg.placement.stream_chunk * cfg.rollout.samples_per_prompt,
+                   room=cfg.sampling.target_groups + (cfg.sampling.target_groups + 1) // 2,
+                   seed=lambda n: stable_seed(cfg.seed, "stream", worker.group, n), episodes=worker.episodes)
+
+    def answer(self, r: RolloutAndScore, judge, rollout_result: Callable[..., object]) -> RolloutAndScoreResult:
+        """``rollout_and_score``'s outputs from ``take``'s groups: the rollout and scored rows written
+        where the request says, their figures (``rollout_result``: the worker's; ``judge``: judge's config)."""
+        start = time.perf_counter()
+        rows, scored, cursor, ahead, dropped = self.take(r.cursor, r.ahead, r.count, r.step, r.wave)
+        datasets.write_rows(r.rollouts_out, rows, datasets.ROLLOUTS)
+        datasets.write_rows(r.scored_out, scored, datasets.SCORED)
+        seconds = time.perf_counter() - start
+        rolled = rollout_result(Rollout(step=r.step, wave=r.wave, cursor=r.cursor, count=r.count, out=r.rollouts_out),
+                                rows, seconds, 0.0)
+        rolled = rolled.model_copy(update={"cursor": cursor, "ahead": ahead, "stale_dropped": dropped, "busy_s": self.busy()})
+        return RolloutAndScoreResult(rollout=rolled, score=rewards.score_result(judge, r.scored_out, scored, 0.0, 0.0),
+                                     seconds=seconds, generate_s=seconds, judge_busy_s=0.0, judge_tail_s=0.0, queue_wait_s=0.0)
 
     # -- the step's side --------------------------------------------------------------------
 
@@ -113,7 +232,7 @@ class StreamLane:
         with self.cond:
             while len(scored) < count * self.ro.samples_per_prompt:
                 if self.error is not None:
-                    raise RuntimeError("the streaming rollout lane failed") from self.error
+                    raise self.error  # as it was raised on the lane's thread (an environment's EnvError names its prompt and turn)
                 group = next((g for g in self.groups if g.scored is not None), None)
                 if group is None:
                     segments = self.figures.segments
@@ -162,13 +281,15 @@ class StreamLane:
         for thread in self._threads:
             thread.join()
         self._threads = []
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)  # (a tool call already running ends within rollout.tool_timeout_s)
+            self.pool = None
 
     def _rows(self, group: Group) -> list[dict]:
         row = group.row
         return [{"prompt_id": row["prompt_id"], "sample_index": j, "policy_version": min(s.versions), "wave": 0,
-                 "prompt": row["prompt"], "answer": row["answer"], "prompt_row": row["prompt_row"], "prompt_ids": s.prompt_ids,
-                 "response": s.text, "response_ids": s.response_ids, "logprobs": s.logprobs, "truncated": s.truncated,
-                 "token_versions": s.versions} for j, s in enumerate(group.samples)]
+                 "prompt": row["prompt"], "answer": row["answer"], "prompt_row": row["prompt_row"]} | s.columns()
+                | {"token_versions": s.versions} for j, s in enumerate(group.samples)]
 
     # -- the lane's threads -----------------------------------------------------------------
 
@@ -214,21 +335,33 @@ class StreamLane:
         while in_flight + g <= max(self.slots, g) and len(self.groups) < self.room:
             if self.drawn not in self.ahead_taken:  # (a resume: taken before the checkpoint)
                 row = self.prompt_at(self.drawn)
-                self.groups.append(Group(self.drawn, row, [Sample(chat.source(row)) for _ in range(g)]))
+                self.groups.append(Group(self.drawn, row, [self._sample(row) for _ in range(g)]))
                 in_flight += g
             self.drawn += 1
-        return [s for grp in self.groups for s in grp.samples if not s.done]
+        return [s for grp in self.groups for s in grp.samples if s.ready()]
 
-    def _segment(self, active: list[Sample]) -> None:
+    def _sample(self, row: dict) -> Sample | Turns:
+        if self.episodes is None:
+            return Sample(chat.source(row))
+        self.pool = self.pool or ThreadPoolExecutor(8, thread_name_prefix="stream-answers")
+        return Turns(self.episodes, row, self.pool, self._wake)
+
+    def _wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def _segment(self, active: list[Sample] | list[Turns]) -> None:
         """Every in-flight sample ``segment_tokens`` further (fewer where its response would pass
-        ``max_new_tokens``: a call of its own), under the newest weights."""
+        ``max_new_tokens``: a call of its own; an episode: one turn), under the newest weights."""
         ro, by_length = self.ro, {}
         with self.weights as version:
             for s in active:
                 if ro.partial == "abort" and s.versions and s.versions[0] != version:
                     s.restart()
                     self.figures.restarted += 1
-                by_length.setdefault(min(ro.segment_tokens, ro.max_new_tokens - len(s.response_ids)), []).append(s)
+                s.prepare()  # an episode: started, or its observation added (it may end there)
+                if not s.done:
+                    by_length.setdefault(s.tokens(ro), []).append(s)
             for length, samples in sorted(by_length.items(), reverse=True):
                 t = time.perf_counter()
                 gens = self.policy.generate([s.prompt() for s in samples], n=1, temperature=ro.temperature, top_p=ro.top_p,
@@ -236,11 +369,5 @@ class StreamLane:
                 with self.cond:
                     self.figures.busy_s += time.perf_counter() - t
                 for s, gen in zip(samples, gens):
-                    s.prompt_ids = list(gen.prompt_ids) if s.prompt_ids is None else s.prompt_ids
-                    s.response_ids += gen.response_ids
-                    s.logprobs += gen.logprobs
-                    s.versions += [version] * len(gen.response_ids)
-                    s.text += gen.response
-                    s.truncated = gen.truncated and len(s.response_ids) >= ro.max_new_tokens
-                    s.done = s.truncated or not gen.truncated
+                    s.add(gen, version, ro)
         self.figures.segments += 1

@@ -164,11 +164,7 @@ class Worker:
         self.rollout_weights.reset(self.trainer.version, int(cfg.rollout.sync_bucket_mb * 2**20))  # both engines loaded the same folder
         if self.stream is not None:
             self.stream.stop()
-        self.stream = None if cfg.rollout.mode == "waves" or not rolls else StreamLane(
-            self.policy, self.rollout_weights, lambda i: self._wave_prompts(i, 1)[0], self._score_chunk, cfg.rollout,
-            slots=cfg.placement.stream_chunk * cfg.rollout.samples_per_prompt,
-            room=cfg.sampling.target_groups + (cfg.sampling.target_groups + 1) // 2,  # a step's groups and spares
-            seed=lambda n: stable_seed(cfg.seed, "stream", self.group, n))
+        self.stream = StreamLane.of(self) if cfg.rollout.mode == "stream" and rolls else None
         if request.resume:
             self.checkpoints.load(self.trainer, request.resume, self.critic)
             self.sync_weights(SyncWeights())
@@ -225,7 +221,7 @@ class Worker:
         cfg, r = self.config, request
         start = time.perf_counter()
         if self.stream is not None:  # rollout.mode=stream: the groups the lane has generated and scored
-            return self._streamed(r, start)
+            return self.stream.answer(r, self.config.judge, self._rollout_result)
         switch = self.take("policy", "judge")
         finished: queue.Queue = queue.Queue(maxsize=cfg.placement.queue_size)
         scored: dict[int, list[dict]] = {}  # by chunk
@@ -279,18 +275,6 @@ class Worker:
             score=rewards.score_result(self.config.judge, r.scored_out, flat, judge["busy_s"], 0.0),
             seconds=seconds, generate_s=generate_s, judge_busy_s=judge["busy_s"], judge_tail_s=seconds - generate_s,
             queue_wait_s=blocked, switch_s=switch)
-
-    def _streamed(self, r: RolloutAndScore, start: float) -> RolloutAndScoreResult:
-        """``rollout_and_score``'s outputs from the streaming lane's scored groups (engines/host/stream.py)."""
-        rows, scored, cursor, ahead, dropped = self.stream.take(r.cursor, r.ahead, r.count, r.step, r.wave)
-        datasets.write_rows(r.rollouts_out, rows, datasets.ROLLOUTS)
-        datasets.write_rows(r.scored_out, scored, datasets.SCORED)
-        seconds = time.perf_counter() - start
-        rolled = self._rollout_result(Rollout(step=r.step, wave=r.wave, cursor=r.cursor, count=r.count, out=r.rollouts_out),
-                                      rows, seconds, 0.0)
-        rolled = rolled.model_copy(update={"cursor": cursor, "ahead": ahead, "stale_dropped": dropped, "busy_s": self.stream.busy()})
-        return RolloutAndScoreResult(rollout=rolled, score=rewards.score_result(self.config.judge, r.scored_out, scored, 0.0, 0.0),
-                                     seconds=seconds, generate_s=seconds, judge_busy_s=0.0, judge_tail_s=0.0, queue_wait_s=0.0)
 
     @handle.register
     def dynamic_filter(self, request: DynamicFilter) -> DynamicFilterResult:
