@@ -82,7 +82,7 @@ def figures(history: list[dict], warmup: int) -> dict:
     mean = lambda key: statistics.fmean(m[key] for m in rows)  # noqa: E731
     return {"step_s": mean("step_s"), "r_s": mean("rollout_s") + mean("genrm_score_s") + mean("rollout_and_score_s")
             + mean("dynamic_filter_s"), "train_s": mean("train_step_s") + mean("sync_weights_s"),
-            "waves": mean("waves"), "prompts": mean("prompts"),  # dynamic sampling's waves per step: the modes draw different samples (module docstring)
+            "waves": mean("waves"), "prompts": mean("prompts"), "train_tokens": mean("train_tokens"),  # dynamic sampling's waves per step: the modes draw different samples (module docstring)
             "staleness": {k: sum(m["staleness"].get(k, 0) for m in rows) for k in sorted({k for m in rows for k in m["staleness"]})},
             "is_ratio_mean": statistics.fmean(m["train"].get("is_ratio_mean", 1.0) for m in rows),
             "is_ratio_max": max(m["train"].get("is_ratio_max", 1.0) for m in rows),
@@ -106,15 +106,16 @@ def compare(server, root: str, work: Path, args, engines: str, extra: list[str])
                   f"mixed-version samples {fig['mixed']:.3f}, {fig['waves']:.2f} waves, {fig['prompts']:.1f} prompts (r {fig['r_s']:.2f}s, "
                   f"slowest train + sync {fig['train_s']:.2f}s), "
                   f"staleness {fig['staleness']}, IS ratio mean {fig['is_ratio_mean']:.3f} max {fig['is_ratio_max']:.3f}, "
-                  f"run {wall:.0f}s", flush=True)
+                  f"{fig['train_tokens']:.0f} trained tokens, run {wall:.0f}s", flush=True)
     pooled = {mode: {k: statistics.fmean(f[k] for f in figs) for k in ("step_s", "r_s", "waves", "prompts", "is_ratio_mean", "stale_dropped", "mixed",
-                                                                 "rollout_busy", "train_busy")}
+                                                                 "rollout_busy", "train_busy", "train_tokens")}
               | {"is_ratio_max": max(f["is_ratio_max"] for f in figs), "staleness": figs[-1]["staleness"]}
               for mode, figs in runs.items()}
     r = pooled["sync"]["r_s"]
     t = pooled["sync"]["t_s"] = pooled["sync"]["step_s"] - r  # the rest of the synchronous step (module docstring)
+    per_token = {m: pooled[m]["step_s"] / pooled[m]["train_tokens"] for m in modes}  # a mode that trains longer answers later
     return {"runs": runs, "pooled": pooled, "ratios": {m: pooled[m]["step_s"] / pooled["sync"]["step_s"] for m in modes},
-            "bound": max(r, t) / (r + t)}
+            "token_ratios": {m: per_token[m] / per_token["sync"] for m in modes}, "bound": max(r, t) / (r + t)}
 
 
 def main(argv=None) -> dict:
@@ -157,15 +158,18 @@ def report(out: dict, args) -> str:
     lines = [f"dp={args.dp}{carry}{', long-tailed lengths' if args.long_tail else ''}, {args.steps} steps per run (first "
              f"{args.warmup} and the last left out), {args.repeats} alternated runs per mode", "",
              "| engines | r (s) | t = sync step - r (s) | " + " | ".join(f"{m} step (s)" for m in modes) + " | waves, prompts per step | "
-             + " | ".join(f"{m} / sync" for m in modes if m != "sync") + " | bound max(r,t)/(r+t) | stale-dropped per step | busy rollout, train |",
-             "|---" * (6 + 2 * len(modes)) + "|"]
+             + " | ".join(f"{m} / sync" for m in modes if m != "sync") + " | bound max(r,t)/(r+t) | stale-dropped per step | busy rollout, train | "
+             "trained tokens per step | " + " | ".join(f"{m} / sync per trained token" for m in modes if m != "sync") + " |",
+             "|---" * (7 + 3 * len(modes) - 1) + "|"]
     for engines, fig in out.items():
         p = fig["pooled"]
         lines.append(f"| {engines} | {p['sync']['r_s']:.2f} | {p['sync']['t_s']:.2f} | " + " | ".join(f"{p[m]['step_s']:.2f}" for m in modes)
                      + " | " + " / ".join(f"{p[m]['waves']:.2f}, {p[m]['prompts']:.1f}" for m in modes) + " | "
                      + " | ".join(f"{fig['ratios'][m]:.2f}" for m in modes if m != "sync") + f" | {fig['bound']:.2f} | "
                      + " / ".join(f"{p[m]['stale_dropped']:.2f}" for m in modes) + " | "
-                     + " / ".join(f"{p[m]['rollout_busy']:.2f}, {p[m]['train_busy']:.2f}" for m in modes) + " |")
+                     + " / ".join(f"{p[m]['rollout_busy']:.2f}, {p[m]['train_busy']:.2f}" for m in modes) + " | "
+                     + " / ".join(f"{p[m]['train_tokens']:.0f}" for m in modes) + " | "
+                     + " | ".join(f"{fig['token_ratios'][m]:.2f}" for m in modes if m != "sync") + " |")
     return "\n".join(lines)
 
 

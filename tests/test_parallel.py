@@ -480,8 +480,9 @@ def test_ppo_with_its_critic_over_two_tensor_parallel_ranks_or_two_stages_trains
 
 
 def test_a_run_sharded_with_fsdp_resumes_unsharded_from_its_sharded_checkpoint(prefect_server, tp_root):
-    """A real training run (Prefect, engine hosts, storage) of one DP group of two FSDP2 ranks
-    writes sharded checkpoints, each rank its own shards; the same run continued with
+    """A real training run (Prefect, engine hosts, storage) of one DP group of two FSDP2 ranks,
+    its rollouts streamed (rollout.mode=stream: the lane on the group's leader, beside the ranks'
+    collectives), writes sharded checkpoints, each rank its own shards; the same run continued with
     train.fsdp=1 (one host) resumes from them and trains on."""
     import asyncio
 
@@ -492,8 +493,10 @@ def test_a_run_sharded_with_fsdp_resumes_unsharded_from_its_sharded_checkpoint(p
     from flows.training import train
     from helpers import no_engine_hosts_left
 
-    overrides = [*task(tp_root), "name=fsdp-resharded", "dp=1", "checkpoint.every=1", "train.micro_batch_tokens=48"]
+    overrides = [*task(tp_root), "name=fsdp-resharded", "dp=1", "checkpoint.every=1", "train.micro_batch_tokens=48",
+                 "rollout.mode=stream", "rollout.max_staleness=2", "train.old_policy=decoupled", "train.off_policy_correction=tis"]
     first = asyncio.run(train(overrides=[*overrides, "steps=2", "train.fsdp=2"]))
+    assert all("token_staleness_mean" in m["train"] for m in first["history"])  # streamed: a version per token
     checkpoint = tp_root / "runs" / "fsdp-resharded" / "checkpoints" / "000001"
     assert sorted(p.name for p in (checkpoint / "trainer-torch").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
                                                                                  "trainer.json"]

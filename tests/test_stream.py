@@ -205,7 +205,7 @@ def test_a_streaming_run_killed_resumes_with_no_prompt_trained_twice_or_skipped(
     args = TINY + STUBS + [
         f"storage.root={prepared}", "name=streaming", "steps=6", "dp=2", "checkpoint.every=2", "rollout.mode=stream",
         "rollout.max_staleness=8", "placement.stream_chunk=4", "rollout.stub_lengths=long_tail", "rollout.max_new_tokens=64",
-        "rollout.segment_tokens=4", "train.old_policy=decoupled", "train.off_policy_correction=tis", "data.heldout=null",
+        "rollout.segment_tokens=4", "train.tensor_parallel=2", "placement.mode=partial", "train.old_policy=decoupled", "train.off_policy_correction=tis", "data.heldout=null",
         "retries.run=2", "timeouts.stage_s=60", "run.lease_s=10",
         "rollout.stub_seconds_per_token=0.01", "train.stub_seconds_per_token=0.002"]
     codes, run, history = run_until_healed(args, "train_step@3:dp-0:kill-run,rollout_and_score@4:dp-1:kill", fired, 400)
@@ -231,8 +231,7 @@ def test_the_config_refuses_a_stream_without_staleness_or_where_it_is_not_wired(
 
     with pytest.raises(ConfigError, match="rollout.mode=stream with rollout.max_staleness=0"):
         load_config(None, ["rollout.mode=stream"])
-    with pytest.raises(ConfigError, match="not wired yet for placement.mode=partial"):
-        load_config(None, ["rollout.mode=stream", "rollout.max_staleness=2", "placement.mode=partial"])
-    with pytest.raises(ConfigError, match="a DP group of 2 ranks"):
-        load_config(None, ["rollout.mode=stream", "rollout.max_staleness=2", "train.fsdp=2"])
+    with pytest.raises(ConfigError, match="not wired yet for rollout.replicas=2"):
+        load_config(None, ["rollout.mode=stream", "rollout.max_staleness=2", "train.fsdp=2", "rollout.replicas=2",
+                           "placement.stream_chunk=8"])
     assert not load_config(None, ["rollout.mode=stream", "rollout.max_staleness=2"]).rollout.overlapped

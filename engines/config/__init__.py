@@ -199,17 +199,13 @@ class RunConfig(Section):
                 raise ValueError("rollout.mode=stream with rollout.max_staleness=0: the lane generates while the trainer "
                                  "trains, so its samples are at least one version behind; set rollout.max_staleness to the "
                                  "versions a sample may lag (1 or more)")
-            unwired = [what for what, on in (
-                (f"placement.mode={self.placement.mode} (the lane scores with the host's own judge; use full)",
-                 self.placement.mode == "partial"),
-                (f"rollout.replicas={r.replicas} (one lane per group; use 1)", r.replicas > 1),
-                (f"a DP group of {self.layout.size} ranks (train.tensor_parallel x pipeline_parallel x fsdp; use 1)",
-                 self.layout.size > 1),
-                ("a preference dataset (data.preferences)", self.data.preferences is not None),
-            ) if on]
-            if unwired:
-                raise ValueError(f"rollout.mode=stream is not wired yet for {'; '.join(unwired)}: use rollout.mode=waves "
+            if r.replicas > 1:
+                raise ValueError(f"rollout.mode=stream is not wired yet for rollout.replicas={r.replicas} (one lane per "
+                                 "group, on its leader): use rollout.replicas=1 or rollout.mode=waves "
                                  "(docs/off-policy.md#streaming)")
+            if self.data.preferences is not None:
+                raise ValueError("rollout.mode=stream with a preference dataset (data.preferences): its samples are the "
+                                 "dataset's two responses, nothing is generated to stream; use rollout.mode=waves")
         return self
 
     def uri(self, path: str) -> str:

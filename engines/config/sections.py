@@ -133,7 +133,8 @@ class RolloutConfig(Section):
         "again under the new weights (abort: every sample one version).")
     segment_tokens: int = Field(
         32, gt=0, description="rollout.mode=stream: tokens each in-flight sample generates per generate call; weights "
-        "that arrived meanwhile load between two calls, and finished samples' slots refill there.")
+        "that arrived meanwhile load between two calls, and finished samples' slots refill there. Multi-turn "
+        "episodes (env / tools) stream a turn per call instead.")
     replicas: int = Field(
         1, ge=1, description="Rollout engines per DP group, each over rollout.tensor_parallel of the group's ranks, from its "
         "first (docs/parallelism.md): they split each wave's chunks (placement.stream_chunk prompts; chunk k on replica k "

@@ -1,6 +1,7 @@
 """The streaming rollout lane (``rollout.mode=stream``; docs/off-policy.md#streaming).
 
-Two threads on the group's host generate and score all along, whatever the step is doing. The
+Two threads on the group's leader (the host holding its rollout engine) generate and score all
+along, whatever the step is doing. The
 generating thread keeps ``placement.stream_chunk`` prompts' samples in flight and advances them
 ``rollout.segment_tokens`` at a time, one generate call per segment: a sample that ends frees its
 slot, and the next prompt's samples take it at the next call, so no call waits long for a
