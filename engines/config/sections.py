@@ -124,7 +124,7 @@ class RolloutConfig(Section):
         "two threads on each group's host generate and score all along, placement.stream_chunk prompts' samples in "
         "flight, segment_tokens at a time, a finished sample's slot refilled at once; a step takes scored groups as "
         "they are ready (a straggler's later), and the steps run one after the other beside it. The lane keeps "
-        "sampling.target_groups and half as many again drawn ahead; a group whose oldest token is more than "
+        "sampling.target_groups and as many again drawn ahead; a group whose oldest token is more than "
         "max_staleness versions behind the trainer is dropped and counted. Needs max_staleness >= 1; long responses "
         "continued across several updates need more (the bench uses 4).")
     partial: Literal["continue", "abort"] = Field(

@@ -1,11 +1,10 @@
 """The streaming rollout lane (``rollout.mode=stream``; docs/off-policy.md#streaming).
 
 Two threads on the group's leader (the host holding its rollout engine) generate and score all
-along, whatever the step is doing. The
-generating thread keeps ``placement.stream_chunk`` prompts' samples in flight and advances them
-``rollout.segment_tokens`` at a time, one generate call per segment: a sample that ends frees its
-slot, and the next prompt's samples take it at the next call, so no call waits long for a
-straggler (a wave's chunk waits for its longest response). Between two calls it takes the newest
+along, whatever the step is doing. The generating thread keeps ``placement.stream_chunk``
+prompts' samples in flight and advances them ``rollout.segment_tokens`` at a time, one generate
+call per segment: a sample that ends frees its slot, and the next prompt's samples take it at the
+next call, so no call waits long for a straggler (a wave's chunk waits for its longest response). Between two calls it takes the newest
 weights the trainer synced (``offpolicy.RolloutWeights``: staged while a call runs); a sample still
 running then continues under them, each token keeping the version and the log-probability that
 produced it (``rollout.partial=continue``), or starts again (``abort``). The scoring thread hands
@@ -16,10 +15,10 @@ step up, it is taken by a later one. The group's data cursor (every prompt befor
 prompts taken beyond it (``ahead``) say exactly which prompts the run has taken: a checkpoint records
 both, and a resume starts the lane there (what was in flight, or finished but not taken, is
 generated again under the resumed weights). The lane keeps at most ``room`` groups drawn and not
-taken: a step's (``sampling.target_groups``) and half as many again, spares so that a straggler's
-group does not hold the next step up. So a group is generated while the step before its own, or the
-one before that, trains: one or two versions behind. A long response, continued across weight updates, may fall further
-behind: a group whose oldest token is more than ``rollout.max_staleness`` versions behind the
+taken: a step's (``sampling.target_groups``) and as many again, spares so that stragglers' groups do
+not hold the next step up (with half as many the step waited 0.2 s for its groups on the long-tail
+bench). So a group is generated while the step before its own, or the one or two before that,
+trains. A long response, continued across weight updates, may fall further behind: a group whose oldest token is more than ``rollout.max_staleness`` versions behind the
 trainer when taken is dropped and counted (its prompt taken, not trained), as dynamic sampling
 drops a group.
 
@@ -193,17 +192,14 @@ class StreamLane:
         self._stop = False
 
     @classmethod
-    def of(cls, worker) -> "StreamLane":
+    def of(cls, worker, seed: Callable[[int], int]) -> "StreamLane":
         """The lane of a host whose run streams (``engines.host.worker.Worker``): its rollout engine,
         weights, prompts, judge and rules, ``placement.stream_chunk`` prompts' samples in flight, and
-        room for a step's groups (``sampling.target_groups``) and half as many again."""
-        from engines.host.worker import stable_seed
-
+        room for a step's groups (``sampling.target_groups``) and as many again; ``seed``: segment n's."""
         cfg = worker.config
         return cls(worker.policy, worker.rollout_weights, lambda i: worker._wave_prompts(i, 1)[0], worker._score_chunk,
                    cfg.rollout, slots=cfg.placement.stream_chunk * cfg.rollout.samples_per_prompt,
-                   room=cfg.sampling.target_groups + (cfg.sampling.target_groups + 1) // 2,
-                   seed=lambda n: stable_seed(cfg.seed, "stream", worker.group, n), episodes=worker.episodes)
+                   room=2 * cfg.sampling.target_groups, seed=seed, episodes=worker.episodes)
 
     def answer(self, r: RolloutAndScore, judge, rollout_result: Callable[..., object]) -> RolloutAndScoreResult:
         """``rollout_and_score``'s outputs from ``take``'s groups: the rollout and scored rows written
