@@ -9,7 +9,9 @@ k=4), alternated in one invocation.
 
 Each mode's *busy* figures are a lane's seconds at work over the step's: the rollout engine's
 generate calls (``rollout_busy_s``; with waves the rollout stage's seconds) and the train step
-with its sync; the rest of the step is that lane's idle bubble.
+with its sync; the rest of the step is that lane's idle bubble. The modes draw different samples,
+so they train different numbers of tokens a step (with ``--long-tail``, more or fewer of the long
+responses): the table prints the trained tokens per step and each ratio per trained token too.
 
 Everything but the engines is real: the ``flows.training:train`` flow in a fresh process against a
 ``prefect server`` (PostgreSQL when ``postgresql`` is installed, else SQLite), one engine-host
