@@ -57,6 +57,9 @@ def test_a_sample_continued_under_three_versions_keeps_each_tokens_and_is_correc
         weights.sync(generator, trainer.version, trainer.export_weights())
     samples = [s for s in lane.groups[0].samples if sorted(set(s.versions)) == [0, 1, 2]]
     assert samples, [s.versions for s in lane.groups[0].samples]  # at least one ran 5-6 tokens without ending
+    assert all(s.done for s in samples)  # three segments of 2: at max_new_tokens
+    for s in lane.groups[0].samples:  # a finished response's text is its whole ids decoded, not its segments' texts joined
+        assert not s.done or s.text == generator.tokenizer.decode(s.response_ids, skip_special_tokens=True)
     batch = TrainBatch([s.prompt_ids for s in samples], [s.response_ids for s in samples], [s.logprobs for s in samples],
                        [1.0] * len(samples))
     latest = copy.deepcopy(trainer.model.state_dict())

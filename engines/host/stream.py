@@ -60,6 +60,7 @@ class Sample:
     text: str = ""
     done: bool = False
     truncated: bool = False
+    decode: Callable[[list[int]], str] | None = None  # the engine's tokenizer's: the whole response's text at its end
 
     def prompt(self) -> chat.Prompt:
         return self.source if self.prompt_ids is None else chat.Tokens(tuple(self.prompt_ids + self.response_ids))
@@ -85,6 +86,8 @@ class Sample:
         self.text += gen.response
         self.truncated = gen.truncated and len(self.response_ids) >= ro.max_new_tokens
         self.done = self.truncated or not gen.truncated
+        if self.done and self.decode is not None:  # a character whose bytes two segments split decodes whole
+            self.text = self.decode(self.response_ids)
 
     def columns(self) -> dict:
         return {"prompt_ids": self.prompt_ids, "response": self.text, "response_ids": self.response_ids,
@@ -339,7 +342,9 @@ class StreamLane:
 
     def _sample(self, row: dict) -> Sample | Turns:
         if self.episodes is None:
-            return Sample(chat.source(row))
+            tokenizer = getattr(self.policy, "tokenizer", None)  # (the timing stub has none)
+            decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+            return Sample(chat.source(row), decode=decode)
         self.pool = self.pool or ThreadPoolExecutor(8, thread_name_prefix="stream-answers")
         return Turns(self.episodes, row, self.pool, self._wake)
 
