@@ -199,10 +199,12 @@ class RunConfig(Section):
                 raise ValueError("rollout.mode=stream with rollout.max_staleness=0: the lane generates while the trainer "
                                  "trains, so its samples are at least one version behind; set rollout.max_staleness to the "
                                  "versions a sample may lag (1 or more)")
-            if r.replicas > 1:
-                raise ValueError(f"rollout.mode=stream is not wired yet for rollout.replicas={r.replicas} (one lane per "
-                                 "group, on its leader): use rollout.replicas=1 or rollout.mode=waves "
-                                 "(docs/off-policy.md#streaming)")
+            scorers = self.reward.genrm_weight > 0 or self.reward.reward_model_weight > 0
+            if scorers and self.layout.serving("judge") != self.layout.serving("rollout"):
+                raise ValueError(f"rollout.mode=stream with rollout.replicas={r.replicas} and judge.replicas="
+                                 f"{self.judge.replicas}: each rollout replica's lane scores the groups it generates with "
+                                 "its own rank's judge and reward model; make them equal (and judge.tensor_parallel = "
+                                 "rollout.tensor_parallel)")
             if self.data.preferences is not None:
                 raise ValueError("rollout.mode=stream with a preference dataset (data.preferences): its samples are the "
                                  "dataset's two responses, nothing is generated to stream; use rollout.mode=waves")

@@ -140,7 +140,8 @@ class RolloutConfig(Section):
         "first (docs/parallelism.md): they split each wave's chunks (placement.stream_chunk prompts; chunk k on replica k "
         "mod replicas) and the group's leader joins their samples, which are the ones a single engine would draw. "
         "replicas x tensor_parallel is at most the group's ranks (train.tensor_parallel x train.pipeline_parallel x "
-        "train.fsdp); a wave needs as many chunks as replicas.")
+        "train.fsdp); a wave needs as many chunks as replicas. With mode=stream each replica runs a lane over every "
+        "replicas-th prompt, scored by its own rank's judge (judge.replicas equal).")
     tensor_parallel: int = Field(
         1, ge=1, description="rollout.backend=vllm: ranks each rollout engine spans (vLLM's tensor parallelism over their "
         "devices; on a CPU its CPU communicator over their cores).")

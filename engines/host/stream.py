@@ -1,7 +1,8 @@
 """The streaming rollout lane (``rollout.mode=stream``; docs/off-policy.md#streaming).
 
 Two threads on the group's leader (the host holding its rollout engine) generate and score all
-along, whatever the step is doing. The generating thread keeps ``placement.stream_chunk``
+along, whatever the step is doing (with ``rollout.replicas`` > 1, on each replica's first rank:
+a lane each over every n-th prompt, ``taken_by_all`` keeping one cursor between them). The generating thread keeps ``placement.stream_chunk``
 prompts' samples in flight and advances them ``rollout.segment_tokens`` at a time, one generate
 call per segment: a sample that ends frees its slot, and the next prompt's samples take it at the
 next call, so no call waits long for a straggler (a wave's chunk waits for its longest response). Between two calls it takes the newest
@@ -41,6 +42,7 @@ from typing import Callable
 from engines.agents.episodes import Episode, Episodes
 from engines.backends import chat
 from engines.host import rewards
+from engines.host.replicas import Replicas
 from engines.wire.channel import progress
 from engines.wire.commands import Rollout, RolloutAndScore, RolloutAndScoreResult
 from storage import datasets
@@ -181,8 +183,11 @@ class StreamLane:
     """One group's streaming lane: ``take`` a step's scored groups; the threads generate and score the rest."""
 
     def __init__(self, policy, weights, prompt_at: Callable[[int], dict], score: Callable[[list[dict]], list[dict]], rollout,
-                 slots: int, room: int, seed: Callable[[int], int], episodes: Episodes | None = None):
+                 slots: int, room: int, seed: Callable[[int], int], episodes: Episodes | None = None, role: Replicas | None = None):
         self.policy, self.weights, self.prompt_at, self.score, self.ro = policy, weights, prompt_at, score, rollout
+        # rollout.replicas: this replica's lane draws prompts index, index + count, ... of the group's stream
+        self.role = role if role is not None and role.count > 1 else None
+        self.index, self.count = (role.index, role.count) if self.role else (0, 1)
         self.episodes, self.pool = episodes, None  # multi-turn: a sample is an episode, its tools and steps on the pool
         self.slots, self.room, self.seed = slots, room, seed  # samples in flight; groups drawn and not taken, at most
         self.cond = threading.Condition()
@@ -193,24 +198,32 @@ class StreamLane:
         self.error: BaseException | None = None
         self._threads: list[threading.Thread] = []
         self._stop = False
+        self.took: list[int] = []
 
     @classmethod
     def of(cls, worker, seed: Callable[[int], int]) -> "StreamLane":
         """The lane of a host whose run streams (``engines.host.worker.Worker``): its rollout engine,
         weights, prompts, judge and rules, ``placement.stream_chunk`` prompts' samples in flight, and
-        room for a step's groups (``sampling.target_groups``) and as many again; ``seed``: segment n's."""
-        cfg = worker.config
+        room for a step's groups (``sampling.target_groups``) and as many again, split between the
+        group's rollout replicas; ``seed``: segment n's."""
+        cfg, role = worker.config, worker.replicas["rollout"]
         return cls(worker.policy, worker.rollout_weights, lambda i: worker._wave_prompts(i, 1)[0], worker._score_chunk,
                    cfg.rollout, slots=cfg.placement.stream_chunk * cfg.rollout.samples_per_prompt,
-                   room=2 * cfg.sampling.target_groups, seed=seed, episodes=worker.episodes)
+                   room=-(-2 * cfg.sampling.target_groups // role.count), seed=seed, episodes=worker.episodes, role=role)
 
     def answer(self, r: RolloutAndScore, judge, rollout_result: Callable[..., object]) -> RolloutAndScoreResult:
         """``rollout_and_score``'s outputs from ``take``'s groups: the rollout and scored rows written
         where the request says, their figures (``rollout_result``: the worker's; ``judge``: judge's config)."""
         start = time.perf_counter()
-        rows, scored, cursor, ahead, dropped = self.take(r.cursor, r.ahead, r.count, r.step, r.wave)
-        datasets.write_rows(r.rollouts_out, rows, datasets.ROLLOUTS)
-        datasets.write_rows(r.scored_out, scored, datasets.SCORED)
+        mine = len(range(self.index, r.count, self.count))  # this replica's share of the groups
+        rows, scored, cursor, ahead, dropped = self.take(r.cursor, r.ahead, mine, r.step, r.wave)
+        if self.role is not None:  # every replica's takes: the group's cursor and the prompts beyond it (the leader's answer)
+            cursor, ahead, dropped = self.taken_by_all(dropped)
+            rows = self.role.join(r.rollouts_out, datasets.ROLLOUTS, {self.index: rows}, self.count)
+            scored = self.role.join(r.scored_out, datasets.SCORED, {self.index: scored}, self.count)
+        else:
+            datasets.write_rows(r.rollouts_out, rows, datasets.ROLLOUTS)
+            datasets.write_rows(r.scored_out, scored, datasets.SCORED)
         seconds = time.perf_counter() - start
         rolled = rollout_result(Rollout(step=r.step, wave=r.wave, cursor=r.cursor, count=r.count, out=r.rollouts_out),
                                 rows, seconds, 0.0)
@@ -229,6 +242,7 @@ class StreamLane:
         if not self._threads or (cursor, sorted(ahead)) != (self.cursor, sorted(self.ahead_taken)):
             self.start(cursor, ahead)
         rolled, scored, dropped, k = [], [], 0, self.ro.max_staleness
+        self.took = []  # the prompts this take took (its groups and those dropped as too stale)
         with self.cond:
             while len(scored) < count * self.ro.samples_per_prompt:
                 if self.error is not None:
@@ -241,10 +255,8 @@ class StreamLane:
                         progress()  # the lane is working: the command is not hung
                     continue
                 self.groups.remove(group)
-                self.ahead_taken.add(group.index)
-                while self.cursor in self.ahead_taken:
-                    self.ahead_taken.remove(self.cursor)
-                    self.cursor += 1
+                self._mark([group.index])
+                self.took.append(group.index)
                 self.cond.notify_all()  # room to draw another prompt
                 if step - group.oldest > k:
                     dropped += 1
@@ -253,6 +265,32 @@ class StreamLane:
                 scored += [row | {"wave": wave} for row in group.scored]
             self.figures.stale_dropped += dropped
         return rolled, scored, self.cursor, sorted(self.ahead_taken), dropped
+
+    def taken_by_all(self, dropped: int) -> tuple[int, list[int], int]:
+        """After every replica's take (collective over the replicas): the prompts the others took
+        marked taken here too; the group's cursor, the prompts beyond it taken, and the groups all
+        replicas dropped as too stale."""
+        import torch
+        import torch.distributed as dist
+
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.count)]
+        dist.all_gather(sizes, torch.tensor([len(self.took) + 1]), group=self.role.group)
+        width = int(max(sizes).item())
+        mine = torch.full((width,), -1, dtype=torch.long)
+        mine[: len(self.took) + 1] = torch.tensor([dropped, *self.took])
+        every = [torch.empty(width, dtype=torch.long) for _ in range(self.count)]
+        dist.all_gather(every, mine, group=self.role.group)
+        with self.cond:
+            self._mark([i for t in every for i in t[1:].tolist() if i >= 0])
+            self.cond.notify_all()
+            return self.cursor, sorted(self.ahead_taken), sum(int(t[0]) for t in every)
+
+    def _mark(self, taken: list[int]) -> None:
+        """Prompts taken (some maybe marked already): the cursor moves past every prompt taken before it."""
+        self.ahead_taken.update(i for i in taken if i >= self.cursor)
+        while self.cursor in self.ahead_taken:
+            self.ahead_taken.remove(self.cursor)
+            self.cursor += 1
 
     def busy(self) -> float:
         """Seconds the lane spent in generate calls since the last time this was asked."""
@@ -333,7 +371,8 @@ class StreamLane:
         g = self.ro.samples_per_prompt
         in_flight = sum(not s.done for grp in self.groups for s in grp.samples)
         while in_flight + g <= max(self.slots, g) and len(self.groups) < self.room:
-            if self.drawn not in self.ahead_taken:  # (a resume: taken before the checkpoint)
+            # this replica's prompts only; not one taken before a resume's checkpoint
+            if self.drawn % self.count == self.index and self.drawn not in self.ahead_taken:
                 row = self.prompt_at(self.drawn)
                 self.groups.append(Group(self.drawn, row, [self._sample(row) for _ in range(g)]))
                 in_flight += g

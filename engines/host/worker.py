@@ -164,7 +164,7 @@ class Worker:
         self.rollout_weights.reset(self.trainer.version, int(cfg.rollout.sync_bucket_mb * 2**20))  # both engines loaded the same folder
         if self.stream is not None:
             self.stream.stop()
-        self.stream = StreamLane.of(self, seed=lambda n: stable_seed(cfg.seed, "stream", self.group, n)) \
+        self.stream = StreamLane.of(self, seed=lambda n: stable_seed(cfg.seed, "stream", self.group, self.replicas["rollout"].index, n)) \
             if cfg.rollout.mode == "stream" and rolls else None
         if request.resume:
             self.checkpoints.load(self.trainer, request.resume, self.critic)
