@@ -19,9 +19,9 @@ generated again under the resumed weights). The lane keeps at most ``room`` grou
 taken: a step's (``sampling.target_groups``) and as many again, spares so that stragglers' groups do
 not hold the next step up (with half as many the step waited 0.2 s for its groups on the long-tail
 bench). So a group is generated while the step before its own, or the one or two before that,
-trains. A long response, continued across weight updates, may fall further behind: a group whose oldest token is more than ``rollout.max_staleness`` versions behind the
-trainer when taken is dropped and counted (its prompt taken, not trained), as dynamic sampling
-drops a group.
+trains. A long response, continued across weight updates, may fall further behind: a group whose
+oldest token is more than ``rollout.max_staleness`` versions behind the trainer when taken is
+dropped and counted (its prompt taken, not trained), as dynamic sampling drops a group.
 
 With ``rollout.env`` or ``rollout.tools`` a sample is an episode (engines/agents/episodes.py) and
 a segment is one turn: between two turns the newest weights load, so an episode spans weight
@@ -38,6 +38,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
+
+import torch
+import torch.distributed as dist
 
 from engines.agents.episodes import Episode, Episodes
 from engines.backends import chat
@@ -270,9 +273,6 @@ class StreamLane:
         """After every replica's take (collective over the replicas): the prompts the others took
         marked taken here too; the group's cursor, the prompts beyond it taken, and the groups all
         replicas dropped as too stale."""
-        import torch
-        import torch.distributed as dist
-
         sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.count)]
         dist.all_gather(sizes, torch.tensor([len(self.took) + 1]), group=self.role.group)
         width = int(max(sizes).item())
