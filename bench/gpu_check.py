@@ -136,7 +136,7 @@ def part_tests(args) -> dict:
 
 
 def part_demo(args) -> dict:
-    root = Path(tempfile.mkdtemp(prefix="gpu-check-demo-"))
+    root = Path(args.prepared) if args.prepared and args.device == "cpu" else Path(tempfile.mkdtemp(prefix="gpu-check-demo-"))
     common = [f"storage.root={root}", "dp=1"] + (CPU_DEMO if args.device == "cpu" else [])
     # the shim's Megatron on the CPU is fp32; on the GPU the production setting, bf16
     megatron = ["name=gpu-check", "train.backend=megatron"] + (["model.dtype=bfloat16"] if args.device == "cuda" else [])
@@ -274,6 +274,8 @@ def spawn(name: str, args, limit: float, log) -> dict:
     cmd = [sys.executable, "-m", "bench.gpu_check", "--device", args.device, "--part", name, "--result", result]
     if args.peak_tflops:
         cmd += ["--peak-tflops", str(args.peak_tflops)]
+    if args.prepared:
+        cmd += ["--prepared", args.prepared]
     log.write(f"\n===== {name} (limit {limit:.0f} s) =====\n")
     log.flush()
     start = time.perf_counter()
@@ -302,6 +304,8 @@ def main(argv=None) -> int:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     p.add_argument("--budget", type=float, default=420.0, help="seconds for the whole check: a part gets what is left at most")
     p.add_argument("--peak-tflops", type=float, default=None, help="(parts) the measured peak, for MFU")
+    p.add_argument("--prepared", help="(cpu) a storage root where the tiny demo is prepared already (the tests' own, TINY): "
+                                      "the demo part trains on it rather than preparing it again")
     p.add_argument("--part", choices=tuple(PARTS), help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -78,6 +78,9 @@ def sft(
     check_images: list[list[bytes]] | None = None,
     on_check: Callable[[dict], None] | None = None,
     renderer: chat.Renderer | None = None,
+    tools: list[dict] | None = None,
+    on_progress: Callable[[dict], None] | None = None,
+    progress_every_s: float = 30.0,
 ) -> dict:
     """Train ``model`` on (prompt, completion) pairs until its greedy completions of the
     ``check`` prompts equal their expected completions for a ``target`` fraction of them,
@@ -89,10 +92,15 @@ def sft(
     images; ``check_images`` the check pairs'): its prompts are expanded by the processor and its
     pixel tensors made per batch, as the RL trainer does. ``renderer``: how prompts become the
     model's prompt text (``engines.backends.chat``: its chat template, as RL's engines render them;
-    None: as they are).
+    None: as they are); ``tools``: the JSON schemas of the tools RL's episodes offer (``rollout.tools``), put in
+    every prompt as the template shows them, so the model learns on the prompts RL will give it. A prompt
+    is text or chat messages (``[{role, content}]``, e.g. a user turn, the model's tool call and the tool's
+    result before the answer to learn).
 
     ``on_check``: called after every check with its figures (step, max_steps, loss, exact_match,
-    seconds) instead of ``log``-ging them as a line."""
+    seconds) instead of ``log``-ging them as a line. ``on_progress``: called with (step, max_steps, loss,
+    seconds) after a step when ``progress_every_s`` have passed since the last check or progress call: a
+    real model's checks may be many minutes apart."""
     optimiser = Optimiser(model, lr, seed)
     rng = optimiser.rng
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -101,8 +109,8 @@ def sft(
     prompt_ids = multimodal.PromptIds(processor, **special) if processor is not None else None
     pixel_cache = multimodal.PixelCache(processor, keep=False) if processor is not None else None
 
-    def encode_prompt(i: int, prompt: str) -> list[int]:
-        text = renderer.text(prompt)
+    def encode_prompt(i: int, prompt: chat.Prompt) -> list[int]:
+        text = renderer.text(prompt, tools)
         return prompt_ids(text, images[i]) if processor is not None else tokenizer(text, **special)["input_ids"]
 
     encoded = [(encode_prompt(i, p), tokenizer(c, add_special_tokens=False)["input_ids"] + [eos], i)
@@ -110,6 +118,7 @@ def sft(
     expected = [tokenizer(c, add_special_tokens=False)["input_ids"] + [eos] for _, c in check]
     answer_tokens = max(len(c) for c in [c for _, c, _ in encoded] + expected)  # the longest completion, and its end
     start, loss_ema, matched, step, converged = time.perf_counter(), None, None, 0, False
+    said = start  # the last check or progress call
     if resume is not None:
         optimiser.restore(resume)
         step, loss_ema, matched = resume["step"], resume["loss"], resume["exact_match"]
@@ -133,10 +142,14 @@ def sft(
         optimiser.step(loss)
         step += 1
         loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
-        if step % check_every == 0 or step == max_steps:
+        checking = step % check_every == 0 or step == max_steps
+        if on_progress is not None and not checking and time.perf_counter() - said >= progress_every_s:
+            said = time.perf_counter()
+            on_progress({"step": step, "max_steps": max_steps, "loss": loss_ema, "seconds": said - start})
+        if checking:
             if check:
                 matched = exact_match(model, tokenizer, check, answer_tokens, processor=processor, images=check_images,
-                                      renderer=renderer)
+                                      renderer=renderer, tools=tools)
                 converged = target is not None and matched >= target
             seconds = time.perf_counter() - start
             if on_check is not None:
@@ -145,6 +158,7 @@ def sft(
                 log(f"sft step {step}/{max_steps} loss {loss_ema:.4f} held-out exact match {_pct(matched)} ({seconds:.0f}s)")
             if save is not None:
                 save(optimiser.state(step=step, loss=loss_ema, exact_match=matched))
+            said = time.perf_counter()
     model.eval()
     return {"steps": step, "converged": converged, "exact_match": matched, "loss": loss_ema, "seconds": time.perf_counter() - start}
 
@@ -203,9 +217,11 @@ def start_model(base_dir: str | None, texts: list[str], seed: int, hidden_size: 
 
 @torch.no_grad()
 def exact_match(model, tokenizer, expected: list[tuple[str, str]], max_new_tokens: int, batch_size: int = 256,
-                processor=None, images: list[list[bytes]] | None = None, renderer: chat.Renderer | None = None) -> float:
+                processor=None, images: list[list[bytes]] | None = None, renderer: chat.Renderer | None = None,
+                tools: list[dict] | None = None) -> float:
     """The fraction of prompts whose greedy completion is exactly the expected one (a vision model:
-    with ``processor`` and each prompt's ``images``; prompts rendered by ``renderer``, default as they are)."""
+    with ``processor`` and each prompt's ``images``; prompts rendered by ``renderer``, default as they are,
+    with ``tools``' schemas when given)."""
     renderer = renderer or chat.Renderer(processor or tokenizer)
     model.eval()
     hits, side = 0, tokenizer.padding_side
@@ -213,7 +229,7 @@ def exact_match(model, tokenizer, expected: list[tuple[str, str]], max_new_token
     suppress = multimodal.image_token_ids(processor) if processor is not None else None
     for i in range(0, len(expected), batch_size):
         rows = expected[i : i + batch_size]
-        texts = [renderer.text(p) for p, _ in rows]
+        texts = [renderer.text(p, tools) for p, _ in rows]
         if processor is not None:
             batch = multimodal.model_inputs(processor, texts, images[i : i + batch_size], **renderer.encode_kwargs)
         else:  # input ids and mask only: some tokenizers add token_type_ids, which generate() refuses

@@ -174,12 +174,16 @@ def summary_markdown(summary: dict) -> str:
     lines = [f"# Run `{summary['run']}`", "",
              f"Held-out {summary['heldout_metric'] or 'evaluation: off (data.heldout is not set)'}: "
              f"**{percent(summary['heldout_before'])} → {percent(summary['heldout_after'])}**", "",
-             "| step | reward | accuracy | kept | dropped | waves | turns | tool calls (errors) | cut | seconds |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| step | reward | accuracy | kept | dropped | waves | turns | tool calls (errors) | cut | seconds | held-out |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in summary["history"]:
         e = m.get("episodes") or {}  # single-turn samples: no episode columns
         episode = (f"{e['turns']:.2f} | {e['tool_calls']:.2f} ({e['tool_errors']:.2f}) | {e['truncated']:.0%}" if e
                    else "- | - | -")
         lines.append(f"| {m['step']} | {m['reward']:.3f} | {m['accuracy']:.3f} | {m['kept_groups']} | {m['dropped_groups']} | "
-                     f"{m['waves']} | {episode} | {m['seconds']:.2f} |")
+                     f"{m['waves']} | {episode} | {m['seconds']:.2f} | {percent(m.get('heldout')) if m.get('heldout') is not None else '-'} |")
+    if summary.get("evaluation"):  # every evaluation set: before, every eval.every steps, after (flows/evaluations.py)
+        from flows.evaluations import markdown
+
+        lines += ["", markdown(summary["evaluation"])]
     return "\n".join(lines)

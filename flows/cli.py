@@ -11,7 +11,8 @@ command continues it:
     yattflow prepare [-c run.yaml] [key=value ...]   build the demo's datasets and tiny models
     yattflow train   [-c run.yaml] [key=value ...]   run (or resume) RL training
     yattflow demo    [-c run.yaml] [key=value ...]   prepare, then train, then print accuracy
-    yattflow evaluate [key=value ...] [--checkpoint STEP|final|URI]   score a checkpoint on the held-out set
+    yattflow evaluate [key=value ...] [--checkpoint STEP|final|URI|--model FOLDER]   score a checkpoint (or any model) on the evaluation sets
+    yattflow convert SOURCE.gguf OUTPUT              a GGUF file as a Hugging Face folder, checked against the GGUF
 
 The Prefect way (a server, a worker on a work pool, deployments from deployments/prefect.yaml):
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -69,38 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     return _in_process(argv)
 
 
-@contextlib.contextmanager
-def _sigterm_as_ctrl_c():
-    """SIGTERM (what ``kill``, Kubernetes, Slurm and systemd send) stops the command as Ctrl-C does.
-
-    For every flow run Prefect installs a SIGTERM handler of its own (``capture_sigterm`` in
-    ``prefect.utilities.engine``) that raises ``TerminationSignal`` wherever the main thread is.
-    In an async flow that is often the event loop's own code, waiting for the engine hosts:
-    ``asyncio.run`` then cancels every task and re-raises it (the run crashed, exit 1, a traceback,
-    no stop line); inside a callback asyncio logs it and drops it (the run goes on). Ctrl-C has
-    neither problem: inside ``asyncio.run`` SIGINT cancels the main task, every flow unwinds at its
-    next ``await`` (hosts stopped, lease released) and ``asyncio.run`` raises KeyboardInterrupt. So
-    SIGTERM calls the SIGINT handler of the moment, and Prefect gets that as its own handler
-    (Prefect 3.8 looks the module attribute up each time a flow run starts; tests/test_recovery.py
-    sends SIGTERM at several points of a run, and fails if Prefect stops reading it)."""
-    import prefect.utilities.engine as prefect_engine
-
-    def as_ctrl_c(signum, frame):
-        handler = signal.getsignal(signal.SIGINT)
-        if not callable(handler):  # SIGINT ignored (a shell's background job): SIGTERM still stops the command
-            raise KeyboardInterrupt
-        handler(signal.SIGINT, frame)
-
-    prefects = prefect_engine._prefect_sigterm_handler
-    prefect_engine._prefect_sigterm_handler = as_ctrl_c
-    previous = signal.signal(signal.SIGTERM, as_ctrl_c)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        prefect_engine._prefect_sigterm_handler = prefects
-
-
 SUMMARY = {  # `yattflow --help`: what each command does, a line each
     "demo": "prepare, then train: the demo end to end, held-out accuracy before and after RL",
     "prepare": "build the demo's datasets and tiny SFT'd models (skips what exists)",
@@ -109,6 +77,7 @@ SUMMARY = {  # `yattflow --help`: what each command does, a line each
     "sft": "supervised fine-tuning on your Parquet into a new model folder (or resume it)",
     "rm": "train a scalar reward model on preference pairs (Bradley-Terry)",
     "status": "where each run stands, read from storage (no server needed)",
+    "convert": "a GGUF file (llama.cpp's format) into a Hugging Face folder, its greedy answers checked",
     "server": "a local Prefect server and a process worker (the UI at http://127.0.0.1:4200)",
     "stack": "Prefect API replicas on PostgreSQL, Redis and a services process",
     "deploy": "create the work pool(s), then the deployments of deployments/prefect.yaml",
@@ -128,9 +97,11 @@ IN_PROCESS = {
     "train": "Run RL training, or resume it: the same run name continues from its last committed checkpoint.",
     "demo": "prepare, then train, then print the held-out score before and after RL.",
     "evaluate": "Score a committed checkpoint of the run (default: its last; --checkpoint STEP, 'final' or a URI) on the "
-                "run's held-out set with its rule or judge, on engine hosts of its own, from the run's stored config "
-                "with the overrides on top; the result goes to runs/<name>/evaluations/ (the evaluate flow that "
-                "deployments/prefect.yaml triggers on every committed checkpoint).",
+                "run's evaluation sets (data.heldout, eval.sets: greedy, and with eval.samples mean@k, pass@k, maj@k) with "
+                "their rules or the judge, on engine hosts of its own, from the run's stored config with the overrides on "
+                "top; the result goes to runs/<name>/evaluations/ (the evaluate flow that deployments/prefect.yaml "
+                "triggers on every committed checkpoint). --model FOLDER scores any model folder instead, with no run, on "
+                "the evaluation sets of -c and the overrides (a baseline).",
 }
 
 
@@ -155,7 +126,10 @@ def _in_process(argv: list[str]) -> int:
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="Prefect's task and flow log lines on the console too (they always go to the log file)")
     if argv[0] == "evaluate":
-        parser.add_argument("--checkpoint", help="a step number, 'final', or a checkpoint's URI or path (default: the last)")
+        which = parser.add_mutually_exclusive_group()
+        which.add_argument("--checkpoint", help="a step number, 'final', or a checkpoint's URI or path (default: the last)")
+        which.add_argument("--model", help="any model folder instead, with no run (a baseline): scored on the evaluation sets "
+                           "of -c and the overrides; the result goes to <storage root>/evaluations/<name>/")
     args = parser.parse_intermixed_args(argv[1:])
     args.command = argv[0]
 
@@ -164,20 +138,37 @@ def _in_process(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"yattflow: {e}", file=sys.stderr)
         return 2
+    from flows import preflight
+
+    try:  # every check of the input that needs no server, host or device, before any starts (flows/preflight.py)
+        preflight.check(args.command, config, args.overrides, getattr(args, "checkpoint", None), getattr(args, "model", None),
+                        args.config)
+    except preflight.Refused as e:
+        print(f"yattflow: {e}", file=sys.stderr)
+        return e.exit_code
     from flows import events
     from flows.console import RunConsole, log_path, ui_of_command
     from flows.evaluate import evaluate, pick_checkpoint
     from flows.prepare import prepare
     from flows.rm import rm, summary_line
     from flows.sft import sft, stopped_line
-    from flows.stops import cancelled_when_stopped, failed_line, stopped_when_cancelled, where_it_stopped
+    from flows.stops import StopSignals, cancelled_when_stopped, failed_line, stopped_when_cancelled, where_it_stopped
     from flows.training import train
+
+    def stop_line() -> str:
+        if args.command == "evaluate":
+            return "yattflow evaluate: stopped; nothing was written (the training run is not touched)"
+        where = stopped_line(config, args.command) if args.command in ("sft", "rm") else where_it_stopped(config)
+        return f"yattflow {args.command}: {where}"
 
     start = time.perf_counter()
     console = RunConsole(log_path(config.storage.root, config.name, args.command), *ui_of_command(), verbose=args.verbose)
+    # Ctrl-C and SIGTERM stop the command, which then ends within a bound (flows/stops.py), the server last
+    stop = StopSignals(stop_line, console.log_path)
     try:
-        with (_sigterm_as_ctrl_c(), console, prefect_server.local_api(), events.all_sent(), cancelled_when_stopped(console),
+        with (stop, console, prefect_server.local_api() as api_url, events.all_sent(), cancelled_when_stopped(console),
               stopped_when_cancelled(console)):
+            console.serving(api_url)  # the links point at the live server's UI until the command ends
             if args.command == "sft":
                 result = sft(config_file=args.config, overrides=args.overrides)
                 console.say(f"\nsft '{config.name}': {_sft_line(result)}")
@@ -186,17 +177,17 @@ def _in_process(argv: list[str]) -> int:
             if args.command in ("prepare", "demo"):
                 prepare(config_file=args.config, overrides=args.overrides)
             if args.command == "evaluate":
-                result = asyncio.run(evaluate(checkpoint=pick_checkpoint(config, args.checkpoint), overrides=args.overrides))
+                if args.model:  # any model folder, no run
+                    target = {"model": args.model, "config_file": args.config}
+                else:
+                    target = {"checkpoint": pick_checkpoint(config, args.checkpoint)}
+                result = asyncio.run(stop.cancellable(evaluate(overrides=args.overrides, **target)))
                 console.say(f"\nevaluate '{config.name}': {_evaluation_line(result)}")
             if args.command in ("train", "demo"):
-                summary = asyncio.run(train(config_file=args.config, overrides=args.overrides))
+                summary = asyncio.run(stop.cancellable(train(config_file=args.config, overrides=args.overrides)))
                 console.say(f"\nrun '{config.name}': {_heldout_line(summary)}; final policy: {summary['final_model']}")
-    except (KeyboardInterrupt, asyncio.CancelledError):  # (asyncio.run re-raises a cancel that was not only ours)
-        if args.command == "evaluate":
-            where = "stopped; nothing was written (the training run is not touched)"
-        else:
-            where = stopped_line(config, args.command) if args.command in ("sft", "rm") else where_it_stopped(config)
-        print(f"\nyattflow {args.command}: {where}", file=sys.stderr, flush=True)
+    except (KeyboardInterrupt, asyncio.CancelledError):  # (asyncio.run raises the cancel of its main task)
+        stop.say_last(stop_line())
         return 130
     except Exception as e:  # noqa: BLE001 - the traceback is in the log above; the cause goes last, alone
         print(f"\n{failed_line(args.command, e, config, console.log_path)}", file=sys.stderr, flush=True)
@@ -216,11 +207,15 @@ def _heldout_line(summary: dict) -> str:
 
 
 def _evaluation_line(result: dict) -> str:
-    """``held-out mean … reward 62.5% at step 9 (policy version 10); result: file:///…/evaluations/000009.json``."""
+    """``held-out mean … reward 62.5% at step 9 (policy version 10); result: file:///…/evaluations/000009.json``, then
+    every evaluation set's figures, a line each."""
     from flows.curves import percent
+    from flows.evaluations import lines
 
-    return (f"held-out {result['heldout_metric']} {percent(result['score'])} at step {result['step']} (policy version "
-            f"{result['policy_version']}); result: {result['result']}")
+    where = (f"of {result['checkpoint']}" if result.get("kind") == "model" else
+             f"at step {result['step']} (policy version {result['policy_version']})")
+    return "\n".join([f"held-out {result['heldout_metric']} {percent(result['score'])} {where}; result: {result['result']}",
+                      *(f"  {line}" for line in lines(result.get("evaluation") or {}))])
 
 
 def _sft_line(result: dict) -> str:
@@ -459,7 +454,13 @@ def stack(argv: list[str]) -> int:
     return start_stack(argv)
 
 
-PREFECT_COMMANDS = {"server": server, "stack": stack, "deploy": deploy, "run": run, "status": status}
+def convert(argv: list[str]) -> int:
+    from flows.convert import main as convert_main  # (flows/convert.py: a GGUF file as a Hugging Face folder)
+
+    return convert_main(argv)
+
+
+PREFECT_COMMANDS = {"server": server, "stack": stack, "deploy": deploy, "run": run, "status": status, "convert": convert}
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ class Brief(logging.Formatter):
 # Prefect's lines that only repeat a failure's exception, which the command's last line states (or call a
 # deliberate stop a crash: the command says where the run stopped, and the run is marked Cancelled)
 REPEATS = ("Task run failed with exception", "Finished in state Failed", "Encountered exception during execution",
-           "Crash detected!")
+           "Crash detected!", "Finished in state Crashed", "Finished in state Cancelled")
 
 
 def no_repeats(record: logging.LogRecord) -> bool:
@@ -96,6 +96,7 @@ class RunConsole(logging.Handler):
         self._lock = threading.RLock()
         self._restore: list = []
         self.last_said: str | None = None
+        self.live_base: str | None = None  # the temporary server's UI while the command runs (``serving``)
 
     # ------------------------------------------------------------------ setup
     def __enter__(self) -> "RunConsole":
@@ -139,6 +140,7 @@ class RunConsole(logging.Handler):
             handler.removeFilter(no_repeats)
         root.removeHandler(self.file)
         self.file.close()
+        self.live_base = None  # the temporary server has stopped: the links name the one that serves them later
         for run_id, name in self.runs.items():  # again, below what the run printed (unless it printed nothing)
             if self.link_line(name, run_id) != self.last_said:
                 self.say(self.link_line(name, run_id))
@@ -151,10 +153,19 @@ class RunConsole(logging.Handler):
         else:
             print(line, flush=True)
 
+    def serving(self, api_url: str) -> None:
+        """The command's temporary Prefect server answers at ``api_url`` (the embedded default): until the
+        command ends, links point at its UI; afterwards at ``ui_base``, which ``serve`` serves."""
+        if self.serve is not None:
+            self.live_base = api_url.removesuffix("/api")
+
     def link_line(self, name: str, run_id: str) -> str:
         link = ui_link(self.ui_base, run_id)
         if self.serve is None:
             return f"{name} in the Prefect UI: {link}"
+        if self.live_base is not None:
+            return (f"{name} in the Prefect UI while this command runs: {ui_link(self.live_base, run_id)} (afterwards: "
+                    f"{link}, served by: {self.serve})")
         return f"{name} in the Prefect UI: {link} (once this command has ended, serve it with: {self.serve})"
 
     # -------------------------------------------------------------- records
@@ -226,14 +237,14 @@ def _clock(seconds: float) -> str:
 def log_path(storage_root: str, name: str, command: str) -> Path:
     """Where a command's Prefect records go: ``<storage root>/logs/<name>-<command>.log`` when the
     root is a local folder, else ``$PREFECT_HOME/yattflow-logs/`` (the object store is not appended to)."""
-    from prefect.settings import get_current_settings
-
     from storage import objectstore
 
     root = objectstore.normalize(storage_root)
     if objectstore.is_local(root):
         folder = Path(objectstore.fs_for(root)[1]) / "logs"
     else:
+        from prefect.settings import get_current_settings  # (here: a second of imports the command's pre-flight spares)
+
         folder = Path(get_current_settings().home) / "yattflow-logs"
     return folder / f"{name}-{command}.log"
 

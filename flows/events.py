@@ -84,8 +84,10 @@ def emit(config: RunConfig, event: str, payload: dict) -> None:
 
 
 def figures(metrics: StepMetrics) -> dict[str, float | int | None]:
-    """A step's figures by name: ``STEP_FIELDS`` and the trainer's."""
-    return {name: getattr(metrics, name) for name in STEP_FIELDS} | metrics.train
+    """A step's figures by name: ``STEP_FIELDS``, the trainer's, and an evaluated step's every set's as
+    ``eval/<set>/<figure>`` (``eval/heldout/pass@4``)."""
+    evaluated = {f"eval/{name}/{figure}": value for name, figs in metrics.evaluation.items() for figure, value in figs.items()}
+    return {name: getattr(metrics, name) for name in STEP_FIELDS} | metrics.train | evaluated
 
 
 def step_completed(config: RunConfig, history: list[StepMetrics]) -> None:

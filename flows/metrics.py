@@ -129,12 +129,14 @@ class StepMetrics(BaseModel):
     sampling: list[dict]
     policy_version: int
     params_sha: str  # the trained weights' fingerprint (equal on every replica)
-    checkpoint_files: list[str]
+    checkpoint_files: dict[str, dict]  # each file of this step's checkpoint -> its size and SHA-256
     pending_checkpoint: dict | None = None  # an asynchronous checkpoint still being written (committed next step)
     # eval.every: the held-out metric of this step's policy (policy_version), and the checkpoint
     # that holds those weights (None: not a checkpoint step)
     heldout: float | None = None
     heldout_checkpoint: str | None = None
+    # eval.every's evaluation after this step: {set: {greedy, mean@k, pass@j, maj@k, prompts}} (engines/evaluation.py)
+    evaluation: dict[str, dict[str, float]] = {}
     step_s: float | None = None  # the step as the train flow pays for it (set there)
 
     @classmethod
@@ -178,7 +180,7 @@ class StepMetrics(BaseModel):
             sampling=[g.sampling for g in groups],
             policy_version=first.policy_version,
             params_sha=first.params_sha,
-            checkpoint_files=[f for g in groups if g.checkpoint for f in g.checkpoint.files or []],
+            checkpoint_files={f: r for g in groups if g.checkpoint for f, r in (g.checkpoint.files or {}).items()},
         )
 
 

@@ -59,12 +59,16 @@ TEMPORARY_SERVER_SETTINGS = SERVER_SETTINGS | {
     f"PREFECT_SERVER_SERVICES_{service}_ENABLED": "false"
     for service in ("EVENT_PERSISTER", "TRIGGERS", "EVENT_LOGGER", "SCHEDULER", "LATE_RUNS", "FOREMAN",
                     "PAUSE_EXPIRATIONS", "REPOSSESSOR", "DB_VACUUM", "CLEANUP_RECONCILER")}
+TEMPORARY_STOP_S = 5.0  # the temporary server's time to stop on SIGINT, then it is killed
 
 
 def server_process(port: int, env: dict, log, host: str = "127.0.0.1") -> subprocess.Popen:
     """``prefect server start`` with immediate SQLite write transactions (``flows/prefect_server.py``)
     on ``host:port``, its output to ``log``. It ends with this process: a parent that dies (even of
-    SIGKILL) takes its server with it (Linux)."""
+    SIGKILL) takes its server with it (Linux). Its own session: a terminal's Ctrl-C and ``timeout``'s
+    SIGTERM go to a command's whole process group, and took the server away while the run still
+    reported its last states (then every Prefect call retried the lost server for a minute); the
+    command stops its server itself, last (``stop``)."""
 
     def die_with_parent() -> None:
         try:
@@ -73,7 +77,8 @@ def server_process(port: int, env: dict, log, host: str = "127.0.0.1") -> subpro
             pass
 
     return subprocess.Popen([sys.executable, "-m", "flows.prefect_server", "server", "start", "--host", host, "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+                            env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
+                            start_new_session=True)
 
 
 def started_server(env: dict, log_path: Path, name: str, port: int | None = None) -> tuple[subprocess.Popen, str]:
@@ -93,6 +98,8 @@ def started_server(env: dict, log_path: Path, name: str, port: int | None = None
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
         url = f"http://127.0.0.1:{port}/api"
+        # the UI asks the API at PREFECT_UI_API_URL, which otherwise names the default port 4200 whatever port it serves on
+        env = {"PREFECT_UI_API_URL": url, **env}
         with open(log_path, "ab") as log:
             proc = server_process(port, env, log)
         try:
@@ -119,8 +126,8 @@ def local_api():
         yield settings.api.url
         return
     log_path = Path(settings.home) / "yattflow-temporary-server.log"
-    proc, url = started_server({**TEMPORARY_SERVER_SETTINGS, **os.environ, "PREFECT_UI_ENABLED": "0"}, log_path,
-                                "the temporary Prefect server")
+    # its UI on: the run's page is live while the command runs (flows/console.py prints the link)
+    proc, url = started_server({**TEMPORARY_SERVER_SETTINGS, **os.environ}, log_path, "the temporary Prefect server")
     try:
         with use_api(url):
             try:
@@ -131,8 +138,10 @@ def local_api():
 
                 APILogWorker.drain_all(timeout=5)
                 EventsWorker.drain_all(timeout=5)
-    finally:
-        stop(proc, "the temporary Prefect server")
+    finally:  # last: after the flows' last states and the hosts (flows/stops.py bounds the whole stop)
+        if stop(proc, "the temporary Prefect server", TEMPORARY_STOP_S, say=False):
+            with open(log_path, "a") as log:
+                log.write(f"yattflow: the temporary Prefect server did not stop in {TEMPORARY_STOP_S:.0f}s; killed it\n")
         os.environ.pop("PREFECT_API_URL", None)
 
 
@@ -153,17 +162,24 @@ def healthy(api_url: str) -> bool:
         return False
 
 
-def stop(proc: subprocess.Popen, name: str, timeout: float = 20) -> None:
-    """SIGINT first (a Prefect worker exits promptly on it, not on SIGTERM), then kill."""
+def stop(proc: subprocess.Popen, name: str, timeout: float = 20, say: bool = True) -> bool:
+    """SIGINT first (a Prefect worker exits promptly on it, not on SIGTERM), then SIGKILL (a server with
+    its process group); True when it had to be killed (``say``: saying so on stderr)."""
     if proc.poll() is not None:
-        return
+        return False
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=timeout)
+        return False
     except subprocess.TimeoutExpired:
-        print(f"yattflow: {name} did not stop in {timeout:.0f}s; killing it", file=sys.stderr)
+        if say:
+            print(f"yattflow: {name} did not stop in {timeout:.0f}s; killing it", file=sys.stderr)
+        with contextlib.suppress(OSError):
+            if os.getpgid(proc.pid) == proc.pid:
+                os.killpg(proc.pid, signal.SIGKILL)
         proc.kill()
         proc.wait()
+        return True
 
 
 

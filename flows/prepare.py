@@ -19,7 +19,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from engines.backends import video
-from engines.demo import agent, arithmetic, vision
+from engines.demo import agent, arithmetic, sums, vision
 from engines.demo.tiny_vision import PLACEHOLDERS
 from engines.config import RunConfig, load_config
 from engines.backends.torch.generator import TorchGenerator
@@ -44,8 +44,11 @@ def _write_dataset(uri: str, table: pa.Table, schema: pa.Schema) -> None:
 
 
 def _prompts(problems: list[tuple], first_id: int) -> pa.Table:
-    table = pa.table({"prompt_id": pa.array(range(first_id, first_id + len(problems)), pa.int64()),
-                      "prompt": [p[0] for p in problems], "answer": [p[-1] for p in problems]})
+    ids = pa.array(range(first_id, first_id + len(problems)), pa.int64())
+    if problems and isinstance(problems[0][0], list):  # (chat messages, answer): the sums task's
+        return pa.table({"prompt_id": ids, "messages": pa.array([p[0] for p in problems], datasets.MESSAGES),
+                         "answer": [p[-1] for p in problems]})
+    table = pa.table({"prompt_id": ids, "prompt": [p[0] for p in problems], "answer": [p[-1] for p in problems]})
     if problems and len(problems[0]) >= 3:  # (prompt, images, answer): the vision demo's; (prompt, images, videos, answer)
         for k, column in enumerate(("images", "videos")[: len(problems[0]) - 2]):
             table = table.append_column(column, pa.array([p[1 + k] for p in problems], pa.list_(pa.binary())))
@@ -70,6 +73,10 @@ def _problems(config: RunConfig, train: bool = True) -> tuple[list, list]:
     if p.task == "video":
         clips = lambda count, seed: [(q, [], c, a) for q, c, a, _ in vision.make_video_problems(count, seed)]  # noqa: E731
         return clips(p.train_prompts if train else 0, config.seed + 2), clips(p.heldout_prompts, config.seed + 1)
+    if p.task == "sums":  # a real chat model's questions, as chat messages (engines/demo/sums.py)
+        heldout = sums.make_problems(p.heldout_prompts, seed=config.seed + 1)
+        asked = {m[-1]["content"] for m, _ in heldout}
+        return sums.make_problems(p.train_prompts if train else 0, seed=config.seed + 2, exclude=asked), heldout
     if p.task == "agent":
         heldout = agent.make_problems(p.heldout_prompts, seed=config.seed + 1)
         return agent.make_problems(p.train_prompts, seed=config.seed + 2, exclude={q for q, _ in heldout}), heldout
@@ -148,11 +155,30 @@ def make_datasets(config: RunConfig) -> dict:
 
 
 def _roles(config: RunConfig) -> list[tuple[str, str]]:
-    """The models ``prepare`` builds: the policy, and the GenRM when the reward uses one (the
-    vision and agent demos' reward is a rule: they have no judge to build)."""
-    if config.prepare.task in ("vision", "video", "agent"):
-        return [("policy", config.model.policy)]
-    return [("policy", config.model.policy), ("judge", config.model.judge)]
+    """The models ``prepare`` trains: the policy (unless ``prepare.gguf`` gives it), and the GenRM when the
+    reward uses one (the vision, agent and sums demos' reward is a rule: they have no judge to build)."""
+    roles = [] if config.prepare.gguf or config.prepare.task == "sums" else [("policy", config.model.policy)]
+    if config.prepare.task in ("vision", "video", "agent", "sums"):
+        return roles
+    return [*roles, ("judge", config.model.judge)]
+
+
+@task(cache_policy=NO_CACHE, task_run_name="convert gguf")
+def convert_policy(config: RunConfig) -> dict:
+    """``prepare.gguf`` converted into ``model.policy`` (``yattflow convert``: flows/convert.py), checked on a few
+    of the held-out questions and general ones; skipped when already converted."""
+    from engines.backends.gguf import CHECK_PROMPTS
+    from flows.convert import check_line, convert_to
+
+    logger = get_run_logger()
+    heldout = [p[0] for p in _problems(config, train=False)[1][:8]]
+    questions = [p[-1]["content"] if isinstance(p, list) else p for p in heldout] + CHECK_PROMPTS
+    report = convert_to(config.prepare.gguf, config.uri(config.model.policy), questions, min(config.rollout.max_new_tokens, 64),
+                        field="model.policy",
+                        log=lambda line: logger.info(line, extra=shown("note")))
+    logger.info("policy: %s %s; %s", config.prepare.gguf, "was converted before" if report.get("skipped") else "converted",
+                check_line(report), extra=shown("note"))
+    return report
 
 
 def sft_model(config: RunConfig, role: str) -> dict:
@@ -203,12 +229,14 @@ def prepare(config_file: str | None = None, overrides: list[str] | None = None) 
     config = load_config(config_file, overrides or [])
     objectstore.check_reachable(config.uri(""))
     outputs = {"data.prompts": config.data.prompts, "data.heldout": config.data.heldout, "data.preferences": config.data.preferences,
-               **{_MODEL_FIELD[role]: model for role, model in _roles(config)}}
+               **{_MODEL_FIELD[role]: model for role, model in _roles(config)},
+               **({"model.policy": config.model.policy} if config.prepare.gguf else {})}
     outputs = [*outputs.items(), *(("storage.root", path) for role, _ in _roles(config) for path in _sft_data(role))]
     for field, path in outputs:  # refuse somebody's folder before writing anything
         if path is not None:
             needs_building(config.uri(path), field)
     counts = make_datasets(config)
+    converted = {"policy": convert_policy(config)} if config.prepare.gguf else {}
     # One after the other: torch's global RNG seeds each model's initialisation, and two
     # threads drawing from it at once would make the demo irreproducible.
-    return {"datasets": counts, **{role: sft_model(config, role) for role, _ in _roles(config)}}
+    return {"datasets": counts, **converted, **{role: sft_model(config, role) for role, _ in _roles(config)}}

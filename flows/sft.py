@@ -67,23 +67,53 @@ def needs_building(uri: str, field: str) -> bool:
     return True
 
 
-def read_examples(uri: str, prompt_field: str, response_field: str, field: str) -> tuple[list[tuple[str, str]], list | None]:
+def read_examples(uri: str, prompt_field: str, response_field: str, field: str) -> tuple[list[tuple], list | None]:
     """(prompt, completion) pairs from the Parquet file or folder ``uri``, in file order, and each
-    pair's encoded images when the file has an ``images`` column (else None)."""
-    schema = pa.schema([pa.field(prompt_field, pa.string(), nullable=False),
+    pair's encoded images when the file has an ``images`` column (else None). A prompt is the
+    ``prompt_field`` text, or where that is null or absent the row's ``messages`` (a chat: ``[{role,
+    content}]``, the turns before the completion, as RL's prompts files have them), which the model's
+    chat template renders as RL's engines do."""
+    schema = pa.schema([pa.field(prompt_field, pa.string()), pa.field("messages", datasets.MESSAGES),
                         pa.field(response_field, pa.string(), nullable=False),
-                        pa.field("images", pa.list_(pa.binary()))])
+                        pa.field("images", pa.list_(pa.binary()))], metadata={"one_of": f"{prompt_field},messages"})
     try:
         table = datasets.read_table(uri, schema)
     except (datasets.SchemaError, objectstore.StorageError) as e:
         raise datasets.SchemaError(
-            f"{field}: {e} (columns '{prompt_field}' and '{response_field}': set sft.prompt_field, sft.response_field "
-            "or sft.heldout_field to the names in the file)") from None
+            f"{field}: {e} (columns '{prompt_field}' (or 'messages') and '{response_field}': set sft.prompt_field, "
+            "sft.response_field or sft.heldout_field to the names in the file)") from None
     if not len(table):
         raise datasets.SchemaError(f"{field}: {uri} has no rows")
     images = table.column("images")
-    pairs = list(zip(table.column(0).to_pylist(), table.column(1).to_pylist()))
+    prompts = [text if text is not None else messages
+               for text, messages in zip(table.column(0).to_pylist(), table.column(1).to_pylist())]
+    if any(p is None or p == [] for p in prompts):
+        row = next(i for i, p in enumerate(prompts) if p is None or p == [])
+        raise datasets.SchemaError(f"{field}: {uri} row {row} has neither a '{prompt_field}' text nor 'messages'")
+    pairs = list(zip(prompts, table.column(2).to_pylist()))
     return pairs, None if images.null_count == len(table) else [im or [] for im in images.to_pylist()]
+
+
+def tool_schemas(config: RunConfig, renderer: chat.Renderer) -> list[dict] | None:
+    """The JSON schemas of ``rollout.tools`` as RL's episodes put them in every prompt (None: no tools), so that
+    SFT renders its prompts as RL will (engines/agents/episodes.py)."""
+    if not config.rollout.tools:
+        return None
+    from engines.agents import tools as toolbox
+
+    try:
+        loaded = toolbox.load(config.rollout.tools, plain=not renderer.templated)
+    except toolbox.ToolError as e:
+        raise ConfigError(str(e)) from None
+    if renderer.templated and not renderer.supports_tools():
+        raise ConfigError(f"rollout.tools={config.rollout.tools}: the model's chat template does not render tools (it never "
+                          "reads 'tools'), so RL's prompts would not show them either: use a model whose template does")
+    return [toolbox.schema(fn) for fn in loaded.values()] or None
+
+
+def _text(prompt) -> str:
+    """A prompt's characters (a chat's contents): what a character tokenizer built from scratch must spell."""
+    return prompt if isinstance(prompt, str) else "\n".join(m["content"] or "" for m in prompt)
 
 
 @task(cache_policy=NO_CACHE, task_run_name="{name}")
@@ -108,7 +138,7 @@ def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields:
     setup = settings.model_dump(include=set(SETUP_FIELDS)) | {"seed": config.seed}
     resume = _load_state(objectstore.join(state_folder, STATE), setup)
     model, tokenizer, processor = start_model(
-        base, [text for pair in pairs + check for text in pair], config.seed, hidden_size=settings.hidden_size,
+        base, [_text(text) for pair in pairs + check for text in pair], config.seed, hidden_size=settings.hidden_size,
         num_layers=settings.layers, num_heads=settings.heads, num_kv_heads=settings.kv_heads, init_std=settings.init_std,
         experts=settings.experts, vision=settings.vision_family,
     )
@@ -132,13 +162,24 @@ def fine_tune(config: RunConfig, settings: SFTConfig, name: str = "sft", fields:
                         "advance", name=name, run=config.name, done=c["step"], total=c["max_steps"],
                         figures=f"loss {c['loss']:.4f}, held-out exact match {percent(c['exact_match'])}{goal}"))
 
+    def progress(c: dict) -> None:  # between checks, at least every 30 s: a real model's checks are minutes apart
+        logger.info("%s step %d/%d loss %.4f (%.0fs)", name, c["step"], c["max_steps"], c["loss"], c["seconds"], extra=shown(
+            "advance", name=name, run=config.name, done=c["step"], total=c["max_steps"],
+            figures=f"loss {c['loss']:.4f} (held-out check every {settings.check_every} steps){goal}"))
+
+    # the prompts as RL renders them: the policy's chat template, data.system_prompt and rollout.tools' schemas
+    renderer = chat.Renderer(processor or tokenizer, chat.PromptFormat.policy(config))
+    schemas = tool_schemas(config, renderer)
+    if schemas:
+        logger.info("%s: every prompt rendered with the %d tool schema(s) of rollout.tools, as RL's prompts are", name,
+                    len(schemas), extra=shown("note"))
     result = train_sft(
         model, tokenizer, pairs, check, target=settings.target, max_steps=settings.max_steps,
         check_every=settings.check_every, batch_size=settings.batch_size, lr=settings.lr, seed=config.seed,
         log=lambda line: logger.info(line, extra=shown("note")), resume=resume,
         save=lambda state: _save_state(state_folder, state | {"setup": setup}),
         processor=processor, images=images, check_images=check_images, on_check=checked,
-        renderer=chat.Renderer(processor or tokenizer, chat.PromptFormat.policy(config)),
+        renderer=renderer, tools=schemas, on_progress=progress,
     )
     if settings.target is not None and not result["converged"]:
         raise SFTNotConverged(

@@ -54,8 +54,12 @@ def status(argv: list[str]) -> int:
     runs = run_statuses(root, args.name)
     states = asyncio.run(_flow_run_states(api_url, [r.flow_run_id for r in runs if r.flow_run_id])) if server else {}
     print(f"runs in {root} (from storage)")
+    missing = bool(args.name) and not runs  # a run asked for by name that is not there: exit 1, after what else is known
     if not runs:
         print(f"  no run{f' named {args.name!r}' if args.name else ''} there")
+    if missing:
+        print(f"yattflow status: no run named {args.name!r} in {root} (a run folder runs/{args.name} with a state.json or "
+              "lease.json; `yattflow status` lists those there)", file=sys.stderr)
     else:
         header = ("run", "steps", "checkpoint", "held-out", "lease") + (("flow run",) if server else ())
         rows = [(r.name, _steps(r), _checkpoint(r), _heldout(r), r.lease) + ((states.get(r.flow_run_id, "-"),) if server else ())
@@ -66,13 +70,14 @@ def status(argv: list[str]) -> int:
                 print(f"  {r.name}: {r.problem}")
         if len(runs) == 1:
             _curve(runs[0])
+            _evaluation(runs[0])
         elif any(r.points for r in runs):
             print("  (yattflow status NAME: that run's learning curve)")
     if not server:
         print(f"\nno Prefect server at {api_url}: flow-run states not shown (start one with `yattflow server`, "
               "or set PREFECT_API_URL)")
-        return 0
-    return _flow_runs(api_url, args.deployment, args.name, args.limit)
+        return int(missing)
+    return max(int(missing), _flow_runs(api_url, args.deployment, args.name, args.limit))
 
 
 def _curve(r) -> None:
@@ -82,6 +87,25 @@ def _curve(r) -> None:
         return
     print(f"\n{r.name}: {_steps(r)} steps (picture: {objectstore.join(r.uri, 'curves.svg')})")
     for line in lines:
+        print(f"  {line}")
+
+
+def _evaluation(r) -> None:
+    """Every evaluation set's figures, before RL and at the latest evaluation (``runs/<name>/evaluation.json``)."""
+    from flows.evaluations import read, status_lines
+
+    try:
+        record = read(r.uri)
+    except Exception as e:  # noqa: BLE001 - shown, not fatal
+        print(f"\n{r.name}: evaluation record unreadable ({(str(e).splitlines() or [type(e).__name__])[0]})")
+        return
+    shown = status_lines(record)
+    if not shown:
+        return
+    k = record.get("samples")
+    print(f"\n{r.name}: evaluation sets" + (f" (greedy; {k} samples per prompt at temperature {record['temperature']:g})"
+                                            if k else " (greedy)"))
+    for line in shown:
         print(f"  {line}")
 
 

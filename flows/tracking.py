@@ -45,6 +45,7 @@ class MetricsLog:
         self.writer = SummaryWriter(self.local, purge_step=first_step + 1 if first_step else None)
         self.mlflow = _mlflow_run(config) if os.environ.get("MLFLOW_TRACKING_URI") else None
         self.heldout_steps: set[int] = set()  # the figure after the last step may be eval.every's too
+        self.evaluation_steps: set[int] = set()  # the same for every set's figures
 
     def step(self, metrics: StepMetrics) -> None:
         values = {tag: getattr(metrics, field) for tag, field in SCALARS.items() if getattr(metrics, field) is not None}
@@ -57,6 +58,7 @@ class MetricsLog:
                                       bins=np.arange(-0.5, max(ages) + 1.5))
         if metrics.heldout is not None:
             self.heldout(metrics.step + 1, metrics.heldout)
+        self.evaluation(metrics.step + 1, metrics.evaluation)
         self._publish()
 
     def heldout(self, step: int, value: float | None) -> None:
@@ -64,6 +66,16 @@ class MetricsLog:
             self.heldout_steps.add(step)
             self._log({self.heldout_tag: value}, step)
             self._publish()
+
+    def evaluation(self, step: int, evaluation: dict[str, dict[str, float]] | None) -> None:
+        """Every evaluation set's figures as ``eval/<set>/<figure>`` (greedy, mean@k, pass@j, maj@k;
+        engines/evaluation.py), once per step."""
+        if not evaluation or step in self.evaluation_steps:
+            return
+        self.evaluation_steps.add(step)
+        self._log({f"eval/{name}/{figure}": value for name, figs in evaluation.items() for figure, value in figs.items()
+                   if figure != "prompts"}, step)
+        self._publish()
 
     def close(self, failed: bool = False) -> None:
         """The last curves to storage. ``failed``: on the way out of a run that failed or was stopped (perhaps on

@@ -27,10 +27,14 @@ from engines.wire import channel
 from engines.wire.channel import HostLost
 from engines.wire.commands import REQUESTS, CheckpointWaitResult
 from engines.config import RunConfig, load_config
-from flows import events, pipeline
+from flows import events, pipeline, preflight
 from flows.sampling import GroupSampling, plan_wave
 from flows.artifacts import Curves, Progress, StepProgress, summary_markdown
 from flows.curves import percent
+from flows.evaluations import EvaluationLog, evaluate_sets
+from flows.evaluations import read as read_evaluations
+from flows.evaluations import lines as evaluation_lines
+from engines.evaluation import HELDOUT, headline, set_metric, sets_of
 from flows.console import shown, step_figures
 from flows.hosts import engine_hosts
 from flows.metrics import GroupStep, StageClock, StepMetrics, Wave
@@ -38,7 +42,8 @@ from flows.nodes import node_controllers, run_on_nodes
 from flows.tracking import MetricsLog
 from storage import objectstore
 from storage.lease import Lease, verify_held
-from storage.runstate import RunState, checkpoint_uri, commit_checkpoint, config_uri, discard_uncommitted, resume_point
+from storage.runstate import (RunState, checkpoint_uri, commit_checkpoint, config_uri, discard_uncommitted, resume_point,
+                              set_aside)
 from tasks import stages
 
 
@@ -151,7 +156,8 @@ async def iteration(config: RunConfig, step: int, cursors: list[int] | None, end
             metrics.pending_checkpoint = checkpoint
         else:
             commit(config, checkpoint, metrics.checkpoint_files)
-    shown = metrics.model_dump(exclude={"cursors", "sampling", "checkpoint_files", "pending_checkpoint", "step_s", "train"})
+    shown = metrics.model_dump(exclude={"cursors", "sampling", "checkpoint_files", "pending_checkpoint", "step_s", "train",
+                                        "evaluation"})
     shown |= metrics.train  # one column per trainer figure
     await acreate_table_artifact(
         key=f"{config.name}-iteration", table=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in shown.items()}],
@@ -160,7 +166,7 @@ async def iteration(config: RunConfig, step: int, cursors: list[int] | None, end
     return metrics
 
 
-def commit(config: RunConfig, checkpoint: dict, files: list[str]) -> None:
+def commit(config: RunConfig, checkpoint: dict, files: dict[str, dict]) -> None:
     """Commit a checkpoint whose files are all written: manifest, then state.json (its step,
     data cursors, dynamic-sampling state and policy version), then retention.
 
@@ -177,12 +183,12 @@ def commit(config: RunConfig, checkpoint: dict, files: list[str]) -> None:
                 {"step": state.step, "uri": state.checkpoint, "policy_version": state.policy_version})
 
 
-def waited_files(checkpoint: dict, waited: list[CheckpointWaitResult | None]) -> list[str]:
-    """Every group's files of ``checkpoint``, from their ``checkpoint_wait`` results."""
+def waited_files(checkpoint: dict, waited: list[CheckpointWaitResult | None]) -> dict[str, dict]:
+    """Every group's files of ``checkpoint`` (each with its size and SHA-256), from their ``checkpoint_wait`` results."""
     for group, w in enumerate(waited):
         if w is None or w.uri != checkpoint["uri"] or w.files is None:
             raise RuntimeError(f"dp-{group}: waited for the write of {checkpoint['uri']}, the host reports {w}")
-    return [f for w in waited for f in w.files]
+    return {f: record for w in waited for f, record in w.files.items()}
 
 
 async def finish_checkpoint(config: RunConfig, checkpoint: dict | None) -> None:
@@ -254,21 +260,25 @@ def check_empty_steps(config: RunConfig, metrics: StepMetrics, empty_steps: int)
 
 
 def heldout_metric(config: RunConfig) -> str | None:
-    """What the held-out figure is (greedy decoding of ``data.heldout``): the mean rule reward,
-    or without a rule the share of the judge's ``judge.good`` verdicts; None: no held-out set."""
-    if config.data.heldout is None:
+    """What the held-out figure is: the greedy score of the first evaluation set (``data.heldout``'s, else the
+    first of ``eval.sets``, named then): the mean rule reward, or without a rule the share of the judge's
+    ``judge.good`` verdicts; None: no evaluation set."""
+    sets = sets_of(config)
+    if not sets:
         return None
-    return f"mean {config.reward.rule} reward" if config.reward.rule else f"judge '{config.judge.good}' rate"
+    return set_metric(config, sets[0]) if sets[0].name == HELDOUT else f"{sets[0].name} {set_metric(config, sets[0])}"
 
 
 async def heldout_score(config: RunConfig, label: str) -> float | None:
     """The held-out metric of the current policy (``heldout_metric``), computed in floating point."""
-    if config.data.heldout is None:
-        return None
-    uri = config.uri(config.data.heldout)
-    parts = await asyncio.gather(*(stages.evaluate(config, g, uri, label) for g in range(config.dp)))
-    total = sum(p.total for p in parts)
-    return sum(p.score_sum for p in parts) / total if total else None
+    return headline(await evaluate_sets(config, label))
+
+
+def evaluated(logger, config: RunConfig, when: str, evaluation: dict) -> None:
+    """Every set's figures as a line each, where there is more than the headline (``heldout_metric``) to say."""
+    if len(evaluation) > 1 or config.eval.samples:
+        for line in evaluation_lines(evaluation):
+            logger.info("evaluation %s: %s", when, line, extra=shown("note"))
 
 
 def run_label(prefix: str):
@@ -297,6 +307,7 @@ async def train(config_file: str | None = None, overrides: list[str] | None = No
     config = load_config(config_file, overrides or [])
     events.check_guard(config)
     objectstore.check_reachable(config.uri(""))
+    preflight.before_hosts(config)  # `yattflow demo`: its input checked after prepare, before the lease and the hosts
     events.top_flow_run(config)
     lease = Lease(config.run_uri, config.run.lease_s, flow_run.get_id())
     try:
@@ -331,25 +342,27 @@ class HostsFailed(RuntimeError):
 async def _attempt(config: RunConfig, history: list[StepMetrics]) -> dict:
     """Start the hosts, resume from the committed state, train to the end of this run, export."""
     logger, run_uri = get_run_logger(), config.run_uri
-    state = RunState.load(run_uri)
+    # state.json rebuilt from the newest intact manifest, rolled forward to one committed after it, or its
+    # checkpoint set aside for the one before: each said as a warning; nothing committed is deleted
+    state = resume_point(run_uri, logger.warning)
     if state is not None and len(state.cursors) != config.dp:
         raise ValueError(f"{run_uri}/state.json: run was started with dp={len(state.cursors)}, config has dp={config.dp}")
-    state = resume_point(run_uri, state, logger.warning)  # its checkpoint damaged since: the newest intact one before
-    for uri in discard_uncommitted(run_uri, state):  # a crash mid-write (no manifest), or before state.json
+    for uri in discard_uncommitted(run_uri, state):  # a crash mid-write (no manifest)
         logger.info("removed %s: a checkpoint that was never committed", uri)
-    first = state.step + 1 if state else 0
-    history[:] = [m for m in history if m.step < first]
-    # steps_per_run: each run (a schedule firing again) continues the training by that many steps
-    end = config.steps if config.steps_per_run is None else min(config.steps, first + config.steps_per_run)
-    if first >= config.steps:
-        logger.info("run %s already finished %d/%d steps", config.name, first, config.steps, extra=shown("note"))
-    elif end < config.steps:
-        logger.info("run %s: steps %d to %d of %d in this run (steps_per_run=%d)", config.name, first, end - 1, config.steps,
-                    config.steps_per_run, extra=shown("note"))
     metric = heldout_metric(config)
     # hosts: local subprocesses, or flow runs on a GPU pool (flows/hosts.py); node controllers: flows/nodes.py
     async with engine_hosts(config) as hosts, node_controllers(config, hosts):
         try:
+            state = await _setup(hosts, config, state)
+            first = state.step + 1 if state else 0
+            history[:] = [m for m in history if m.step < first]
+            # steps_per_run: each run (a schedule firing again) continues the training by that many steps
+            end = config.steps if config.steps_per_run is None else min(config.steps, first + config.steps_per_run)
+            if first >= config.steps:
+                logger.info("run %s already finished %d/%d steps", config.name, first, config.steps, extra=shown("note"))
+            elif end < config.steps:
+                logger.info("run %s: steps %d to %d of %d in this run (steps_per_run=%d)", config.name, first, end - 1,
+                            config.steps, config.steps_per_run, extra=shown("note"))
             after, final_uri, state = await _train_on(hosts, config, state, first, end, history)
         except Exception as e:
             lost = await hosts.lost()
@@ -358,16 +371,34 @@ async def _attempt(config: RunConfig, history: list[StepMetrics]) -> dict:
             raise
     before = (RunState.load(run_uri) or state).heldout_before
     summary = {"run": config.name, "steps": config.steps, "heldout_metric": metric, "heldout_before": before, "heldout_after": after,
-               "final_model": final_uri,
+               "final_model": final_uri, "evaluation": read_evaluations(run_uri),  # every set: before, every eval.every, after
                "history": [m.model_dump(exclude={"checkpoint_files", "pending_checkpoint"}) for m in history]}
     await acreate_markdown_artifact(key=f"{config.name}-summary", markdown=summary_markdown(summary),
                                     description=f"{config.name}: held-out {metric or 'evaluation off'}: {percent(before)} → {percent(after)}")
     events.emit(config, events.RUN_FINISHED, {"steps_done": max(first, end), "steps": config.steps,
                                               "heldout_metric": metric, "heldout_before": before, "heldout_after": after,
+                                              "evaluation_before": summary["evaluation"].get("before"),
+                                              "evaluation_after": summary["evaluation"].get("after"),
                                               "final_model": final_uri})
     if metric:
         logger.info("held-out %s: before RL %s, after RL %s", metric, percent(before), percent(after))
     return summary
+
+
+async def _setup(hosts, config: RunConfig, state: RunState | None) -> RunState | None:
+    """Check the inputs, then load every group's engines, resuming from ``state``'s checkpoint. The hosts
+    check its files against its manifest before they load anything: a damaged one (``damaged`` in their
+    answer) is set aside and the newest intact one before it taken instead (``set_aside``, which says so).
+    Returns the state the engines resumed from."""
+    if not preflight.passed(config):  # (the command checked them before the server and the hosts started)
+        await stages.validate_inputs(config)
+    while True:
+        resume = state.checkpoint if state else None
+        setups = await asyncio.gather(*(stages.setup_engines(config, g, resume, hosts.master) for g in range(config.dp)))
+        damaged = next((s.damaged for s in setups if s.damaged), None)
+        if damaged is None:
+            return state
+        state = set_aside(config.run_uri, state, damaged.removeprefix(f"{resume}: "), get_run_logger().warning)
 
 
 def _host_lost(error: BaseException | None) -> bool:
@@ -381,21 +412,22 @@ def _host_lost(error: BaseException | None) -> bool:
 
 async def _train_on(hosts, config: RunConfig, state: RunState | None, first: int, end: int,
                     history: list[StepMetrics]) -> tuple[float | None, str, RunState]:
-    """On started hosts: load the engines (resuming from ``state``), train, export the policy."""
+    """On hosts whose engines are loaded (resumed from ``state``): train, export the policy."""
     logger, run_uri, metric = get_run_logger(), config.run_uri, heldout_metric(config)
-    await stages.validate_inputs(config)
-    resume = state.checkpoint if state else None
-    await asyncio.gather(*(stages.setup_engines(config, g, resume, hosts.master) for g in range(config.dp)))
     # inputs checked, engines loaded: the run's config as it trains, what an evaluation of its checkpoints loads (flows/evaluate.py)
     objectstore.write_json(config_uri(run_uri), config.model_dump(mode="json"))
+    record = EvaluationLog(config, first)  # every set's figures: runs/<name>/evaluation.json (flows/evaluations.py)
     if state is None:
         state = RunState(cursors=[0] * config.dp)
-        state.heldout_before = await heldout_score(config, "before")
+        before = await evaluate_sets(config, "before")
+        state.heldout_before = headline(before)
         state.save(run_uri)  # step -1, no checkpoint: a resume starts from the beginning
+        record.record("before", before)
         if metric:
             logger.info("held-out %s before RL: %s", metric, percent(state.heldout_before), extra=shown("note"))
+            evaluated(logger, config, "before RL", before)
         else:
-            logger.info("held-out evaluation: off (data.heldout is not set)")
+            logger.info("held-out evaluation: off (data.heldout and eval.sets are not set)")
     run_progress = Progress(f"{config.name}-progress", config.steps, done=first).start(f"{config.name}: {first} of {config.steps} steps done")
     curves = Curves(config.name, run_uri, config.steps, first, state.heldout_before, metric)
     tracking = MetricsLog(config, first, metric)  # TensorBoard (and MLflow) curves
@@ -403,8 +435,9 @@ async def _train_on(hosts, config: RunConfig, state: RunState | None, first: int
                 extra=shown("start", name="train", run=config.name, done=first, total=config.steps, say=first > 0))
     if first == 0:
         tracking.heldout(0, state.heldout_before)
+        tracking.evaluation(0, record.before)
     try:
-        after = await _steps(config, state, first, end, history, run_progress, curves, tracking)
+        after = await _steps(config, state, first, end, history, run_progress, curves, tracking, record)
     except BaseException:
         tracking.close(failed=True)
         raise
@@ -417,7 +450,7 @@ async def _train_on(hosts, config: RunConfig, state: RunState | None, first: int
 
 
 async def _steps(config: RunConfig, state: RunState, first: int, end: int, history: list[StepMetrics], run_progress: Progress,
-                 curves: Curves, tracking: MetricsLog) -> float | None:
+                 curves: Curves, tracking: MetricsLog, record_evaluation: EvaluationLog) -> float | None:
     """Steps ``first`` to ``end - 1`` from the committed ``state``, then the commit of their last
     checkpoint; returns the held-out metric after them."""
     logger, run_uri, metric = get_run_logger(), config.run_uri, heldout_metric(config)
@@ -434,8 +467,10 @@ async def _steps(config: RunConfig, state: RunState, first: int, end: int, histo
         written = pending = metrics.pending_checkpoint
         metrics.pending_checkpoint = None
         if metric and config.eval.every and (step + 1) % config.eval.every == 0:
-            metrics.heldout = await heldout_score(config, f"step {step}")
+            metrics.evaluation = await evaluate_sets(config, f"step {step}")
+            metrics.heldout = headline(metrics.evaluation)
             metrics.heldout_checkpoint = checkpoint_uri(run_uri, step) if is_checkpoint_step(config, step, end) else None
+            record_evaluation.record(step + 1, metrics.evaluation)
         history.append(metrics)
         run_progress.advance(f"{config.name}: {step + 1} of {config.steps} steps done; step {step}: reward "
                              f"{metrics.reward:.3f}, rollout accuracy {percent(metrics.accuracy)}")
@@ -453,6 +488,7 @@ async def _steps(config: RunConfig, state: RunState, first: int, end: int, histo
             logger.info("held-out %s after step %d (policy version %d%s): %s", metric, step + 1, metrics.policy_version,
                         f", checkpoint {metrics.heldout_checkpoint}" if metrics.heldout_checkpoint else "", percent(metrics.heldout),
                         extra=shown("note"))
+            evaluated(logger, config, f"after step {step + 1}", metrics.evaluation)
         tracking.step(metrics)
         events.step_completed(config, history)
         empty_steps = empty_steps + 1 if metrics.kept_groups == 0 else 0
@@ -476,6 +512,14 @@ async def _steps(config: RunConfig, state: RunState, first: int, end: int, histo
             await keep_pending_checkpoint(config, pending)
         raise
     await finish_checkpoint(config, written)  # this run's last checkpoint: the next run resumes there
-    after = await heldout_score(config, "after")
+    last = history[-1] if history and history[-1].step == end - 1 else None
+    if last is not None and last.evaluation:  # eval.every evaluated these very weights after the last step
+        evaluation = last.evaluation
+    else:
+        evaluation = await evaluate_sets(config, "after")
+        evaluated(get_run_logger(), config, "after RL", evaluation)
+    record_evaluation.finish(end, evaluation)
+    after = headline(evaluation)
     tracking.heldout(end, after)
+    tracking.evaluation(end, evaluation)
     return after

@@ -131,6 +131,41 @@ def check_schema(table: pa.Table, schema: pa.Schema, where: str, extra: bool = F
     return checked
 
 
+def check_text(table: pa.Table, where: str) -> None:
+    """Every text value of ``table`` (its string columns, and strings inside lists and structs: a
+    chat's ``messages``) is UTF-8, else a ``SchemaError`` naming ``where`` (the file), the field, the
+    row's prompt_id (or its row) and the bytes that are not. Parquet does not check what a writer
+    stored as a string; unchecked, the first read of such a row fails with a bare UnicodeDecodeError."""
+    for field in table.schema:
+        if not _holds_text(field.type):
+            continue
+        column = table.column(field.name)
+        try:
+            column.validate(full=True)  # checks the UTF-8 of every string (no Python objects made)
+            continue
+        except pa.ArrowInvalid:
+            pass
+        for row in range(len(column)):  # the first row that does not decode (this is the error path only)
+            try:
+                column[row].as_py()
+            except UnicodeDecodeError as e:
+                which = (f"prompt_id {table.column('prompt_id')[row].as_py()}" if "prompt_id" in table.column_names
+                         else f"row {row}")
+                raise SchemaError(f"{where}: field '{field.name}' is not UTF-8 text ({which}): {e.reason} at byte {e.start} "
+                                  f"of {e.object[max(0, e.start - 12): e.end + 12]!r}: write the text as UTF-8") from None
+        raise SchemaError(f"{where}: field '{field.name}' is not valid text ({field.type})")
+
+
+def _holds_text(t: pa.DataType) -> bool:
+    if _is_text(t):
+        return True
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _holds_text(t.value_type)
+    if pa.types.is_struct(t):
+        return any(_holds_text(t.field(i).type) for i in range(t.num_fields))
+    return False
+
+
 def _is_text(t: pa.DataType) -> bool:
     if pa.types.is_dictionary(t):
         t = t.value_type
@@ -187,7 +222,9 @@ def read_table(uri: str, schema: pa.Schema) -> pa.Table:
             table = pq.read_table(io.BytesIO(objectstore.read_bytes(part)))
         except pa.ArrowInvalid as e:
             raise SchemaError(f"{part}: not a readable Parquet file ({e})") from e
-        tables.append(check_schema(table, schema, part))
+        checked = check_schema(table, schema, part)
+        check_text(checked, part)
+        tables.append(checked)
     return pa.concat_tables(tables)
 
 
@@ -302,6 +339,7 @@ class PromptReader:
                     raise SchemaError(f"{part} (row group {g}): not readable ({e})") from e
 
         table = check_schema(objectstore.retrying(part, "read", read), self.schema, f"{part} (row group {g})", self.extra)
+        check_text(table, f"{part} (row group {g})")
         self._cached = (group, table)
         return table
 
@@ -309,9 +347,13 @@ class PromptReader:
     def _open(part: str):
         fs, path = objectstore.fs_for(part)
         try:
-            # No read-ahead on remote files: s3fs would otherwise fetch a 50 MB block past every
-            # read; pyarrow asks for exactly the byte ranges of the footer and the row group.
-            return fs.open(path, "rb") if objectstore.is_local(part) else fs.open(path, "rb", cache_type="none")
+            # A local part through Arrow's own file: through a Python file object, Arrow's I/O thread
+            # drops the last reference to a read's buffer, which needs the GIL, and a process that
+            # exits right after a read (a command refusing its input) was now and then aborted in its
+            # exit ("terminate called without an active exception"). No read-ahead on remote files: s3fs
+            # would otherwise fetch a 50 MB block past every read; pyarrow asks for exactly the byte
+            # ranges of the footer and the row group.
+            return pa.OSFile(path, "rb") if objectstore.is_local(part) else fs.open(path, "rb", cache_type="none")
         except FileNotFoundError as e:
             raise objectstore.StorageError(f"{part}: not found") from e
 

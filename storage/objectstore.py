@@ -162,7 +162,12 @@ def exists(uri: str) -> bool:
 
 
 def read_bytes(uri: str) -> bytes:
+    """One object's bytes. A local object that is a symbolic link is refused, never followed: the store
+    writes plain files only, and a link put in place of one may lead anywhere (``/etc/passwd``)."""
     fs, path = fs_for(uri)
+    if is_local(uri) and os.path.islink(path):
+        raise StorageError(f"{uri}: a symbolic link (to {os.readlink(path)}), not an object the store wrote; the store "
+                           "never follows one: put the file itself there, or point the config at it")
 
     def read():
         with fs.open(path, "rb") as f:
@@ -215,8 +220,13 @@ def _parse_json(uri: str, data: bytes):
         raise StorageError(f"{uri}: not valid JSON ({e})") from e
 
 
+def json_bytes(obj) -> bytes:
+    """How the store writes a JSON object (``write_json``): indented, keys sorted."""
+    return json.dumps(obj, indent=2, sort_keys=True).encode()
+
+
 def write_json(uri: str, obj: dict) -> None:
-    write_bytes(uri, json.dumps(obj, indent=2, sort_keys=True).encode())
+    write_bytes(uri, json_bytes(obj))
 
 
 def update_json(uri: str, change: Callable[[dict | None], dict | None]) -> dict | None:

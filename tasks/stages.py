@@ -93,8 +93,13 @@ async def checkpoint_wait(config: RunConfig, group: int, step: int) -> Checkpoin
 
 
 @stage(name="evaluate", task_run_name="evaluate {label} dp={group}")
-async def evaluate(config: RunConfig, group: int, uri: str, label: str) -> EvaluateResult:
-    return await call_host(config.name, group, Evaluate(uri=uri, limit=config.data.heldout_limit))
+async def evaluate(config: RunConfig, group: int, label: str) -> EvaluateResult:
+    from engines.evaluation import sets_of
+
+    e = config.eval
+    return await call_host(config.name, group, Evaluate(
+        sets=sets_of(config), samples=e.samples, temperature=e.temperature or config.rollout.temperature,
+        correct_at=e.correct_at, seed=config.seed))
 
 
 @stage(name="export-policy", task_run_name="export policy")

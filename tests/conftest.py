@@ -148,9 +148,19 @@ def s3_root(s3_server, s3_env) -> str:
     return f"s3://{BUCKET}/t-{uuid.uuid4().hex[:8]}"
 
 
+# ---------------------------------------------------------------- the tiers (docs/testing.md)
+
+# `make check` (YATTFLOW_TEST_TIER=check): the unit and contract tier, for the edit loop. Tests that
+# need a Prefect server or engine hosts are marked ``integration`` (by hand, or for asking for a fixture
+# that starts them) and left out; the guard below fails a test that starts one anyway, naming the mark.
+CHECK_TIER = os.environ.get("YATTFLOW_TEST_TIER") == "check"
+SERVER_FIXTURES = {"prefect_server", "prepared"}  # fixtures that start the session's Prefect server
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need CUDA, tests marked ``s3`` SeaweedFS's ``weed``; without it they are
-    skipped, with the reason shown."""
+    skipped, with the reason shown. Tests that ask for the session's Prefect server are ``integration``;
+    the check tier deselects every ``integration`` test."""
     import torch
 
     skips = {}
@@ -159,6 +169,40 @@ def pytest_collection_modifyitems(config, items):
     if WEED is None:
         skips["s3"] = pytest.mark.skip(reason=NO_WEED)
     for item in items:
+        if SERVER_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.integration)
         for marker, skip in skips.items():
             if item.get_closest_marker(marker) is not None:
                 item.add_marker(skip)
+    if CHECK_TIER:
+        left = [item for item in items if item.get_closest_marker("integration") is not None]
+        if left:
+            config.hook.pytest_deselected(items=left)
+            items[:] = [item for item in items if item.get_closest_marker("integration") is None]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _check_tier_starts_no_server_or_host():
+    """In the check tier a test that starts an engine host or a Prefect server fails, naming the mark
+    it lacks; a flow run, here or in a command the test starts, finds no Prefect API (nothing listens
+    where PREFECT_API_URL points) and fails at once."""
+    if not CHECK_TIER:
+        yield
+        return
+    from engines.wire import launch
+    from flows import prefect_server as server
+
+    def refuse(what: str):
+        def refused(*args, **kwargs):
+            raise RuntimeError(f"the check tier starts no {what}: mark this test `integration` (tests/conftest.py)")
+        return refused
+
+    saved = launch.HostProcess.__init__, server.server_process
+    launch.HostProcess.__init__, server.server_process = refuse("engine host"), refuse("Prefect server")
+    # a command run as a subprocess (`python -m flows.cli ...`) finds an API where nothing listens, and fails at once
+    os.environ.update(PREFECT_API_URL="http://127.0.0.1:9/api", PREFECT_CLIENT_MAX_RETRIES="0",
+                      PREFECT_SERVER_EPHEMERAL_ENABLED="false")
+    try:
+        yield
+    finally:
+        launch.HostProcess.__init__, server.server_process = saved

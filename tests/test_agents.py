@@ -9,8 +9,10 @@ import asyncio
 import os
 import socket
 import subprocess
+import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -226,7 +228,20 @@ def test_tools_answer_bad_calls_as_observations():
     assert renderer.tokenizer.convert_ids_to_tokens(ids) == ["<tool_response>", *"5535", "</tool_response>"]
 
 
-@pytest.mark.skipif(sandbox.unavailable() is not None, reason=f"no sandbox here: {sandbox.unavailable()}")
+NO_SANDBOX = pytest.mark.skipif(sandbox.unavailable() is not None, reason=f"no sandbox here: {sandbox.unavailable()}")
+CGROUPS = pytest.mark.skipif(os.geteuid() != 0 or not os.access("/sys/fs/cgroup/memory/cgroup.procs", os.W_OK),
+                             reason="a cgroup per call needs root and a writable cgroup v1")
+
+
+def _sandbox_processes(*hosts: int) -> list[str]:
+    """Processes still running under the sandbox user ids of these host processes (zombies aside)."""
+    ids = {uid for host in hosts for uid in range(sandbox.UID_BASE + host * sandbox.UIDS_PER_HOST,
+                                                  sandbox.UID_BASE + (host + 1) * sandbox.UIDS_PER_HOST)}
+    running = subprocess.run(["ps", "-eo", "uid=,stat=,args="], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in running if line.split() and int(line.split()[0]) in ids and not line.split()[1].startswith("Z")]
+
+
+@NO_SANDBOX
 def test_the_sandbox_contains_escape_attempts(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -237,7 +252,8 @@ def test_the_sandbox_contains_escape_attempts(tmp_path):
     listener.listen()  # an engine host's port
     port = listener.getsockname()[1]
     limits = sandbox.Limits(wall_s=3, cpu_s=2)
-    probes = {
+    libc = "import ctypes; libc = ctypes.CDLL(None, use_errno=True)\n"
+    probes = {  # what it tries: (its program, what its output must show: each of these)
         "read the run's state.json": (f"print(open({str(run_dir / 'state.json')!r}).read())", "FileNotFoundError"),
         "read a host's secret": ("import os; print(os.environ.get('YATTFLOW_TEST_SECRET'), open('/proc/1/environ').read())",
                                  "None"),
@@ -249,23 +265,122 @@ def test_the_sandbox_contains_escape_attempts(tmp_path):
         "an endless loop": ("while True: pass", None),
         "kill its parent": ("import os, signal; os.kill(os.getppid(), signal.SIGKILL); print('still here')", "still here"),
         "leave a process behind": ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('left')", "left"),
+        # the hostile tester's (each got through the sandbox before seccomp, cgroups and the sized noexec disk)
+        "fill /dev/shm past its disk": ("for i in range(4):\n    open(f'/dev/shm/{i}', 'wb').write(b'x' * (8 << 20))",
+                                        "No space left on device"),
+        "write to / or /dev": ("for path in ('/x', '/dev/x'):\n    try: open(path, 'w')\n    except OSError as e: print(e)",
+                               ("Read-only file system: '/x'", "Read-only file system: '/dev/x'")),
+        "a nested user namespace, then mount": (libc + "print('unshare', libc.unshare(0x10000000 | 0x20000), ctypes.get_errno())\n"
+                                                "print('mount', libc.mount(b'none', b'/tmp', b'tmpfs', 0, None), ctypes.get_errno())",
+                                                ("unshare -1 1", "mount -1 1")),  # EPERM
+        "clone into a new user namespace": (libc + "pid = libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)\nif pid == 0: libc._exit(0)\n"
+                                            "print('clone', pid, ctypes.get_errno())", "clone -1 1"),
+        "ptrace its child and PID 1": (libc + "import os, time\nchild = os.fork()\nif child == 0: time.sleep(30)\n"
+                                       "print('ptrace', libc.ptrace(16, child, 0, 0), ctypes.get_errno(), libc.ptrace(16, 1, 0, 0))",
+                                       "ptrace -1 1 -1"),
+        "find a compiler, a shell, /usr/local": ("import os; print([p for p in ('/usr/bin/gcc', '/bin/sh', '/usr/local') if os.path.exists(p)])",
+                                                 "[]"),
+        "run a file it wrote": ("import os, subprocess\nfor d in ('/work', '/tmp', '/dev/shm'):\n"
+                                "    open(f'{d}/run', 'w').write('#!/usr/bin/python3\\nprint(1)'); os.chmod(f'{d}/run', 0o755)\n"
+                                "    try: subprocess.run([f'{d}/run'])\n    except OSError as e: print(e)",
+                                tuple(f"Permission denied: '{d}/run'" for d in ("/work", "/tmp", "/dev/shm"))),
+        "a socket to the VM's host (AF_VSOCK)": ("import socket; socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)",
+                                                 "PermissionError"),
     }
     for name, (code, shows) in probes.items():
         run = sandbox.run_python(code, limits)
         print(f"{name}: exit {run.exit_code}, timed out {run.timed_out}: {run.output.strip().splitlines()[-1:]}")
         if shows is None:
             assert run.timed_out or run.exit_code != 0, name
-        else:
-            assert shows in run.output, (name, run.output)
+        for text in [shows] if isinstance(shows, str) else shows or ():
+            assert text in run.output, (name, text, run.output)
         assert "hunter2" not in run.output and '"step": 3' not in run.output
-        running = subprocess.run(["ps", "-eo", "uid=,stat="], capture_output=True, text=True).stdout.split("\n")
-        assert not [line for line in running if line.split() and int(line.split()[0]) >= 200000 and not line.split()[1].startswith("Z")], name
+        assert not _sandbox_processes(os.getpid()), name
     assert (run_dir / "state.json").read_text() == '{"step": 3}' and not os.path.exists("/usr/escaped")
     listener.settimeout(0.1)
     with pytest.raises(socket.timeout):
         listener.accept()  # nobody got through
     assert "45" in tools.python("print(sum(range(10)))")
     assert tools.python("raise SystemExit(3)").startswith("error: exit code 3")
+
+
+@NO_SANDBOX
+@CGROUPS
+def test_a_sandbox_call_has_one_memory_budget_across_its_processes():
+    """4 processes holding 48 MB each in a call of 128 MB: the kernel kills some (each alone is far
+    below its address-space limit); 4 x 16 MB fit."""
+    hold = ("import os, time\nkids = []\nfor _ in range(4):\n    kids.append(os.fork())\n"
+            "    if kids[-1] == 0:\n        x = b'x' * ({mb} << 20); time.sleep(0.5); os._exit(0)\n"
+            "print('held by all' if not any(os.waitpid(kid, 0)[1] for kid in kids) else 'killed')")
+    limits = sandbox.Limits(wall_s=10, memory_mb=128)
+    assert "held by all" in sandbox.run_python(hold.format(mb=16), limits).output
+    run = sandbox.run_python(hold.format(mb=48), limits)
+    assert "held by all" not in run.output and ("killed" in run.output or run.exit_code == 128 + 9), run
+
+
+@NO_SANDBOX
+def test_sandbox_calls_of_two_hosts_do_not_kill_each_other(tmp_path):
+    """Two engine hosts (processes) run calls at once: the second's calls end, and with them their
+    clean-up, while the first's program runs on (they once shared user ids, and the second's
+    clean-up killed it)."""
+    host = ("import sys, time; sys.path.insert(0, {folder!r}); import sandbox\n"
+            "time.sleep({wait})\n"
+            "for _ in range({calls}):\n"
+            "    run = sandbox.run_python({code!r}, sandbox.Limits(wall_s=10))\n"
+            "    print(run.exit_code, run.output.strip(), flush=True)")
+    folder = os.path.dirname(sandbox.__file__)
+    first = subprocess.Popen([sys.executable, "-I", "-S", "-c", host.format(folder=folder, wait=0, calls=1,
+                                                                code="import time; time.sleep(3); print('done')")],
+                             stdout=subprocess.PIPE, text=True)
+    second = subprocess.Popen([sys.executable, "-I", "-S", "-c", host.format(folder=folder, wait=1, calls=3, code="print(1)")],
+                              stdout=subprocess.PIPE, text=True)
+    assert second.communicate(timeout=60)[0].split("\n")[:3] == ["0 1"] * 3
+    assert first.communicate(timeout=60)[0].strip() == "0 done"  # it was -9 at about 1 s
+    assert not _sandbox_processes(first.pid, second.pid)
+
+
+@NO_SANDBOX
+def test_a_wedged_sandbox_cannot_hold_a_call_past_its_wall_clock():
+    """A program that ptrace-stopped the namespace's PID 1 (bwrap's) used to wedge every call until
+    its wall clock: ptrace is refused now, so the call ends when the program does. One that cannot
+    end (a stopped child, a parent that ignores SIGTERM) is killed at the wall clock: the call
+    returns within a second of it, checked with 2 s more for a loaded 2-core machine."""
+    wedge = ("import ctypes, os, time\nlibc = ctypes.CDLL(None, use_errno=True)\nchild = os.fork()\n"
+             "if child == 0: time.sleep(30)\n"
+             "print('ptrace', libc.ptrace(16, 1, 0, 0), libc.ptrace(16, child, 0, 0), ctypes.get_errno())")
+    sandbox.run_python("pass")  # (a process's first call also lists the interpreter's libraries: not timed here)
+    started = time.monotonic()
+    run = sandbox.run_python(wedge, sandbox.Limits(wall_s=4))
+    assert not run.timed_out and "ptrace -1 -1 1" in run.output and time.monotonic() - started < 3, run
+    stuck = ("import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+             "if os.fork() == 0: os.kill(os.getpid(), signal.SIGSTOP)\nprint('stuck', flush=True)\ntime.sleep(60)")
+    started = time.monotonic()
+    run = sandbox.run_python(stuck, sandbox.Limits(wall_s=2))
+    took = time.monotonic() - started
+    print(f"killed at the wall clock: returned after {took:.2f} s of 2")
+    assert run.timed_out and "stuck" in run.output and 2 <= took < 2 + 1 + 2, (took, run)
+    assert not _sandbox_processes(os.getpid())
+
+
+@NO_SANDBOX
+@CGROUPS
+def test_sandbox_cgroups_are_removed_and_a_dead_hosts_are_cleaned():
+    """Each call's cgroup is gone when it returns; one left by a host killed mid-call (its pid gone)
+    is killed and removed by the next call."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no host has now
+    stale = [Path(f"/sys/fs/cgroup/{c}/yattflow-sandbox-{sandbox.UID_BASE + gone.pid * sandbox.UIDS_PER_HOST}")
+             for c in ("memory", "pids")]
+    for path in stale:
+        path.mkdir()
+    left = subprocess.Popen(["sleep", "60"])  # a process the dead host's call left behind
+    for path in stale:
+        (path / "cgroup.procs").write_text(str(left.pid))
+    assert sandbox.run_python("print(1)").output == "1\n"
+    assert left.wait(timeout=5) == -9 and not any(path.exists() for path in stale)
+    mine = range(sandbox.UID_BASE + os.getpid() * sandbox.UIDS_PER_HOST, sandbox.UID_BASE + (os.getpid() + 1) * sandbox.UIDS_PER_HOST)
+    assert not [p for c in ("memory", "pids") for p in Path(f"/sys/fs/cgroup/{c}").glob("yattflow-sandbox-*")
+                if int(p.name.rsplit("-", 1)[1]) in mine]
 
 
 def _write_prompts(path, rows) -> str:
@@ -390,7 +505,7 @@ def test_a_run_trains_on_episodes_and_heals_from_a_host_killed_mid_episode(agent
     streamed = ["name=agents", "steps=2", "rollout.mode=stream", "rollout.max_staleness=2", "train.old_policy=decoupled",
                 "train.off_policy_correction=tis"]
     summary = asyncio.run(train(overrides=overrides + streamed))
-    history = [StepMetrics(**m, checkpoint_files=[]) for m in summary["history"]]
+    history = [StepMetrics(**m, checkpoint_files={}) for m in summary["history"]]
     for m in history:
         print(step_figures(m))
         assert m.episodes["turns"] >= 1 and m.episodes["tool_calls"] > 0 and 0 <= m.episodes["truncated"] <= 1

@@ -291,6 +291,7 @@ def host_runs(tmp_path_factory):
     return {"results": results, "initial": initial}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
 def test_balanced_step_in_hosts(host_runs, aggregation):
     from helpers import STEP_RTOL, parity, step_gap

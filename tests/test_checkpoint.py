@@ -210,9 +210,10 @@ def test_retained_steps():
 
 def commit(run_uri: str, step: int, keep_last: int, keep_every: int | None) -> RunState:
     ckpt = runstate.checkpoint_uri(run_uri, step)
-    objectstore.write_bytes(objectstore.join(ckpt, "trainer.pt"), f"weights {step}".encode())
+    data = f"weights {step}".encode()
+    objectstore.write_bytes(objectstore.join(ckpt, "trainer.pt"), data)
     state = RunState(step=step, cursors=[step], checkpoint=ckpt, policy_version=step + 1)
-    runstate.commit_checkpoint(run_uri, state, ["trainer.pt"], keep_last, keep_every)
+    runstate.commit_checkpoint(run_uri, state, {"trainer.pt": runstate.file_record(data)}, keep_last, keep_every)
     return state
 
 
@@ -243,9 +244,9 @@ def test_discard_uncommitted(tmp_path):
     half = runstate.checkpoint_uri(run_uri, 3)  # a write killed half way: no manifest
     objectstore.write_bytes(objectstore.join(half, "rng-0.pt"), b"half")
     removed = runstate.discard_uncommitted(run_uri, state1)
-    assert removed == [runstate.checkpoint_uri(run_uri, 2), half]
-    assert [runstate.checkpoint_step(u) for u in runstate.committed_checkpoints(run_uri)] == [0, 1]
-    assert runstate.discard_uncommitted(run_uri, None) == [runstate.checkpoint_uri(run_uri, s) for s in (0, 1)]
+    assert removed == [half]  # step 2's has its manifest: committed (a resume resumes from it), never deleted
+    assert [runstate.checkpoint_step(u) for u in runstate.committed_checkpoints(run_uri)] == [0, 1, 2]
+    assert runstate.discard_uncommitted(run_uri, None) == []  # nor read as "nothing committed" without a state
 
 
 # ---------------------------------------------------------------- kill during the write

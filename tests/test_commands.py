@@ -38,12 +38,23 @@ def _members(protocol) -> list[str]:
     return [name for name, value in vars(protocol).items() if inspect.isfunction(value) and not name.startswith("_")]
 
 
-def _accepts(method, protocol_method) -> bool:
-    """``method`` takes every parameter of ``protocol_method`` by name (or takes ``**kwargs``)."""
+def _mismatches(method, protocol_method) -> list[str]:
+    """What keeps ``method`` from standing in for ``protocol_method``: each parameter of the protocol
+    must be one of the method's by name, and taken the same way (positionally, or by keyword only).
+    ``**kwargs`` stands in for nothing: a method that passes its arguments on must still name them,
+    or a caller's argument could go nowhere (a judge that dropped ``images``)."""
     params = inspect.signature(method).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return True
-    return set(inspect.signature(protocol_method).parameters) <= set(params)
+    wanted = inspect.signature(protocol_method).parameters
+    problems = []
+    for name, p in wanted.items():
+        if name not in params:
+            problems.append(f"no parameter '{name}'")
+        elif (p.kind is p.KEYWORD_ONLY) != (params[name].kind is p.KEYWORD_ONLY):
+            problems.append(f"'{name}' is {params[name].kind.description}, the protocol's is {p.kind.description}")
+    positional = [n for n, p in wanted.items() if p.kind is not p.KEYWORD_ONLY]
+    if [n for n in params if n in positional] != positional:
+        problems.append(f"positional parameters not in the protocol's order {positional}")
+    return problems
 
 
 def _engine_classes():
@@ -68,10 +79,25 @@ def test_engines_implement_their_protocol(protocol, engine):
     for name in _members(protocol):
         method = getattr(engine, name, None)
         assert callable(method), f"{engine.__name__} has no {protocol.__name__}.{name}"
-        assert _accepts(method, getattr(protocol, name)), \
-            f"{engine.__name__}.{name}{inspect.signature(method)} does not take {protocol.__name__}.{name}'s parameters"
+        problems = _mismatches(method, getattr(protocol, name))
+        assert not problems, f"{engine.__name__}.{name}{inspect.signature(method)}: {'; '.join(problems)}"
 
 
+def test_the_protocol_check_fails_a_method_that_hides_a_parameter_in_kwargs():
+    """The check above is not vacuous: a generator whose ``generate`` takes ``**kwargs`` but lacks
+    ``images`` (and one that makes ``seed`` keyword-only) is refused, naming the parameter."""
+
+    class Planted:
+        def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=16, greedy=False, *, seed=0, **kwargs):
+            return []
+
+    assert _mismatches(Planted.generate, Generator.generate) == [
+        "'seed' is keyword-only, the protocol's is positional or keyword", "no parameter 'images'",
+        "positional parameters not in the protocol's order ['self', 'prompts', 'n', 'temperature', 'top_p', "
+        "'max_new_tokens', 'seed', 'greedy', 'images']"]
+
+
+@pytest.mark.integration
 def test_requests_travel_as_json_to_a_real_host_and_errors_come_back_named():
     """A real host process: a typed result comes back; an unknown stage, a field of the wrong type
     and a stage that fails inside the host each come back as an error naming what was wrong, and

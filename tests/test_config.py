@@ -109,15 +109,16 @@ def test_paths_resolve_against_storage_root(tmp_path):
 @pytest.mark.parametrize(
     "yaml_text,field,words",
     [
-        ("train:\n  lrr: 0.1\n", "train.lrr", "extra"),  # unknown key
+        ("train:\n  lrr: 0.1\n", "train.lrr", "is not a setting of train (did you mean train.lr?)"),  # unknown key
         ("train:\n  lr: fast\n", "train.lr", "number"),  # wrong type
         ("train:\n  lr: -1\n", "train.lr", "greater than 0"),  # bad value
         ("train:\n  algorithm:\n    loss_aggregation: tokens\n", "train.algorithm.grpo.loss_aggregation", "token"),  # not a choice
         ("train:\n  algorithm:\n    name: ppo2\n", "train.algorithm", "'grpo', 'gspo', 'cispo', 'rloo', 'reinforce_pp'"),
-        ("train:\n  algorithm:\n    name: gspo\n    advantage_scale: none\n", "train.algorithm.gspo.advantage_scale", "extra"),
+        ("train:\n  algorithm:\n    name: gspo\n    advantage_scale: none\n", "train.algorithm.advantage_scale",
+         "not a setting of train.algorithm with train.algorithm.name=gspo (train.algorithm.name=grpo has it)"),
         ("train:\n  clip_low: 0.1\n", "train", "train.clip_low moved to train.algorithm.clip_low"),  # the old place
         ("name: Bad_Name\n", "name", "pattern"),
-        ("bogus: 1\n", "bogus", "extra"),  # unknown top-level key
+        ("bogus: 1\n", "bogus", "is not a top-level setting"),  # unknown top-level key
         ("train: 3\n", "train", "dictionary"),  # a section given a scalar
         ("rollout:\n  samples_per_prompt: 1\n", "rollout.samples_per_prompt", "greater than or equal to 2"),
     ],
@@ -142,6 +143,26 @@ def test_override_errors_name_file_override_and_field(tmp_path, override, field)
         load_config(path, [override])
     message = str(info.value)
     assert str(path) in message and override in message and f"'{field}'" in message
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["train.lrr=1e-4"], "field 'train.lrr' is not a setting of train (did you mean train.lr?)"),
+    (["trian.lr=1e-4"], "field 'trian' is not a top-level setting (did you mean train?)"),
+    (["lr=1e-4"], "field 'lr' is not a top-level setting (did you mean train.lr?)"),  # a setting of another section
+    (["rollout.tool=[x:y]"], "field 'rollout.tool' is not a setting of rollout (did you mean rollout.tools?)"),
+    (["train.lora.rank=4", "train.lora.rnak=8"], "field 'train.lora.rnak' is not a setting of train.lora (did you mean "
+                                                 "train.lora.rank?)"),  # a section that is off by default
+    (["train.algorithm.name=gspo", "train.algorithm.kl_coeff=0"], "field 'train.algorithm.kl_coeff' is not a setting of "
+     "train.algorithm with train.algorithm.name=gspo (did you mean train.algorithm.kl_coef?)"),
+    (["train.algorithm.name=gspo", "train.algorithm.advantage_scal=std"], "(train.algorithm.name=grpo has advantage_scale)"),
+    (["storage.bucket=x"], "field 'storage.bucket' is not a setting of storage (its settings: root)"),  # nothing near
+])
+def test_an_unknown_key_is_answered_with_the_nearest_valid_names(overrides, said):
+    """Issue 65: 'Extra inputs are not permitted' named no valid key; difflib's nearest names in the key's
+    own section (else anywhere in the tree; else the section's settings) say what was meant."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert said in str(info.value) and "Extra inputs" not in str(info.value)
 
 
 def test_cross_field_validator_names_section(tmp_path):

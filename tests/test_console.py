@@ -239,12 +239,18 @@ def _pickled_model(prepared: str, to: Path, ran: Path) -> str:
 
 CASES = {  # name: (extra overrides, exit code, the last line)
     "bad-state": ([], 1, r"yattflow train: file://\S+/runs/console-bad-state/state\.json: not valid JSON \('utf-8' codec can't "
-                         r"decode .*use another run name to start over"),
-    "int-answers": (["data.prompts={int_answers}"], 1, r"yattflow train: file://{int_answers}/part-\S+\.parquet \(row group 0\): "
-                    r"field 'answer' has type int64, expected string: write it as text .*; stopped before run 'console-int-answers' "
-                    r"took its first step; fix that, then run the same command"),
-    "pickled-model": (["model.policy={pickled}"], 1, r"yattflow train: model\.policy: file://{pickled}/pytorch_model\.bin: "
+                         r"decode .*\), and none of the run's checkpoint folders is intact .*use another run name to start over"),
+    # refused by the command's pre-flight, before the server and the hosts start (flows/preflight.py): exit code 2
+    "int-answers": (["data.prompts={int_answers}"], 2, r"yattflow: file://{int_answers}/part-\S+\.parquet \(row group 0\): "
+                    r"field 'answer' has type int64, expected string: write it as text"),
+    "pickled-model": (["model.policy={pickled}"], 2, r"yattflow: model\.policy: file://{pickled}/pytorch_model\.bin: "
                       r"pickled weights are never loaded \(unpickling can run code\); save the model as safetensors"),
+    # a rule that passes the pre-flight (its reference answer as the response) and hangs on the model's answers: its
+    # time-out on the host names it, the prompt and the response; the run stops, not retried as a hung host
+    "rule-hangs": (["reward.rule={slow_rule}:slow_on_wrong", "reward.genrm_weight=0", "reward.rule_weight=1",
+                    "reward.rule_timeout_s=1"], 1,
+                   r"yattflow train: reward\.rule \S+slow_rule\.py:slow_on_wrong ran past reward\.rule_timeout_s=1s on "
+                   r"prompt_id \d+, response .*; stopped at step 1 of \d+; .*fix that, then run the same command"),
     "lost-host": (["steps=2", "timeouts.stage_s=5"], 0, r"yattflow train: done in \d+s"),
 }
 
@@ -260,9 +266,12 @@ def test_an_expected_error_is_a_line_on_the_console_and_its_traceback_in_the_log
     name = f"console-{case}"
     ran = tmp_path / "pickle-ran"
     paths = {"int_answers": _int_answers(prepared, tmp_path / "int-answers") if case == "int-answers" else "",
-             "pickled": _pickled_model(prepared, tmp_path / "pickled", ran) if case == "pickled-model" else ""}
-    if case == "bad-state":
-        (Path(prepared) / "runs" / name).mkdir(parents=True)
+             "pickled": _pickled_model(prepared, tmp_path / "pickled", ran) if case == "pickled-model" else "",
+             "slow_rule": tmp_path / "slow_rule.py"}
+    paths["slow_rule"].write_text("import time\n\ndef slow_on_wrong(prompt, response, answer):\n"
+                                  "    if response.strip() != answer:\n        time.sleep(3600)\n    return 1.0\n")
+    if case == "bad-state":  # (with an intact checkpoint the run would rebuild state.json from its manifest)
+        (Path(prepared) / "runs" / name / "checkpoints" / "000001").mkdir(parents=True)
         (Path(prepared) / "runs" / name / "state.json").write_bytes(bytes(range(128, 256)))  # not even text
     if case == "lost-host":
         monkeypatch.setenv("YATTFLOW_FAULTS", "rollout@1:dp-0:kill")
@@ -278,13 +287,17 @@ def test_an_expected_error_is_a_line_on_the_console_and_its_traceback_in_the_log
            "yattflow fault injection: ")  # (the injector's, from the host it kills)
     said = [line for line in screen if not line.startswith(own)]
     assert len(said) <= 4 and re.match(last.format(**paths), said[-1]), "\n".join(screen)
-    if code:
+    if code == 1:  # failed in the run: the line names the log file
         assert said[-1].endswith(f"(log: {log})") and "Traceback" in log.read_text()
-    if case == "int-answers":  # `yattflow status` lists a failed command-line run beside the deployments' runs
+    if code == 2:  # refused before anything started: the line alone, the traceback in the log file
+        assert screen == said == [said[-1]] and "Traceback" in log.read_text()  # no log line, no UI link: no server
+    if case == "rule-hangs":  # the rule's error, once: no restart of the hosts (retries.run); and `yattflow status`
+        assert "Restarting the engine hosts" not in raw and "Restarting the engine hosts" not in log.read_text()
+        # lists a failed command-line run beside the deployments' runs
         status = subprocess.run([sys.executable, "-m", "flows.cli", "status", name], cwd=ROOT,
                                 capture_output=True, text=True, timeout=120)
         assert status.returncode == 0, status.stderr
-        assert re.search(rf"train-{name}\s+Failed .* {name}\s+-\s+yattflow train", status.stdout), status.stdout
+        assert re.search(rf"train-{name}\s+Failed .* {name}\s+0/\d+\s+yattflow train", status.stdout), status.stdout
     if case == "lost-host":  # the failed task and the restart: a line each, each on a line of its own
         assert [line.split(" | ")[1].strip() for line in said[:-1]] == ["ERROR", "WARNING"], "\n".join(screen)
         assert "died. Restarting the engine hosts" in said[1]

@@ -1,11 +1,13 @@
-"""Damage a run must survive, and the line it ends with (issue 28): a state.json that cannot be
-read, a committed checkpoint that lost its manifest, a full disk, a reward rule that raises on
-some responses, two first commands on one PREFECT_HOME. The stops (SIGTERM at several points of
-a real run) and the resumes end to end are in tests/test_recovery.py."""
+"""Damage a run must survive, and the line it ends with (issues 28 and 65): a state.json missing or
+unreadable, a committed checkpoint that lost its manifest, a file truncated, flipped or replaced by a
+link, a torch file yattflow did not write, a full disk, a reward rule that raises on some responses,
+two first commands on one PREFECT_HOME. The stops (SIGTERM at several points of a real run) and the
+resumes end to end are in tests/test_recovery.py."""
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import re
 import subprocess
@@ -17,7 +19,7 @@ import pytest
 
 import helpers  # noqa: F401  (puts the checkout on sys.path)
 
-from engines.host.checkpointing import Checkpoints
+from engines.host.checkpointing import CheckpointDamaged, Checkpoints
 from engines.host.rewards import RewardRuleError, load_rule
 from storage import objectstore, runstate
 from storage.objectstore import StorageError, StorageIOError
@@ -28,15 +30,18 @@ from storage.runstate import RunState, RunStateError
 
 def committed_run(tmp_path: Path, steps=(1, 3, 5)) -> str:
     """A run whose checkpoints of ``steps`` are committed as the training flow commits them (files,
-    then MANIFEST.json, then state.json); state.json names the last."""
+    then MANIFEST.json with each file's size and SHA-256, then state.json); state.json names the last."""
     run_uri = objectstore.normalize(str(tmp_path / "runs" / "r"))
     for step in steps:
         folder = runstate.checkpoint_uri(run_uri, step)
+        records = {}
         for name in ("trainer-torch/trainer.pt", "model/model.safetensors"):
-            objectstore.write_bytes(objectstore.join(folder, name), f"{name} of step {step}".encode())
+            data = f"{name} of step {step}".encode()
+            objectstore.write_bytes(objectstore.join(folder, name), data)
+            records[name] = runstate.file_record(data)
         state = RunState(step=step, cursors=[10 * step, 10 * step + 1], checkpoint=folder, policy_version=step + 1,
                          heldout_before=0.25, sampling=[{"carry": None, "carried": 0}] * 2)
-        runstate.commit_checkpoint(run_uri, state, ["trainer-torch/trainer.pt", "model/model.safetensors"], keep_last=5)
+        runstate.commit_checkpoint(run_uri, state, records, keep_last=5)
     return run_uri
 
 
@@ -44,7 +49,17 @@ def folders(run_uri: str) -> list[str]:
     return sorted(p.name for p in Path(objectstore.fs_for(run_uri)[1], "checkpoints").iterdir())
 
 
-# ---------------------------------------------------------------- state.json that cannot be read
+def local(uri: str) -> Path:
+    return Path(objectstore.fs_for(uri)[1])
+
+
+def step_state(run_uri: str, step: int) -> RunState:
+    """What state.json held right after ``committed_run`` committed ``step``."""
+    return RunState(step=step, cursors=[10 * step, 10 * step + 1], checkpoint=runstate.checkpoint_uri(run_uri, step),
+                    policy_version=step + 1, heldout_before=0.25, sampling=[{"carry": None, "carried": 0}] * 2)
+
+
+# ---------------------------------------------------------------- state.json missing or unreadable
 
 
 @pytest.mark.parametrize("damage, wrong", [
@@ -53,12 +68,12 @@ def folders(run_uri: str) -> list[str]:
     (b'{"step": 3}', r"state.json: not a run state: field 'cursors' is missing; field 'checkpoint' is missing"),
     (b'[1, 2]', r"state.json: not a run state \(a JSON list, not an object\)"),
 ], ids=["random-bytes", "truncated", "fields-missing", "not-an-object"])
-def test_an_unreadable_state_json_names_itself_what_is_wrong_and_the_intact_checkpoints(tmp_path, damage, wrong):
+def test_an_unreadable_state_json_is_named_kept_aside_and_rebuilt_from_the_newest_intact_manifest(tmp_path, damage, wrong):
     run_uri = committed_run(tmp_path)
     objectstore.remove(objectstore.join(runstate.checkpoint_uri(run_uri, 1), "model", "model.safetensors"))  # not intact
-    state_json = Path(objectstore.fs_for(run_uri)[1], "state.json")
+    state_json = local(run_uri) / "state.json"
     state_json.write_bytes(damage)
-    with pytest.raises(RunStateError) as info:
+    with pytest.raises(RunStateError) as info:  # what `yattflow status` and a stop line read
         RunState.load(run_uri)
     message = str(info.value)
     assert "\n" not in message  # the CLI shows an error's last line
@@ -67,7 +82,6 @@ def test_an_unreadable_state_json_names_itself_what_is_wrong_and_the_intact_chec
     intact = [runstate.checkpoint_uri(run_uri, s) for s in (3, 5)]
     assert f"committed checkpoints still intact: {intact[0]} (after step 4), {intact[1]} (after step 6)." in message
     assert runstate.checkpoint_uri(run_uri, 1) not in message
-    assert state_json.read_bytes() == damage and folders(run_uri) == ["000001", "000003", "000005"]  # nothing touched
 
     # the CLI's error path reads it again, and must not fail doing so
     from engines.config import load_config
@@ -76,6 +90,44 @@ def test_an_unreadable_state_json_names_itself_what_is_wrong_and_the_intact_chec
     config = load_config(None, [f"storage.root={tmp_path}", "name=r"])
     assert config.run_uri == run_uri
     assert where_it_stopped(config).startswith("where the run stands is unknown: ")
+
+    # the training run's resume rebuilds it from step 5's manifest and keeps the damaged file
+    warnings: list[str] = []
+    assert runstate.resume_point(run_uri, warnings.append) == step_state(run_uri, 5) == RunState.load(run_uri)
+    [aside] = local(run_uri).glob("state.json.damaged-*")
+    assert aside.read_bytes() == damage
+    [warning] = warnings
+    assert warning.startswith(f"{run_uri}/state.json cannot be read: ") and re.search(wrong.split("state.json: ")[1], warning)
+    assert warning.endswith(f"(it is kept as {run_uri}/{aside.name}): rebuilt from {intact[1]}/MANIFEST.json, the newest "
+                            "intact checkpoint (after step 6); nothing was deleted")
+    assert folders(run_uri) == ["000001", "000003", "000005"]
+
+
+def test_a_deleted_state_json_is_rebuilt_from_the_newest_manifest_and_nothing_is_deleted(tmp_path):
+    """The probe: state.json of a finished run deleted. It used to read as "nothing committed": every
+    checkpoint deleted and the run trained again from step 1."""
+    run_uri = committed_run(tmp_path)
+    (local(run_uri) / "state.json").unlink()
+    warnings: list[str] = []
+    resumed = runstate.resume_point(run_uri, warnings.append)
+    assert resumed == step_state(run_uri, 5) == RunState.load(run_uri)
+    assert warnings == [f"{run_uri}/state.json is missing: rebuilt from {runstate.checkpoint_uri(run_uri, 5)}/MANIFEST.json, "
+                        "the newest intact checkpoint (after step 6); nothing was deleted"]
+    assert runstate.discard_uncommitted(run_uri, resumed) == []
+    assert folders(run_uri) == ["000001", "000003", "000005"]
+
+
+def test_a_missing_state_json_with_no_intact_checkpoint_stops_naming_the_folders_and_deletes_nothing(tmp_path):
+    run_uri = committed_run(tmp_path, steps=(1, 3))
+    (local(run_uri) / "state.json").unlink()
+    for step in (1, 3):
+        (local(runstate.checkpoint_uri(run_uri, step)) / "MANIFEST.json").unlink()
+    with pytest.raises(RunStateError) as info:
+        runstate.resume_point(run_uri, print)
+    folders_named = ", ".join(runstate.checkpoint_uri(run_uri, s) for s in (1, 3))
+    assert str(info.value) == (f"{run_uri}/state.json: is missing, and none of the run's checkpoint folders is intact "
+                               f"({folders_named}); nothing was deleted. Restore them, or use another run name to start over")
+    assert folders(run_uri) == ["000001", "000003"] and not (local(run_uri) / "state.json").exists()
 
 
 def test_a_state_json_from_before_sampling_still_loads(tmp_path):
@@ -86,40 +138,63 @@ def test_a_state_json_from_before_sampling_still_loads(tmp_path):
     assert RunState.load(run_uri).sampling == []
 
 
-# ---------------------------------------------------------------- a committed checkpoint that lost its manifest
+def test_a_checkpoint_committed_after_state_json_was_written_is_resumed_from_not_deleted(tmp_path):
+    """A stop between the manifest's write and state.json's: the manifest is complete (written after
+    every file), so the run resumes from that checkpoint."""
+    run_uri = committed_run(tmp_path)
+    step_state(run_uri, 3).save(run_uri)  # state.json as it was before step 5's commit reached it
+    warnings: list[str] = []
+    resumed = runstate.resume_point(run_uri, warnings.append)
+    assert resumed == step_state(run_uri, 5) == RunState.load(run_uri)
+    assert warnings == [f"{runstate.checkpoint_uri(run_uri, 5)} was committed after {run_uri}/state.json was last written "
+                        "(a stop between the two writes): resuming from it (after step 6)"]
+    assert runstate.discard_uncommitted(run_uri, resumed) == [] and folders(run_uri) == ["000001", "000003", "000005"]
+
+
+# ---------------------------------------------------------------- a committed checkpoint damaged since
 
 
 def test_a_checkpoint_that_lost_its_manifest_is_set_aside_and_the_run_resumes_from_the_one_before(tmp_path):
     run_uri = committed_run(tmp_path)
     last = runstate.checkpoint_uri(run_uri, 5)
     objectstore.remove(objectstore.join(last, "MANIFEST.json"))
-    state = RunState.load(run_uri)
     warnings: list[str] = []
-    resumed = runstate.resume_point(run_uri, state, warnings.append)
+    resumed = runstate.resume_point(run_uri, warnings.append)
 
     before = runstate.checkpoint_uri(run_uri, 3)
-    assert resumed == RunState(step=3, cursors=[30, 31], checkpoint=before, policy_version=4, heldout_before=0.25,
-                               sampling=[{"carry": None, "carried": 0}] * 2)
+    assert resumed == step_state(run_uri, 3)
     assert RunState.load(run_uri) == resumed  # state.json says so too
     [aside] = [f for f in folders(run_uri) if f.startswith("000005.")]
     assert aside.startswith("000005.damaged-")
-    kept = Path(objectstore.fs_for(run_uri)[1], "checkpoints", aside)
+    kept = local(run_uri) / "checkpoints" / aside
     assert (kept / "model" / "model.safetensors").read_bytes() == b"model/model.safetensors of step 5"  # never deleted
     [warning] = warnings
     assert warning == (f"{last}, the checkpoint state.json resumed from (after step 6), has no MANIFEST.json; it is kept "
                        f"as {objectstore.join(run_uri, 'checkpoints', aside)}. Resuming from {before} (after step 4), the "
                        "newest intact checkpoint before it: steps 5 to 6 are trained again")
     assert runstate.discard_uncommitted(run_uri, resumed) == []  # the one set aside is not a checkpoint folder any more
-    assert runstate.resume_point(run_uri, resumed, warnings.append) is resumed and len(warnings) == 1
+    assert runstate.resume_point(run_uri, warnings.append) == resumed and len(warnings) == 1
 
 
 def test_a_checkpoint_missing_files_counts_as_damaged_too(tmp_path):
     run_uri = committed_run(tmp_path, steps=(1, 3))
     objectstore.remove(objectstore.join(runstate.checkpoint_uri(run_uri, 3), "trainer-torch"))
     warnings: list[str] = []
-    resumed = runstate.resume_point(run_uri, RunState.load(run_uri), warnings.append)
+    resumed = runstate.resume_point(run_uri, warnings.append)
     assert resumed.step == 1
     assert "lacks 1 of the files its MANIFEST.json lists (trainer-torch/trainer.pt)" in warnings[0]
+
+
+def test_a_truncated_file_is_seen_by_its_size_and_the_run_resumes_from_the_one_before(tmp_path):
+    """The probe: the newest trainer.pt truncated. It used to fail in torch's zip reader, naming no file,
+    with no fall-back; its size now differs from its manifest's before any host starts."""
+    run_uri = committed_run(tmp_path, steps=(1, 3))
+    trainer = local(runstate.checkpoint_uri(run_uri, 3)) / "trainer-torch" / "trainer.pt"
+    trainer.write_bytes(trainer.read_bytes()[:10])
+    warnings: list[str] = []
+    assert runstate.resume_point(run_uri, warnings.append) == step_state(run_uri, 1)
+    assert ("has trainer-torch/trainer.pt of 10 bytes where its MANIFEST.json recorded 34; it is kept as "
+            f"{runstate.checkpoint_uri(run_uri, 3)}.damaged-") in warnings[0]
 
 
 def test_with_no_intact_checkpoint_before_it_the_run_stops_naming_the_folder_and_deletes_nothing(tmp_path):
@@ -128,15 +203,95 @@ def test_with_no_intact_checkpoint_before_it_the_run_stops_naming_the_folder_and
         objectstore.remove(objectstore.join(runstate.checkpoint_uri(run_uri, step), "MANIFEST.json"))
     state = RunState.load(run_uri)
     with pytest.raises(StorageError) as info:
-        runstate.resume_point(run_uri, state, print)
+        runstate.resume_point(run_uri, print)
     assert str(info.value) == (
         f"{state.checkpoint}: the checkpoint state.json resumes from (after step 4) has no MANIFEST.json, and no earlier "
         "checkpoint of the run is intact; nothing was deleted. Restore what is missing, or use another run name to "
         "start over")
     assert folders(run_uri) == ["000001", "000003"]
-    # even a caller that skipped resume_point: the folder state.json names is never discarded
-    assert runstate.discard_uncommitted(run_uri, state) == [runstate.checkpoint_uri(run_uri, 1)]
-    assert folders(run_uri) == ["000003"]
+    # even a caller that skipped resume_point: a folder at or before the committed step is never discarded
+    assert runstate.discard_uncommitted(run_uri, state) == []
+    assert folders(run_uri) == ["000001", "000003"]
+
+
+def test_a_folder_a_write_in_progress_left_after_the_committed_step_is_discarded(tmp_path):
+    run_uri = committed_run(tmp_path, steps=(1,))
+    half = runstate.checkpoint_uri(run_uri, 3)
+    objectstore.write_bytes(objectstore.join(half, "rng-0.pt"), b"half")  # no manifest: the write never finished
+    assert runstate.discard_uncommitted(run_uri, RunState.load(run_uri)) == [half]
+    assert folders(run_uri) == ["000001"]
+
+
+# ---------------------------------------------------------------- content that is not what was written
+
+
+def write_checkpoint(tmp_path: Path) -> tuple[str, Checkpoints]:
+    """A checkpoint as a host writes it (``Checkpoints.save``), committed with the records it answered."""
+    run_uri = objectstore.normalize(str(tmp_path / "runs" / "r"))
+    uri = runstate.checkpoint_uri(run_uri, 1)
+    checkpoints = Checkpoints(0, "torch", [["part-00000.parquet", 8]])
+    files = checkpoints.save(FilesTrainer(), uri, asynchronous=False).files
+    runstate.commit_checkpoint(run_uri, RunState(step=1, cursors=[8], checkpoint=uri), files, keep_last=2)
+    return uri, checkpoints
+
+
+def test_the_manifest_records_what_the_writer_wrote_and_an_intact_checkpoint_verifies(tmp_path):
+    uri, checkpoints = write_checkpoint(tmp_path)
+    manifest = objectstore.read_json(objectstore.join(uri, "MANIFEST.json"))
+    assert sorted(manifest["files"]) == ["layout.json", "model/model.safetensors", "prompts.json", "rng-0.pt",
+                                         "trainer-torch/trainer.pt"]
+    for name, record in manifest["files"].items():
+        data = (local(uri) / name).read_bytes()
+        assert record == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    checkpoints.verify(uri)  # raises nothing
+
+
+@pytest.mark.parametrize("damage", ["flipped", "symlink"])
+def test_content_that_is_not_what_the_manifest_recorded_is_refused_naming_the_file(tmp_path, damage):
+    """The probes: 64 bytes flipped inside the newest trainer.pt (same size: it used to resume silently,
+    one weight off by 449.5), and prompts.json replaced by a link to /etc/passwd (the store followed it)."""
+    uri, checkpoints = write_checkpoint(tmp_path)
+    if damage == "flipped":
+        trainer = local(uri) / "trainer-torch" / "trainer.pt"
+        data = bytearray(trainer.read_bytes())
+        data[500:564] = bytes(b ^ 0xFF for b in data[500:564])
+        trainer.write_bytes(bytes(data))
+        named = "trainer-torch/trainer.pt"
+    else:
+        (local(uri) / "prompts.json").unlink()
+        (local(uri) / "prompts.json").symlink_to("/etc/passwd")
+        named = "prompts.json"
+        with pytest.raises(StorageError, match=r"prompts.json: a symbolic link \(to /etc/passwd\), not an object the store "
+                                               "wrote; the store never follows one"):
+            objectstore.read_json(objectstore.join(uri, "prompts.json"))
+    with pytest.raises(CheckpointDamaged) as info:
+        checkpoints.verify(uri)
+    assert re.fullmatch(rf"{uri}: has 1 file\(s\) whose content is not what its MANIFEST.json recorded: {named} "
+                        r"\(SHA-256 [0-9a-f]{12}…, its MANIFEST.json recorded [0-9a-f]{12}…\)", str(info.value))
+
+
+class PickledObject:
+    """Any class of the user's: unpickling it would run its module's code (here: none)."""
+
+
+@pytest.mark.parametrize("content", [b"PK\x03\x04 truncated zip", "pickle"], ids=["damaged", "a-pickled-object"])
+def test_a_torch_file_that_yattflow_did_not_write_is_refused_in_one_line_naming_it(tmp_path, content):
+    import torch
+
+    from engines.backends.base import load_torch_file
+
+    path = tmp_path / "rng-0.pt"
+    if content == "pickle":
+        torch.save({"x": PickledObject()}, path)  # an object torch's weights-only reader refuses
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ValueError) as info:
+        load_torch_file(str(path), str(path))
+    message = str(info.value)
+    assert message.startswith(f"{path}: not a torch file yattflow wrote (") and "\n" not in message
+    assert "weights_only=False" not in message
+    if content == "pickle":
+        assert "it holds objects other than tensors and plain data" in message
 
 
 # ---------------------------------------------------------------- a full disk
@@ -284,6 +439,7 @@ def test_a_run_stopped_while_it_waits_for_the_lease_stops_waiting(tmp_path):
 # ---------------------------------------------------------------- two first commands on one PREFECT_HOME
 
 
+@pytest.mark.integration
 def test_two_first_servers_on_one_new_prefect_home_both_start(tmp_path):
     """Two commands that start their temporary server at the same moment on a new PREFECT_HOME:
     both servers answer (they start one at a time; at once, both ran the database migration and

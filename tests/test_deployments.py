@@ -516,6 +516,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_yattflow_server_starts_server_and_workers_and_ctrl_c_stops_them(tmp_path):
     port = _free_port()
@@ -575,10 +576,11 @@ def test_train_without_a_server_runs_on_a_temporary_one_whose_sqlite_writes_neve
     assert events == 0
 
 
-def test_a_killed_cli_takes_its_temporary_server_with_it(tmp_path):
-    """kill -9 of ``yattflow`` leaves no Prefect server behind: the server gets SIGTERM when its parent dies."""
+def test_a_killed_cli_takes_its_temporary_server_with_it(prepared, tmp_path):
+    """kill -9 of ``yattflow`` leaves no Prefect server behind: the server gets SIGTERM when its parent dies.
+    (The run's input is the prepared demo's: a bad one would stop the command before its server starts.)"""
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(tmp_path / "home")}
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", f"storage.root={tmp_path / 'store'}", "name=killed"],
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *TINY, f"storage.root={prepared}", "name=killed"],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline, server = time.time() + 120, None

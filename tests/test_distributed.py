@@ -68,8 +68,11 @@ def _record_collectives(log: list) -> None:
 
 
 def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
+    from engines.backends.base import fingerprint
     from engines.backends.distributed import all_gather_ints
     from engines.backends.torch.trainer import TorchTrainer
+    from engines.config.layout import Layout
+    from test_replica_check import replica_checks
 
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -97,6 +100,10 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
         trainer.train_step(with_old_logprobs(batch, trainer.logprobs(batch)), minibatches=2)
         result["torch_calls"] = groups(log)
         log.clear()
+        result["whole_sha"] = fingerprint(trainer.export_weights())
+        result["replicas"] = replica_checks(trainer, Layout(dp=2), rank, flip=1)
+        result["replica_calls"] = groups(log)
+        log.clear()
 
         if importlib.util.find_spec("megatron") is None:  # Megatron-Core is optional
             torch.save(result, os.path.join(out, f"rank{rank}.pt"))
@@ -110,6 +117,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
         log.clear()  # construction's own collectives (group setup) aside: the step
         megatron.train_step(with_old_logprobs(batch, megatron.logprobs(batch)))
         result["megatron_calls"] = groups(log)
+        result["megatron_replicas"] = replica_checks(megatron, Layout(dp=2), rank, flip=1)
         parallel_state.destroy_model_parallel()
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     finally:
@@ -135,6 +143,13 @@ def test_metadata_on_its_own_gloo_group_trainer_collectives_on_the_default(two_r
         # TorchTrainer: the gradient and count all-reduces, all on the default group
         assert {name for name, _ in r["torch_calls"]} == {"all_reduce"}
         assert {group for _, group in r["torch_calls"]} == {"default"}
+        # the replica check: the replicas' shas equal (one process's fingerprint of its weights), a bit
+        # flipped on rank 1 named with its tensor on both ranks, its few integers on the metadata group
+        checked, flipped = r["replicas"], two_ranks[1]["replicas"]["flipped"][0]
+        assert checked["sha"] == checked["again"] == two_ranks[0]["replicas"]["sha"] == r["whole_sha"]
+        assert checked["flipped"][1] == ("replica check after the train step: dp-0 (rank 0) and dp-1 (rank 1) hold "
+                                         f"different bits in {flipped!r}")
+        assert r["replica_calls"] and {group for _, group in r["replica_calls"]} == {"metadata"}
         # Megatron-Core: DDP's gradient all-reduce and the counts go over its data-parallel group,
         # built on the default group's backend, never over the metadata group
         if "megatron_calls" not in r:
@@ -142,7 +157,9 @@ def test_metadata_on_its_own_gloo_group_trainer_collectives_on_the_default(two_r
         assert r["megatron_dp_backend"] == r["backend"]
         assert any(name == "all_reduce" for name, _ in r["megatron_calls"])
         assert "metadata" not in {group for _, group in r["megatron_calls"]}
-
+        checked, flipped = r["megatron_replicas"], two_ranks[1]["megatron_replicas"]["flipped"][0]
+        assert checked["sha"] == checked["again"] == two_ranks[0]["megatron_replicas"]["sha"]
+        assert checked["flipped"][1].endswith(f"hold different bits in {flipped!r}")
 
 def test_a_group_initialised_elsewhere_serves_metadata_only_if_gloo(tmp_path):
     """Code that initialises torch.distributed itself (a test's or a benchmark's gloo workers) gets
@@ -159,6 +176,7 @@ def test_a_group_initialised_elsewhere_serves_metadata_only_if_gloo(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.integration
 def test_a_dp_runs_hosts_listen_on_their_bind_address_only(tmp_path, monkeypatch):
     """Nothing listens beyond the bind address (local hosts bind to loopback): after a dp=2
     setup, every listening socket of both hosts (and of any process they started) is on

@@ -113,6 +113,15 @@ def _bad_prompts(root: Path, table: pa.Table) -> str:
     return str(folder)
 
 
+def checked(root: str, *extra: str) -> None:
+    """What ``yattflow train`` checks in its own process before the Prefect server and the engine hosts
+    start (``flows.preflight``); tests/test_preflight.py runs the command itself."""
+    from engines.config import load_config
+    from flows import preflight
+
+    preflight.run(load_config(None, TINY + [f"storage.root={root}", *extra]))
+
+
 @pytest.mark.parametrize(
     "case, table, message",
     [
@@ -123,34 +132,42 @@ def _bad_prompts(root: Path, table: pa.Table) -> str:
     ],
 )
 def test_bad_prompts_fail_fast_and_write_nothing(prepared, tmp_path, case, table, message):
+    from engines.host.validation import InputError
+
     bad = _bad_prompts(tmp_path, table)
-    with pytest.raises(Exception) as err:
-        run_train(prepared, f"name=bad-{case}", "dp=1", f"data.prompts={bad}")
+    with pytest.raises(InputError) as err:
+        checked(prepared, f"name=bad-{case}", "dp=1", f"data.prompts={bad}")
     assert message in str(err.value) and bad in str(err.value)
     assert wrote_nothing(Path(prepared) / "runs" / f"bad-{case}")
 
 
 def test_missing_model_folder_is_named(prepared):
-    with pytest.raises(Exception) as err:
-        run_train(prepared, "name=bad-model", "dp=1", "model.policy=models/nope")
+    from engines.host.validation import InputError
+
+    with pytest.raises(InputError) as err:
+        checked(prepared, "name=bad-model", "dp=1", "model.policy=models/nope")
     assert "model.policy" in str(err.value) and "models/nope" in str(err.value)
     assert wrote_nothing(Path(prepared) / "runs" / "bad-model")
 
 
-def test_unreachable_storage_is_named(prefect_server, tmp_path):
+def test_unreachable_storage_is_named(tmp_path):
+    from engines.host.validation import InputError
+
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    with pytest.raises(Exception) as err:
-        run_train(str(blocker / "root"), "name=bad-storage", "dp=1")
+    with pytest.raises(InputError) as err:
+        checked(str(blocker / "root"), "name=bad-storage", "dp=1")
     assert "not reachable" in str(err.value) and str(blocker) in str(err.value)
 
 
-def test_model_vllm_cannot_serve_is_named_before_engines_load(prepared):
+def test_model_vllm_cannot_serve_is_named_before_anything_starts(prepared):
     # the tiny test models have head size 16; vLLM's CPU attention starts at 32
     if torch.cuda.is_available():
         pytest.skip("vLLM's CPU head-size limit only applies without CUDA")
-    with pytest.raises(Exception) as err:
-        run_train(prepared, "name=bad-head", "dp=1", "rollout.backend=vllm")
+    from engines.host.validation import InputError
+
+    with pytest.raises(InputError) as err:
+        checked(prepared, "name=bad-head", "dp=1", "rollout.backend=vllm")
     assert "model.policy" in str(err.value) and "config.json: head size 16" in str(err.value)
     assert wrote_nothing(Path(prepared) / "runs" / "bad-head")
 

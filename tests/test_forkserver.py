@@ -22,6 +22,7 @@ from engines.wire.launch import HostProcess
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.integration
 def test_forked_hosts_share_the_imports_and_start_like_started_ones():
     server = ForkServer(dict(os.environ))
     hosts = []
@@ -50,6 +51,7 @@ def test_forked_hosts_share_the_imports_and_start_like_started_ones():
         server.stop()
 
 
+@pytest.mark.integration
 def test_a_host_whose_starter_died_during_its_start_goes_too():
     """A run killed while its host still imports torch (the GPU check's part limit does this) has
     already left the host to init when the host would look at its parent: the host is killed by its

@@ -24,12 +24,14 @@ from engines.backends.torch.critic import TorchCritic
 from engines.backends.torch.generator import TorchGenerator
 from engines.backends.torch.model import is_vision_tower
 from engines.backends.torch.trainer import TorchTrainer
+from engines.config.layout import Layout
 from engines.config.train import LoraConfig
 from engines.demo import vision
 from engines.rl.grpo import GRPOConfig
 from engines.rl.ppo import PPOConfig
 from helpers import (STEP_RTOL, free_port, global_order, parity, random_batch, save_tiny_model, save_tiny_vlm, step_gap,
                      with_old_logprobs)
+from test_replica_check import replica_checks
 
 HYPER = {"lr": 1e-3, "betas": (0.8, 0.95), "weight_decay": 0.1, "grad_clip": 0.5, "reference": True}
 # two minibatches, each cut into 16-token passes: the ranks of a group have different numbers of passes
@@ -57,6 +59,7 @@ def _worker(rank: int, port: int, cases: dict, critic_steps: list, plain: str, o
             result = results[kind] = {"logprobs": trainer.logprobs(steps[0][group]),
                                       "stats": trainer.train_step(steps[0][group], **STEP)}
             result["after"] = weights(trainer)
+            result["replicas"] = replica_checks(trainer, Layout(dp=GROUPS, fsdp=SHARDS), rank, flip=3)
             result["files"] = trainer.save_checkpoint(os.path.join(out, kind, "sharded"))  # each rank its shards
             trainer.load_checkpoint(os.path.join(plain, kind))  # the one-process trainer's checkpoint after the same step
             trainer.train_step(steps[1][group], **STEP)
@@ -167,6 +170,16 @@ def test_two_groups_of_two_fsdp_ranks_train_the_step_one_process_trains(runs, ki
     assert ranks[0]["after"].keys() == before.keys()  # every parameter gathered, by its Hugging Face name
     assert parity(f"fsdp {kind}: hsdp 2x2 vs one process, step", step_gap(ranks[0]["after"], single["after"], before)) <= STEP_RTOL
     assert all(torch.equal(r["after"][k], ranks[0]["after"][k]) for r in ranks for k in before)  # replicas equal
+    # the replica check on each rank's shards: equal replicas pass, every rank answering the same sha; a
+    # bit flipped in dp-1.1's shard of one tensor fails it on every rank, naming both ranks at that place
+    # and the tensor; each rank digested its shards (the whole tower of a vision policy), not the model
+    checks = [r["replicas"] for r in ranks]
+    assert len({c["sha"] for c in checks} | {c["again"] for c in checks}) == 1
+    flipped = checks[3]["flipped"][0]
+    assert {c["flipped"][1] for c in checks} == {
+        f"replica check after the train step: dp-0.1 (rank 1) and dp-1.1 (rank 3) hold different bits in {flipped!r}"}
+    whole = sum(t.numel() for t in before.values())
+    assert all(c["held"] < 0.75 * whole for c in checks) and sum(c["held"] for c in checks[:SHARDS]) >= whole
     tokens = [sum(len(r) for r in b.response_ids) for b in runs["cases"][kind][1][0]]
     for rank, result in enumerate(ranks):  # each group's statistics: its two ranks' rows together
         stats = result["stats"]

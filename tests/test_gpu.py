@@ -393,3 +393,30 @@ def test_qwen2_5_vl_rolls_out_and_trains_with_images_on_cuda(tmp_path):
     assert trainer.train_step(TrainBatch(batch.prompt_ids, batch.response_ids, ref, [1.0, -1.0] * 3,
                                          images=batch.images))["tokens"] > 0
     assert torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+def test_digests_on_cuda_are_the_cpus_and_a_checked_sync_copies_no_bucket_to_the_host(tmp_path, monkeypatch):
+    """Issue 67: the device digest (engines/backends/digest.py) of CUDA tensors equals the CPU's of the
+    same bytes, and a torch trainer → torch engine sync on the GPU is checked with only the stacked
+    digests (one integer per tensor) copied to the host, never a bucket."""
+    import torch
+
+    from engines.backends import digest
+    from engines.backends.base import load_weights
+    from engines.backends.torch.generator import TorchGenerator
+    from engines.backends.torch.trainer import TorchTrainer
+    from helpers import save_tiny_model
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8):
+        for n in (1, 7, 3 * digest.BLOCK + 5, 2**20 + 3):
+            t = (torch.randn(n, generator=g) * 100).to(dtype)
+            assert int(digest.tensor_digest(t.cuda())) == int(digest.tensor_digest(t)), (dtype, n)
+    model_dir = save_tiny_model(tmp_path / "model", hidden_size=256, num_layers=2)
+    trainer, engine = TorchTrainer(model_dir, autocast=False), TorchGenerator(model_dir)
+    assert trainer.device.type == engine.device.type == "cuda"
+    copied, cpu = [], torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copied.append(self.numel()) or cpu(self, *a, **k))
+    count = load_weights(engine, trainer.export_weights(), bucket_bytes=1 << 20)
+    assert count == len(dict(trainer.model.named_parameters())) and copied and max(copied) <= count

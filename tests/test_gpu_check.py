@@ -15,9 +15,11 @@ import helpers  # noqa: F401  (puts the checkout on sys.path)
 from bench import gpu_check
 
 
-def test_the_cpu_rehearsal_runs_every_part_and_reports(tmp_path):
+def test_the_cpu_rehearsal_runs_every_part_and_reports(prepared, tmp_path):
+    """On the session's prepared tiny demo (its SFT is tested where it is made): the rehearsal's demo
+    trains two steps on the Megatron trainer."""
     pytest.importorskip("megatron.core", reason="Megatron-Core is optional (make engines installs it)")
-    assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path), "--budget", "600"]) == 0
+    assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path), "--budget", "600", "--prepared", prepared]) == 0
     report = json.loads((tmp_path / "gpu-report.json").read_text())
     parts = report["parts"]
     assert list(parts) == list(gpu_check.PARTS) and all(p["status"] == "passed" for p in parts.values()), parts
@@ -35,6 +37,7 @@ def test_the_cpu_rehearsal_runs_every_part_and_reports(tmp_path):
     assert "| demo | passed |" in text and "## Train step" in text
 
 
+@pytest.mark.integration
 def test_a_part_past_its_limit_is_killed_with_what_it_started(tmp_path, monkeypatch):
     """The demo starts a Prefect server and an engine host: at the part's limit all of them go,
     the part reads "timed out", and the report is written."""

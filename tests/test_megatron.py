@@ -44,6 +44,8 @@ from engines.backends.base import TrainBatch  # noqa: E402
 from engines.backends.torch.generator import TorchGenerator  # noqa: E402
 from engines.backends.torch.trainer import TorchTrainer  # noqa: E402
 from helpers import STEP_RTOL, free_port, global_order, parity, random_batch, save_tiny_model, step_gap, with_old_logprobs  # noqa: E402
+from engines.config.layout import Layout  # noqa: E402
+from test_replica_check import replica_checks  # noqa: E402
 from engines.rl.cispo import CISPOConfig  # noqa: E402
 from engines.rl.grpo import GRPOConfig  # noqa: E402
 from engines.rl.gspo import GSPOConfig  # noqa: E402
@@ -807,6 +809,9 @@ def _tp_pp_dp_worker(rank: int, port: int, model_dir: str, out: str) -> None:
         weights = dict(trainer.export_weights())
         if rank % 4 == 0:  # each replica's first rank
             torch.save({"stats": stats, "weights": weights}, os.path.join(out, f"dp{rank // 4}.pt"))
+        # the replica check (tests/test_replica_check.py), a bit flipped on dp-1.3 (TP rank 1 of stage 1)
+        checked = replica_checks(trainer, Layout(dp=2, tp=2, pp=2), rank, flip=7)
+        torch.save(checked, os.path.join(out, f"replicas{rank}.pt"))
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -822,6 +827,16 @@ def test_tp2_pp2_dp2_equals_one_process(model_dir, tmp_path):
     mp.spawn(_tp_pp_dp_worker, args=(free_port(), model_dir, str(tmp_path)), nprocs=8, join=True)
     dp0, dp1 = (torch.load(tmp_path / f"dp{d}.pt", weights_only=False) for d in range(2))
     assert max_diff(dp0["weights"], dp1["weights"]) == 0.0  # the replicas stay equal
+    # and the replica check says so, each rank digesting its own TP x PP shard (a quarter of the model or
+    # so, none of it gathered); a flipped bit on dp-1.3 fails it on every rank, naming the ranks and the tensor
+    checks = [torch.load(tmp_path / f"replicas{r}.pt", weights_only=False) for r in range(8)]
+    assert len({c["sha"] for c in checks[:4]} | {c["again"] for c in checks[:4]}) == 1 == len({c["sha"] for c in checks[4:]})
+    assert checks[0]["sha"] == checks[4]["sha"]
+    assert all(c["held"] < 0.4 * sum(t.numel() for t in dp0["weights"].values()) for c in checks)
+    flipped = checks[7]["flipped"][0]
+    assert flipped.startswith("decoder.layers.1.") or flipped.startswith("output_layer")  # stage 1's, by its global name
+    assert {c["flipped"][1] for c in checks} == {
+        f"replica check after the train step: dp-0.3 (rank 3) and dp-1.3 (rank 7) hold different bits in {flipped!r}"}
     weights, stats = single_process_steps(model_dir, case, distributed_optimizer=True)
     assert parity("megatron: tp=2 x pp=2 x dp=2 vs one process, 2 steps",
                   step_gap(dp0["weights"], weights, load_hf_state(model_dir))) <= STEP_RTOL

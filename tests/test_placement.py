@@ -44,6 +44,7 @@ def vllm_prepared(prefect_server, tmp_path_factory) -> str:
 ENGINES = {"torch": ("prepared", []), "vllm": ("vllm_prepared", ["rollout.backend=vllm", "judge.backend=vllm"])}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("engines", list(ENGINES))
 def test_full_and_partial_colocation_train_the_same(engines, request):
     """Same seed and data: identical rollouts, scores, experience, and trained weights after 2

@@ -269,23 +269,33 @@ def damaged_copy(prepared: str, reference: Path, name: str) -> Path:
     return run_dir
 
 
-def test_an_unreadable_state_json_stops_the_run_naming_it_and_the_intact_checkpoints(prepared, uninterrupted, capsys):
-    """state.json of random bytes: ``yattflow train`` fails before any host starts, its last line naming
-    the file, what is wrong and the checkpoints still intact (the error path, which says where a run
-    stands, does not trip over the same file); nothing is deleted."""
+def test_a_lost_state_json_and_flipped_bytes_in_the_newest_checkpoint_resume_exactly_from_the_intact_one(
+        prepared, uninterrupted):
+    """The probes of issue 65 in one real run: state.json deleted (it used to read as "nothing
+    committed": every checkpoint deleted, training from step 1) and 64 bytes flipped inside step 5's
+    trainer.pt (same size: it used to resume silently with a weight off by 449.5). ``yattflow train``
+    rebuilds state.json from step 5's manifest, its hosts find trainer.pt's content is not what the
+    manifest recorded before any engine loads, the checkpoint is set aside (kept, not deleted), and
+    the run resumes from step 3's and trains steps 4 and 5 as the uninterrupted run did."""
     from flows.cli import main
 
-    run_dir = damaged_copy(prepared, uninterrupted, "recovery-bad-state")
-    (run_dir / "state.json").write_bytes(bytes(range(128, 256)))  # random bytes, not even text
-    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*") if "lease" not in p.name)
-    assert main(["train", *COMMON, f"storage.root={prepared}", "name=recovery-bad-state"]) == 1
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    checkpoints = [f"file://{run_dir}/checkpoints/{step:06d} (after step {step + 1})" for step in (3, 5)]
-    assert last.startswith(f"yattflow train: file://{run_dir}/state.json: not valid JSON "
-                           "('utf-8' codec can't decode")
-    assert f"committed checkpoints still intact: {', '.join(checkpoints)}. Restore state.json" in last
-    assert before == sorted(p.relative_to(run_dir) for p in run_dir.rglob("*") if "lease" not in p.name)
-    no_engine_hosts_left()
+    run_dir = damaged_copy(prepared, uninterrupted, "recovery-lost-state")
+    (run_dir / "state.json").unlink()
+    trainer = run_dir / "checkpoints" / "000005" / "trainer-torch" / "trainer.pt"
+    data = bytearray(trainer.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    trainer.write_bytes(bytes(data))
+    assert main(["train", *COMMON, f"storage.root={prepared}", "name=recovery-lost-state"]) == 0
+    err = (Path(prepared) / "logs" / "recovery-lost-state-train.log").read_text()  # (the console shows their first lines)
+    checkpoint = f"file://{run_dir}/checkpoints/000005"
+    assert f"state.json is missing: rebuilt from {checkpoint}/MANIFEST.json, the newest intact checkpoint (after step 6)" in err
+    assert (f"{checkpoint}, the checkpoint state.json resumed from (after step 6), has 1 file(s) whose content is not "
+            "what its MANIFEST.json recorded: trainer-torch/trainer.pt (SHA-256") in err
+    [aside] = (run_dir / "checkpoints").glob("000005.damaged-*")
+    assert (aside / "trainer-torch" / "trainer.pt").read_bytes() == bytes(data)  # kept as it was found
+    assert RunState.load(f"file://{run_dir}").step == 5  # step 5's checkpoint committed anew
+    assert_same_training(run_dir, uninterrupted)
 
 
 def test_a_checkpoint_that_lost_its_manifest_is_kept_and_the_run_resumes_exactly_from_the_one_before(prepared,

@@ -4,6 +4,7 @@ checkpoint commits — on a local folder, then the same core against a real S3 s
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import subprocess
@@ -261,9 +262,10 @@ def test_image_column_survives_every_stage_schema(tmp_path):
 def commit(run_uri: str, step: int, keep_last: int) -> RunState:
     """Write a checkpoint's files, then commit it (as the training flow does)."""
     ckpt = runstate.checkpoint_uri(run_uri, step)
-    objectstore.write_bytes(objectstore.join(ckpt, "trainer.pt"), f"weights {step}".encode())
+    data = f"weights {step}".encode()
+    objectstore.write_bytes(objectstore.join(ckpt, "trainer.pt"), data)
     state = RunState(step=step, cursors=[step, 2 * step], checkpoint=ckpt, policy_version=step + 1)
-    runstate.commit_checkpoint(run_uri, state, ["trainer.pt"], keep_last=keep_last)
+    runstate.commit_checkpoint(run_uri, state, {"trainer.pt": runstate.file_record(data)}, keep_last=keep_last)
     return state
 
 
@@ -286,7 +288,8 @@ def check_keep_last(run_uri: str) -> None:
     assert len(files_under(runstate.checkpoint_uri(run_uri, 2))) == 2  # trainer.pt, MANIFEST.json
     assert RunState.load(run_uri) == states[-1]
     manifest = objectstore.read_json(objectstore.join(states[-1].checkpoint, "MANIFEST.json"))
-    assert manifest["files"] == ["trainer.pt"] and manifest["step"] == 3 and manifest["cursors"] == [3, 6]
+    assert manifest["files"] == {"trainer.pt": {"size": 9, "sha256": hashlib.sha256(b"weights 3").hexdigest()}}
+    assert manifest["step"] == 3 and manifest["cursors"] == [3, 6]
     assert objectstore.read_bytes(objectstore.join(states[-1].checkpoint, "trainer.pt")) == b"weights 3"
 
     # a folder without MANIFEST.json (a crash before the commit) is not a checkpoint
@@ -334,6 +337,9 @@ def test_crash_during_commit_resumes_previous_checkpoint(tmp_path, monkeypatch, 
     assert objectstore.exists(objectstore.join(previous.checkpoint, "MANIFEST.json"))  # and it still exists
     if crash_on == "MANIFEST.json":
         assert runstate.committed_checkpoints(run_uri) == [previous.checkpoint]
+        assert runstate.resume_point(run_uri, print) == previous
+    else:  # the manifest is complete: the resume takes that checkpoint rather than deleting it
+        assert runstate.resume_point(run_uri, print).checkpoint == runstate.checkpoint_uri(run_uri, 1)
 
 
 # ---------------------------------------------------------------- S3 (SeaweedFS)

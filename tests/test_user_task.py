@@ -1,9 +1,10 @@
 """A user's own task: their reward rule, their prompts, their model folders.
 
-Bad input fails before any engine loads, naming the file, field or function; a run whose rewards
-never differ stops saying why instead of training on nothing; ``prepare`` never writes over a
-folder it did not make. The runs here are real: a Prefect server, engine-host processes and the
-torch engines on the tiny prepared models.
+Bad input fails before anything starts, naming the file, field or function (checked here by calling
+the command's pre-flight, ``flows.preflight.run``, directly: tests/test_preflight.py runs the command);
+a run whose rewards never differ stops saying why instead of training on nothing; ``prepare`` never
+writes over a folder it did not make. The runs here are real: a Prefect server, engine-host processes
+and the torch engines on the tiny prepared models.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from engines.config import load_config
 from engines.host.rewards import RewardRuleError, load_rule
+from engines.host.validation import InputError
+from flows import preflight
 from flows.training import NothingToLearn, train
 from tests.conftest import TINY
 from tests.helpers import save_tiny_model, wrote_nothing
@@ -26,6 +30,11 @@ from tests.helpers import save_tiny_model, wrote_nothing
 
 def run_train(root: str, *extra: str) -> dict:
     return asyncio.run(train(overrides=TINY + [f"storage.root={root}", *extra]))
+
+
+def checked(root: str, *extra: str) -> None:
+    """What ``yattflow train`` checks before the Prefect server and the engine hosts start."""
+    preflight.run(load_config(None, TINY + [f"storage.root={root}", *extra]))
 
 
 def rule_file(folder: Path, body: str, name: str = "my_rules.py") -> Path:
@@ -92,16 +101,15 @@ def prompts_without_answers(folder: Path) -> Path:
     return folder
 
 
-def test_prompts_without_the_answer_the_rule_reads_fail_before_engines_load(prepared, tmp_path):
+def test_prompts_without_the_answer_the_rule_reads_fail_before_anything_starts(prepared, tmp_path):
     """The rule takes an answer and the judge's template has one: a prompts file without the
     column is refused, naming the file, the field, the first prompt and who reads it."""
     prompts = prompts_without_answers(tmp_path / "mine")
-    with pytest.raises(Exception) as err:
-        run_train(prepared, "name=no-answers", "dp=1", f"data.prompts={prompts}", "reward.genrm_weight=0", "reward.rule_weight=1")
+    with pytest.raises(InputError) as err:
+        checked(prepared, "name=no-answers", "dp=1", f"data.prompts={prompts}", "reward.genrm_weight=0", "reward.rule_weight=1")
     text = str(err.value)
     assert f"{prompts}" in text and "field 'answer' is missing or null in 3 of 3 rows (first prompt_id 1)" in text
     assert "reward.rule engines.demo.arithmetic:exact_match" in text and "answer=None" in text
-    assert "engines (rollout=" not in text  # the host's log: no engine was loaded
     assert wrote_nothing(Path(prepared) / "runs" / "no-answers")
 
 
@@ -117,7 +125,11 @@ def test_a_rule_that_needs_no_answer_trains_on_prompts_without_one_from_a_file_p
                         "reward.genrm_weight=0", "reward.rule_weight=1", f"reward.rule={rule}:short_answers",
                         "sampling.max_empty_steps=null")
     assert summary["heldout_metric"] is None and len(summary["history"]) == 1
-    assert 0.0 <= summary["history"][0]["reward"] <= 1.0
+    # every scored sample got the rule's own verdict on its response, and the step's reward is their mean
+    scored = [r for f in sorted((Path(prepared) / "runs" / "own-rule" / "steps" / "000000").glob("scored/group=*/*.parquet"))
+              for r in pq.read_table(f, columns=["response", "reward"]).to_pylist()]
+    assert scored and all(r["reward"] == (1.0 if len(r["response"]) <= 2 else 0.0) for r in scored)
+    assert summary["history"][0]["reward"] == pytest.approx(sum(r["reward"] for r in scored) / len(scored))
 
 
 def test_without_a_rule_the_heldout_score_is_the_judges_verdict_rate_and_eval_every_tags_each_step(prepared):
@@ -128,29 +140,33 @@ def test_without_a_rule_the_heldout_score_is_the_judges_verdict_rate_and_eval_ev
     summary = run_train(prepared, "name=judge-only", "dp=1", "steps=2", "reward.rule=null", "sampling.max_empty_steps=null",
                         "eval.every=1", "checkpoint.every=2")
     assert summary["heldout_metric"] == "judge 'correct' rate"
-    assert 0.0 <= summary["heldout_before"] <= 1.0 and 0.0 <= summary["heldout_after"] <= 1.0
+
+    def a_rate_over_the_heldout_prompts(x: float) -> bool:  # k of the 40 prompts judged correct (TINY: heldout_limit=40)
+        return 0.0 <= x <= 1.0 and abs(x * 40 - round(x * 40)) < 1e-9
+
+    assert a_rate_over_the_heldout_prompts(summary["heldout_before"]) and a_rate_over_the_heldout_prompts(summary["heldout_after"])
     first, last = summary["history"]
-    assert 0.0 <= first["heldout"] <= 1.0 and first["heldout_checkpoint"] is None and first["policy_version"] >= 1
+    assert a_rate_over_the_heldout_prompts(first["heldout"]) and first["heldout_checkpoint"] is None and first["policy_version"] >= 1
     assert last["heldout"] == summary["heldout_after"]  # the same weights, scored the same greedy way
     assert last["heldout_checkpoint"] == checkpoint_uri(f"file://{prepared}/runs/judge-only", 1)
 
 
-def test_a_rule_returning_text_fails_before_engines_load_naming_rule_prompt_and_value(prepared, tmp_path):
+def test_a_rule_returning_text_fails_before_anything_starts_naming_rule_prompt_and_value(prepared, tmp_path):
     rule = rule_file(tmp_path, """
         def verdict(prompt, response, answer):
             return "correct" if response == answer else "wrong"
     """)
-    with pytest.raises(Exception) as err:
-        run_train(prepared, "name=text-rule", "dp=1", "reward.genrm_weight=0", "reward.rule_weight=1", f"reward.rule={rule}:verdict")
+    with pytest.raises(InputError) as err:
+        checked(prepared, "name=text-rule", "dp=1", "reward.genrm_weight=0", "reward.rule_weight=1", f"reward.rule={rule}:verdict")
     text = str(err.value)
     assert f"reward.rule {rule}:verdict returned 'correct' (str) for prompt_id 0" in text
-    assert "engines (rollout=" not in text and wrote_nothing(Path(prepared) / "runs" / "text-rule")
+    assert wrote_nothing(Path(prepared) / "runs" / "text-rule")
 
 
 def test_a_verdict_word_the_judges_tokenizer_cannot_spell_is_named(prepared):
     # the demo's character tokenizer knows lower-case letters only
-    with pytest.raises(Exception) as err:
-        run_train(prepared, "name=bad-verdict", "dp=1", "judge.good=CORRECT")
+    with pytest.raises(InputError) as err:
+        checked(prepared, "name=bad-verdict", "dp=1", "judge.good=CORRECT")
     assert "judge.good: the judge's tokenizer" in str(err.value) and "cannot spell 'CORRECT'" in str(err.value)
 
 

@@ -208,6 +208,7 @@ print("ok")
     print(re.search(r"vllm-vs-trainer \S+", out.stdout).group(0))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("config", ["vision-demo", "qwen-vl-demo", "video-demo"])
 def test_vision_demo_learns(tmp_path, config):
     """The README's `make vision-demo` (a tiny Idefics3), the same demo on a tiny Qwen2.5-VL, and on

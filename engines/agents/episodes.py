@@ -68,7 +68,7 @@ class Episodes:
     def __init__(self, rollout, renderer: chat.Renderer):
         self.config, self.renderer = rollout, renderer
         self.env_class = environment.load(rollout.env) if rollout.env else None
-        self.tools = toolbox.load(rollout.tools)
+        self.tools = toolbox.load(rollout.tools, plain=not renderer.templated)  # no template: the plain call format
         self.schemas = [toolbox.schema(fn) for fn in self.tools.values()] or None
         if self.tools and renderer.templated and not renderer.supports_tools():  # no template: the plain call format
             raise chat.ChatTemplateError(f"rollout.tools={rollout.tools}: the policy's chat template does not render "
@@ -127,6 +127,29 @@ class Episodes:
             return chat.source(row)
         first = self._call(env, "reset", row, row, 0)
         return first if isinstance(first, str) else environment.messages_of(first, self._where(row, 0))
+
+    def try_environment(self, row: dict, timeout_s: float) -> None:
+        """The run's environment tried on ``row`` before any engine loads: built, ``reset(row)``, then
+        one ``step`` with the row's reference answer (or "") as the model's turn, each call within
+        ``timeout_s``; what they answer is checked as an episode checks it (``EnvError`` naming the
+        environment, the prompt, the turn and what is wrong)."""
+        from engines import deadline
+
+        what, where = "building it", f"rollout.env {self.config.env}"
+        try:
+            env = deadline.call(timeout_s, self.env_class)
+            what, where = "reset()", self._where(row, 0)
+            deadline.call(timeout_s, self.first_prompt, row, env)
+            what, where = "step()", self._where(row, 1)
+            answer = row.get("answer") if isinstance(row.get("answer"), str) else ""
+            environment.checked_step(deadline.call(timeout_s, self._call, env, "step", answer, row, 1), where)
+        except deadline.Expired:
+            raise environment.EnvError(f"{where}: {what} ran past {timeout_s:g}s (rollout.tool_timeout_s) when it was "
+                                       "tried before the run: it hangs or is too slow") from None
+        except environment.EnvError:
+            raise
+        except Exception as e:  # noqa: BLE001 - its constructor raised: the user's to fix
+            raise environment.EnvError(f"{where}: {what} raised {type(e).__name__}: {e}") from e
 
     def _start(self, row: dict) -> Episode:
         env = self.env_class() if self.env_class else None

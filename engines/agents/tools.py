@@ -60,14 +60,21 @@ class Result:
     seconds: float
 
 
-def load(specs: list[str], field: str = "rollout.tools") -> dict[str, Callable]:
-    """The tools ``specs`` name, by function name; each must have a schema (type hints, docstring)."""
+def load(specs: list[str], field: str = "rollout.tools", plain: bool = False) -> dict[str, Callable]:
+    """The tools ``specs`` name, by function name; each must have a schema (type hints, docstring).
+    ``plain``: the policy has no chat template and writes the plain call format, ``name(text)``: each
+    tool must take that one text as its first parameter, every other one having a default."""
     tools: dict[str, Callable] = {}
     for spec in specs:
         fn = dotted.load(spec, field, ToolError)
         if not callable(fn):
             raise ToolError(f"{field}: {spec} is not a function")
-        schema(fn, f"{field}: {spec}")
+        found = schema(fn, f"{field}: {spec}")
+        if plain and (problem := plain_call_problem(fn, found)):
+            raise ToolError(f"{field}: {spec}: {problem}, but the policy has no chat template (data.chat_template=none, "
+                            f"or its tokenizer has none), so it calls a tool as <tool_call>{fn.__name__}(text)</tool_call>, "
+                            "one text argument given to the first parameter: give the others defaults, or use a policy "
+                            "whose chat template renders tools (the JSON call format)")
         if fn.__name__ in tools:
             raise ToolError(f"{field}: two tools are named {fn.__name__!r}")
         tools[fn.__name__] = fn
@@ -83,6 +90,22 @@ def schema(fn: Callable, where: str = "") -> dict:
     except Exception as e:  # noqa: BLE001 - transformers' reasons (no docstring, an untyped argument) are the user's to fix
         raise ToolError(f"{where or fn.__name__}: no JSON schema ({type(e).__name__}: {e}); a tool needs type hints on "
                         "every argument and a docstring describing each under 'Args:'") from None
+
+
+def plain_call_problem(fn: Callable, found: dict) -> str | None:
+    """Why the plain call format (one text, the first parameter) cannot call ``fn`` (its JSON schema
+    ``found``), or None."""
+    parameters = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    if not parameters:
+        return "it takes no argument"
+    required = [p.name for p in parameters[1:] if p.default is inspect.Parameter.empty]
+    if required:
+        return f"it takes {1 + len(required)} arguments without defaults ({', '.join([parameters[0].name, *required])})"
+    kind = found.get("function", {}).get("parameters", {}).get("properties", {}).get(parameters[0].name, {}).get("type")
+    if kind not in (None, "string") and not (isinstance(kind, list) and "string" in kind):
+        return f"its first parameter {parameters[0].name!r} is typed {kind}, not text"
+    return None
 
 
 def parse(text: str) -> list[Call]:

@@ -36,21 +36,34 @@ def report_progress() -> None:
 
 
 def fingerprint(named_tensors: Iterable[tuple[str, Any]]) -> str:
-    """A fingerprint of weights by name: equal exactly when the same names hold the same dtypes,
-    shapes and bits, in whatever order they come and on whatever device. Hashes one tensor at a
-    time (a 1.2B policy is never held twice). Every weight sync compares the trainer's buckets
-    with the rollout engine's (``load_weights``); DP replicas compare their trained weights."""
-    import hashlib
+    """A fingerprint of weights by name, computed where they are (``engines/backends/digest.py``: an
+    integer reduction of each tensor's bytes on its own device, one small vector copied to the host):
+    equal bits under the same names, dtypes and shapes give equal fingerprints, in whatever order
+    they come and on whatever device; a single flipped bit in any tensor always changes it. Reads one
+    tensor at a time (a 1.2B policy is never held twice). Every weight sync compares the trainer's
+    buckets with the rollout engine's (``load_weights``); DP replicas compare the shards they hold
+    (``engines/host/replica_check.py``)."""
+    from engines.backends.digest import fingerprint as device_fingerprint
+
+    return device_fingerprint(named_tensors)
+
+
+def load_torch_file(source, name: str, **kwargs):
+    """A torch file yattflow wrote (a trainer's, a critic's, an RNG state), read with ``weights_only``:
+    tensors and plain data only, never an unpickled object. Anything else (a pickled object, a
+    truncated or damaged file) is refused in one line naming the file ``name``."""
+    import pickle
 
     import torch
 
-    digests = []
-    for name, tensor in named_tensors:
-        t = tensor.detach().contiguous()
-        h = hashlib.sha256(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.cpu().view(-1).view(torch.uint8).numpy())  # raw bytes (numpy has no bfloat16), not copied
-        digests.append(h.digest())
-    return hashlib.sha256(b"".join(sorted(digests))).hexdigest()[:16]
+    try:
+        return torch.load(source, weights_only=True, **kwargs)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        text = str(e).strip()
+        reason = ("it holds objects other than tensors and plain data" if "Weights only load failed" in text
+                  else text.splitlines()[0][:200] if text else type(e).__name__)
+        raise ValueError(f"{name}: not a torch file yattflow wrote ({reason}); it is never unpickled in full "
+                         "(unpickling can run code)") from None
 
 
 class WeightSyncError(RuntimeError):
@@ -85,20 +98,33 @@ def load_weights(engine: Generator, named_tensors: Iterable[tuple[str, Any]], bu
     the buckets in flight are held here), checked: the engine answers a fingerprint of each bucket
     as it loaded it, which must be the trainer's (``WeightSyncError`` names the first bucket that
     differs; the engine itself refuses a name it lacks and a parameter no tensor reached). The
-    trainer's side is hashed on a thread of its own while the engine loads. Answers the number of
-    tensors."""
+    trainer's side digests each tensor on its device as the trainer hands it over, while it is
+    still in the cache (``digest.BucketDigest``; ``YATTFLOW_SYNC_CHECK``: the benchmarks' other
+    checks). Answers the number of tensors."""
     from concurrent.futures import ThreadPoolExecutor
 
-    sent: list[tuple[int, str, str, Any]] = []  # per bucket: tensors, first name, last name, its fingerprint (a future)
+    from engines.backends.digest import BucketDigest, sha256_fingerprint, sync_check
+
+    mode = sync_check()
+    sent: list[tuple[int, str, str, Any]] = []  # per bucket: tensors, first name, last name, its fingerprint (or a future)
+    passed = BucketDigest("off" if mode == "sha256" else mode)  # the tensors handed over, not yet in a sent bucket
+
+    def digested():
+        for name, tensor in named_tensors:
+            passed.add(name, tensor)  # reduced on its device as the trainer hands it over, while it is in the cache
+            yield name, tensor
+
     with ThreadPoolExecutor(1, thread_name_prefix="sync-fingerprint") as pool:
 
         def fingerprinted():
-            for bucket in buckets(named_tensors, bucket_bytes):
-                sent.append((len(bucket), bucket[0][0], bucket[-1][0], pool.submit(fingerprint, bucket)))
+            for bucket in buckets(digested(), bucket_bytes):
+                # sha256 (a benchmark's baseline): as before issue 67, hashed on the host on a thread of its own
+                fingerprint_of = pool.submit(sha256_fingerprint, bucket) if mode == "sha256" else passed.take(len(bucket))
+                sent.append((len(bucket), bucket[0][0], bucket[-1][0], fingerprint_of))
                 yield bucket
 
         answered = engine.update_weights(fingerprinted())
-        ours = [s[3].result() for s in sent]
+        ours = [s[3].result() if mode == "sha256" else s[3].hexdigest() for s in sent]
     if len(answered) != len(sent):
         raise WeightSyncError(f"weight sync: the rollout engine answered {len(answered)} bucket fingerprints for {len(sent)} buckets")
     for k, ((count, first, last, _), mine, theirs) in enumerate(zip(sent, ours, answered)):
@@ -230,6 +256,12 @@ class Trainer(Protocol):
 
     def export_weights(self) -> Iterator[tuple[str, Any]]:
         """Hugging Face-named tensors (from the host copy while asleep)."""
+
+    def local_parameters(self) -> Iterator[tuple[str, Any]]:
+        """The policy's parameters this rank holds, as it holds them: its shard (FSDP2's local
+        shard, Megatron's TP / pipeline / expert share), on its device (the host copy while asleep),
+        named the same on every rank at the same place in its DP group. No collective, no copy: the
+        replica check (``engines/host/replica_check.py``) digests them where they are."""
 
     def save_hf(self, local_dir: str, tensors: dict[str, Any] | None = None) -> None:
         """The policy as a Hugging Face folder; ``tensors``: weights taken earlier instead of the live ones."""

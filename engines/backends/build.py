@@ -150,8 +150,10 @@ class JudgeProcess:
             raise RuntimeError(f"the {self.role} process failed in '{method}':\n{value}")
         return value
 
-    def generate(self, prompts: list[str], **kwargs) -> list[Generation]:
-        return self._call("generate", prompts, **kwargs)
+    def generate(self, prompts: list, n: int = 1, temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 16,
+                 seed: int = 0, greedy: bool = False, images: list[list[bytes]] | None = None) -> list[Generation]:
+        return self._call("generate", prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                          seed=seed, greedy=greedy, images=images)
 
     def score(self, prompts: list, responses: list[str]) -> list[float]:
         return self._call("score", prompts, responses)

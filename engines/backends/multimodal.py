@@ -16,6 +16,7 @@ expanded it would expand again, silently (OpenRLHF #1220, TRL #6294).
 from __future__ import annotations
 
 import io
+import warnings
 
 import torch
 
@@ -97,19 +98,23 @@ def images_only_processor(model_dir: str, model_type: str):
 
 
 def decode(blob: bytes, where: str = "image"):
-    """Encoded bytes → an RGB PIL image, or an ``ImageError`` naming ``where``."""
+    """Encoded bytes → an RGB PIL image, or an ``ImageError`` naming ``where``. Images are checked
+    (``check_image``: their declared pixels within ``data.max_image_pixels``) as their rows are read;
+    PIL's own guard (``Image.MAX_IMAGE_PIXELS``, ~89M; twice that an error) stands behind it."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         image = Image.open(io.BytesIO(blob))
         image.load()
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
         raise ImageError(f"{where}: not a decodable image ({type(e).__name__}: {e})") from None
     return image.convert("RGB")
 
 
-def check_image(blob: bytes, where: str, max_bytes: int, pixels: bool = False) -> None:
-    """An encoded image within ``max_bytes`` whose header and structure are sound (PIL's ``verify``:
+def check_image(blob: bytes, where: str, max_bytes: int, pixels: bool = False, max_pixels: int | None = None) -> None:
+    """An encoded image within ``max_bytes`` whose header declares at most ``max_pixels`` pixels
+    (width x height, read from the header before anything is decoded: a 164 KB PNG can declare
+    13000 x 13000, a gigabyte decoded) and whose header and structure are sound (PIL's ``verify``:
     the format, the size, every chunk's checksum for a PNG; no pixels decoded, so a pass over every
     image of a dataset costs about a read of its bytes), and with ``pixels`` one that decodes; else an
     ``ImageError`` naming ``where`` (the file, prompt_id and image index)."""
@@ -118,7 +123,17 @@ def check_image(blob: bytes, where: str, max_bytes: int, pixels: bool = False) -
     if len(blob) > max_bytes:
         raise ImageError(f"{where}: {len(blob):,} bytes, over data.max_image_bytes={max_bytes:,}")
     try:
-        Image.open(io.BytesIO(blob)).verify()
+        with warnings.catch_warnings():  # (PIL's DecompressionBombWarning: the limit below says it, naming the image)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(blob))  # the header only: the size, nothing decoded
+        width, height = image.size
+        if max_pixels is not None and width * height > max_pixels:
+            raise ImageError(f"{where}: {width} x {height} = {width * height:,} pixels, over data.max_image_pixels="
+                             f"{max_pixels:,} ({width * height * 3 / 2**20:,.0f} MiB decoded as RGB): "
+                             "resize it, or raise data.max_image_pixels")
+        image.verify()
+    except ImageError:
+        raise
     except Exception as e:  # noqa: BLE001 - PIL raises several kinds (SyntaxError for a bad PNG checksum)
         raise ImageError(f"{where}: not a readable image ({type(e).__name__}: {e})") from None
     if pixels:

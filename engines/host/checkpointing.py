@@ -32,15 +32,21 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from engines.config.layout import Layout
 from engines.host import faults
 from engines.wire.commands import CheckpointResult, CheckpointWaitResult
-from engines.backends.base import Trainer
+from engines.backends import distributed
+from engines.backends.base import Trainer, load_torch_file
 from storage import objectstore
-from storage.runstate import checkpoint_step
+from storage.runstate import checkpoint_step, file_digest, file_record, manifest_files
 
 log = logging.getLogger("yattflow.host")
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint file's content is not what its manifest recorded (``Checkpoints.verify``)."""
 
 
 def critic_dir(backend: str) -> str:
@@ -96,11 +102,12 @@ class Checkpoints:
         write, self._write = self._write, None
         return write.result() if write is not None else None
 
-    def _freeze(self, trainer: Trainer, uri: str, copy: bool, critic=None) -> Callable[[], list[str]]:
+    def _freeze(self, trainer: Trainer, uri: str, copy: bool, critic=None) -> Callable[[], dict[str, dict]]:
         """Take what this rank's checkpoint holds *now*; return a function that writes it to
-        ``uri`` and returns the file names. With ``copy`` the function reads only host-memory
-        copies (and files already written), so it may run on another thread while the next steps
-        change the live state; without, it writes the live state (call it at once)."""
+        ``uri`` and returns each file's record (``storage.runstate.file_record``: size and SHA-256 of the
+        bytes it wrote). With ``copy`` the function reads only host-memory copies (and files already
+        written), so it may run on another thread while the next steps change the live state; without,
+        it writes the live state (call it at once)."""
         tmp = tempfile.mkdtemp(prefix="yattflow-checkpoint-")
         trainer_dir = os.path.join(tmp, f"trainer-{self.backend}")
         try:
@@ -114,7 +121,7 @@ class Checkpoints:
         rank, name, exports, backend, prompt_files = self.rank, self.name, self.exports, self.backend, list(self.prompt_files)
         layout = self._recorded()
 
-        def write() -> list[str]:
+        def write() -> dict[str, dict]:
             try:
                 return written()
             except objectstore.StorageError:  # a write to storage: it names its URI and the OS's error
@@ -125,25 +132,59 @@ class Checkpoints:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
 
-        def written() -> list[str]:
+        def written() -> dict[str, dict]:
+            records = {}  # each file's size and SHA-256, from the bytes as they are written (the manifest's)
+
+            def put(file: str, data: bytes) -> None:
+                objectstore.write_bytes(objectstore.join(uri, file), data)
+                records[file] = file_record(data)
+
             files = [f"trainer-{backend}/{f}" for f in frozen.write()]
             files += [f"{critic_dir(backend)}/{f}" for f in frozen_critic.write()] if frozen_critic is not None else []
             if exports and (rank == 0 or not copy):  # rank 0 writes; without a copy taken, its group gathers them with it
                 trainer.save_hf(os.path.join(tmp, "model"), tensors=frozen.hf_weights)
             if rank == 0:
                 files += sorted(str(p.relative_to(tmp)) for p in Path(tmp, "model").rglob("*") if p.is_file())
-            objectstore.write_bytes(objectstore.join(uri, f"rng-{rank}.pt"), rng)
+            put(f"rng-{rank}.pt", rng)
             _test_checkpoint_pause()
             faults.inject("checkpoint_write", checkpoint_step(uri), name)
             for file in files:
-                objectstore.write_bytes(objectstore.join(uri, file), Path(tmp, file).read_bytes())
+                put(file, Path(tmp, file).read_bytes())
             if rank == 0:  # the prompt files this run's streams (and so the cursors) were read from
-                objectstore.write_json(objectstore.join(uri, "prompts.json"), {"files": prompt_files})
-                objectstore.write_json(objectstore.join(uri, "layout.json"), layout)
-                files += ["prompts.json", "layout.json"]
-            return [f"rng-{rank}.pt", *files]
+                put("prompts.json", objectstore.json_bytes({"files": prompt_files}))
+                put("layout.json", objectstore.json_bytes(layout))
+            return records
 
         return write
+
+    def verify(self, uri: str) -> None:
+        """Before any rank loads ``uri``: each rank hashes its share of the files the manifest records
+        (every world-th by name: a rank reads a share of the checkpoint, not all of it) and the ranks'
+        findings are gathered, so that every rank refuses a damaged checkpoint before any of them
+        loaded a byte of it: ``CheckpointDamaged`` naming the files (``SetupEnginesResult.damaged``: the
+        training flow sets it aside and resumes from the newest intact one before it). A folder without
+        a manifest (a caller that resumes an uncommitted folder: the training flow never does) and a
+        manifest written before records were kept have nothing to compare with."""
+        manifest = objectstore.join(uri, "MANIFEST.json")
+        records = manifest_files(objectstore.read_json(manifest)) if objectstore.exists(manifest) else {}
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        local = objectstore.local_folder(uri)
+        damaged = []
+        for file in sorted(f for f, record in records.items() if record is not None)[rank::world]:
+            try:
+                digest = file_digest(os.path.join(local, file))
+            except OSError as e:
+                damaged.append(f"{file} cannot be read ({objectstore.os_error(e)})")
+                continue
+            if digest != records[file]["sha256"]:
+                damaged.append(f"{file} (SHA-256 {digest[:12]}…, its MANIFEST.json recorded {records[file]['sha256'][:12]}…)")
+        if world > 1:
+            gathered: list[list[str]] = [[] for _ in range(world)]
+            dist.all_gather_object(gathered, damaged, group=distributed.metadata_group())
+            damaged = sorted(d for share in gathered for d in share)
+        if damaged:
+            raise CheckpointDamaged(f"{uri}: has {len(damaged)} file(s) whose content is not what its MANIFEST.json "
+                                    f"recorded: {'; '.join(damaged[:3])}")
 
     def load(self, trainer: Trainer, uri: str, critic=None) -> None:
         """Restore the trainer (and the critic) and this rank's RNG states from a committed checkpoint."""
@@ -159,7 +200,8 @@ class Checkpoints:
                 raise ValueError(f"{uri}: no {folder.name}/ to resume the critic from: the checkpoint was written by a "
                                  "run whose train.algorithm has no critic; resume it with that algorithm")
             critic.load_checkpoint(str(folder))
-        rng = from_bytes(objectstore.read_bytes(objectstore.join(uri, f"rng-{self._rank_then(uri)}.pt")))
+        rng_uri = objectstore.join(uri, f"rng-{self._rank_then(uri)}.pt")
+        rng = load_torch_file(io.BytesIO(objectstore.read_bytes(rng_uri)), rng_uri)
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
 
@@ -230,7 +272,7 @@ class Checkpoints:
 class BackgroundWrite:
     """One checkpoint write on a thread of its own; ``result()`` waits for it and re-raises its error."""
 
-    def __init__(self, uri: str, write: Callable[[], list[str]]):
+    def __init__(self, uri: str, write: Callable[[], dict[str, dict]]):
         self.uri, self.files, self.error, self.seconds = uri, None, None, None
         self._started = time.perf_counter()
         # a daemon: a host that shuts down (or fails) before the write was collected does not
@@ -272,6 +314,3 @@ def to_bytes(obj) -> bytes:
     torch.save(obj, buf)
     return buf.getvalue()
 
-
-def from_bytes(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=True)

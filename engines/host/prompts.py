@@ -53,9 +53,10 @@ class PromptStream:
     (``Checkpoints.check_prompt_files`` refuses anything else)."""
 
     def __init__(self, uri: str, rank: int, world: int, max_image_bytes: int | None = None, schema=datasets.PROMPTS,
-                 extra: bool = False, frames: Frames | None = None):
+                 extra: bool = False, frames: Frames | None = None, max_image_pixels: int | None = None):
         self.reader = datasets.PromptReader(uri, schema, extra)  # schema: PREFERENCES for data.preferences; extra: every column
         self.rank, self.world, self.max_image_bytes = rank, world, max_image_bytes
+        self.max_image_pixels = max_image_pixels  # data.max_image_pixels: checked from each image's header before it is decoded
         self.frames = frames  # a vision-language policy's: videos become frames (None: a text policy)
 
     def _rows(self, rows: list[int]) -> list[dict]:
@@ -77,7 +78,7 @@ class PromptStream:
         for r in batch:  # a bad image fails as its row is first read: before anything of its wave trains
             for i, blob in enumerate(r["images"] or []):
                 multimodal.check_image(blob, f"{self.reader.uri} (prompt_id {r['prompt_id']}): field 'images'[{i}]",
-                                       self.max_image_bytes or len(blob), pixels=True)
+                                       self.max_image_bytes or len(blob), pixels=True, max_pixels=self.max_image_pixels)
         return batch if self.frames is None else [self.frames.row(r, self.reader.uri) for r in batch]
 
     def sources(self, rows: list[int]) -> list:

@@ -9,6 +9,12 @@ fails naming itself, the prompt and the value instead of deep inside the reward 
 
 A rule that does not need the reference answer says so with a default (``answer=None``): then
 a prompts file without an ``answer`` column is fine.
+
+Each call has a time-out (``reward.rule_timeout_s``, at most half of ``timeouts.stage_s``: ``timeout_of``):
+a call still running then raises ``RuleTimeout``, naming the rule, the prompt and the response, so that
+a rule that hangs fails the run as the rule's error instead of being taken for a hung engine host and
+retried (``engines/deadline.py``: on the main thread the call is interrupted there; on another it is
+abandoned).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Callable
 
+from engines import deadline
 from engines.config import dotted
 from engines.rl.algorithms import overlong_penalty
 from engines.wire.commands import GenRMScoreResult
@@ -28,16 +35,33 @@ class RewardRuleError(ValueError):
     """The reward rule cannot be imported or called, raised, or returned something other than a number."""
 
 
+class RuleTimeout(RewardRuleError):
+    """A call of the rule ran past its time-out (``reward.rule_timeout_s``)."""
+
+
+def timeout_of(config) -> float:
+    """The time-out of one rule call: ``reward.rule_timeout_s``, at most half of ``timeouts.stage_s``
+    (the watchdog that takes a stage without progress for a hung host must not come first)."""
+    return min(config.reward.rule_timeout_s, config.timeouts.stage_s / 2)
+
+
 @dataclass(frozen=True)
 class Rule:
     spec: str  # as configured: reward.rule
     function: Callable
     needs_answer: bool  # the function's third parameter has no default
     field: str = "reward.rule"  # the config field that names it (reward.rule or reward.format_rule)
+    timeout_s: float | None = None  # one call's time-out (None: none)
 
     def __call__(self, prompt: str, response: str, answer: str | None, prompt_id: int) -> float:
         try:
-            value = self.function(prompt, response, answer)
+            value = deadline.call(self.timeout_s, self.function, prompt, response, answer)
+        except deadline.Expired:
+            raise RuleTimeout(
+                f"{self.field} {self.spec} ran past reward.rule_timeout_s={self.timeout_s:g}s on prompt_id {prompt_id}, "
+                f"response {_shown(response)}, answer {_shown(answer)}: it hangs or is too slow; fix it, or raise "
+                "reward.rule_timeout_s (and timeouts.stage_s, twice as much)"
+            ) from None
         except Exception as e:  # the user's function: its error, with what it was scoring (the original is the cause)
             raise RewardRuleError(
                 f"{self.field} {self.spec} raised {type(e).__name__}: {_one_line(e)} on prompt_id {prompt_id}, "
@@ -62,9 +86,10 @@ def _shown(text: str | None, limit: int = 200) -> str:
     return shown if len(shown) <= limit else f"{shown[:limit]}… ({len(text)} characters)"
 
 
-def load_rule(spec: str, field: str = "reward.rule") -> Rule:
+def load_rule(spec: str, field: str = "reward.rule", timeout_s: float | None = None) -> Rule:
     """Import ``module:function`` or ``file.py:function`` and check that it takes (prompt, response,
-    answer); errors name ``field``, the config field that names the rule."""
+    answer); errors name ``field``, the config field that names the rule. ``timeout_s``: each call's
+    time-out (``timeout_of(config)``; None: none)."""
     function = dotted.load(spec, field, RewardRuleError)
     name = spec.rpartition(":")[2]
     if not callable(function):
@@ -77,13 +102,13 @@ def load_rule(spec: str, field: str = "reward.rule") -> Rule:
             f"{field} {spec}: a rule is called as {name}(prompt, response, answer), but it takes {signature} ({e})"
         ) from e
     except ValueError:  # a builtin without a signature: take it as it is
-        return Rule(spec, function, needs_answer=True, field=field)
+        return Rule(spec, function, needs_answer=True, field=field, timeout_s=timeout_s)
     try:
         signature.bind("prompt", "response")
         needs_answer = False
     except TypeError:
         needs_answer = True
-    return Rule(spec, function, needs_answer, field)
+    return Rule(spec, function, needs_answer, field, timeout_s)
 
 
 def model_scores(reward_model, prompts, rows: list[dict]) -> list[float | None]:

@@ -10,6 +10,7 @@ atomically; requests and results carry URIs and metrics, never sample data.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import logging
@@ -27,6 +28,9 @@ import torch
 import torch.distributed as dist
 
 from engines.agents.episodes import Episodes
+from engines import evaluation
+from engines.config import dotted
+from engines.evaluation import SetSums
 from engines.host import balance, critic as critic_host, experience, offpolicy, replicas, rewards, validation
 from engines.host.preferences import PreferenceRows
 from engines.host.prompts import Frames, PromptStream
@@ -34,7 +38,8 @@ from engines.host.stream import StreamLane
 
 from engines.backends import chat, distributed, build, multimodal
 from engines.wire.channel import progress
-from engines.host.checkpointing import Checkpoints
+from engines.host.checkpointing import CheckpointDamaged, Checkpoints
+from engines.host import replica_check
 from engines.wire.commands import (EPISODE_FIGURES, Checkpoint, CheckpointResult, CheckpointWait, CheckpointWaitResult,
                               DynamicFilter, DynamicFilterResult, Evaluate, EvaluateResult, ExportPolicy, ExportPolicyResult,
                               GenRMScore, GenRMScoreResult, Ping, PingResult, Request, Result, Rollout, RolloutAndScore,
@@ -127,6 +132,11 @@ class Worker:
             distributed.init_process_groups(device, self.rank, self.world, store, timeout)
         if self.world > 1:  # the rollout engines' and judges' replicas and their groups (again on a second setup)
             self.replicas = replicas.replica_groups(self.layout, self.rank, timedelta(seconds=cfg.host_timeout_s))
+        if request.resume:  # every file as its manifest recorded it, before any engine loads
+            try:
+                self.checkpoints.verify(request.resume)
+            except CheckpointDamaged as e:
+                return SetupEnginesResult(seconds=time.perf_counter() - start, policy_version=-1, stream_length=0, damaged=str(e))
         policy_dir = objectstore.local_folder(cfg.uri(cfg.model.policy))
         self.vision = multimodal.is_vision_folder(policy_dir)
         if self.vision and cfg.rollout.mode == "stream":
@@ -152,13 +162,16 @@ class Worker:
             processor = multimodal.load_processor(policy_dir)
             self.placeholders = (multimodal.image_text(processor), multimodal.placeholder(processor))
             frames = Frames.of(cfg.data, processor)
-        self.rule = rewards.load_rule(cfg.reward.rule) if cfg.reward.rule else None
-        self.format_rule = rewards.load_rule(cfg.reward.format_rule, "reward.format_rule") if cfg.reward.format_rule else None
+        limit = rewards.timeout_of(cfg)  # each call's (reward.rule_timeout_s): a hang is the rule's error, not a lost host
+        self.rule = rewards.load_rule(cfg.reward.rule, timeout_s=limit) if cfg.reward.rule else None
+        self.format_rule = (rewards.load_rule(cfg.reward.format_rule, "reward.format_rule", limit)
+                            if cfg.reward.format_rule else None)
         self.awake = {"policy", "judge", "trainer", "critic"}  # all loaded, all on the devices
         self.engine_loads += 1
         self.prompts = PromptStream(prompts_uri, self.group, self.layout.dp, cfg.data.max_image_bytes,
                                     datasets.PREFERENCES if cfg.data.preferences else datasets.PROMPTS,
-                                    extra=cfg.rollout.env is not None, frames=frames)  # an environment reads every column
+                                    extra=cfg.rollout.env is not None, frames=frames,  # an environment reads every column
+                                    max_image_pixels=cfg.data.max_image_pixels)
         self.episodes = Episodes.of(cfg, policy_dir) if cfg.rollout.episodes and rolls else None
         self.preferences = PreferenceRows(policy_dir, cfg, self.vision) if cfg.data.preferences else None
         self.rollout_weights.reset(self.trainer.version, int(cfg.rollout.sync_bucket_mb * 2**20))  # both engines loaded the same folder
@@ -353,7 +366,8 @@ class Worker:
         seconds = time.perf_counter() - start
         return TrainStepResult(statistics=statistics, tokens=tokens, **balanced, seconds=seconds,
                                tokens_per_s=tokens / seconds if seconds else 0.0,
-                               sequences=len(batch), policy_version=self.trainer.version, staleness=stale, params_sha=self.params_sha(),
+                               sequences=len(batch), policy_version=self.trainer.version, staleness=stale,
+                               params_sha=replica_check.check(self.trainer.local_parameters(), self.layout, self.rank),
                                switch_s=switch, engine_loads=self.engine_loads)
 
     @handle.register
@@ -383,32 +397,85 @@ class Worker:
 
     @handle.register
     def evaluate(self, request: Evaluate) -> EvaluateResult:
-        """Greedy decoding of this rank's share of held-out prompts (with ``rollout.env`` or
-        ``rollout.tools``: greedy episodes, the rule reading the whole episode), scored by the reward
-        rule, or by the judge's verdict when there is no rule (``flows.training.heldout_metric`` names it)."""
-        reader = datasets.PromptReader(request.uri)  # this rank's share only, images included
-        indices = list(range(self.group, min(request.limit, len(reader)), self.layout.dp))
-        frames = self.prompts.frames  # a vision policy: videos as frames
-        rows = [(frames.row(r, request.uri) if frames else r) | {"prompt_row": i} for r, i in zip(reader.rows(indices), indices)]
-        rows = [r | {"prompt": chat.question(r)} for r in rows]
-        if not rows:
-            return EvaluateResult(score_sum=0.0, total=0)
-        self.take("policy")
-        with self.rollout_weights:  # overlapping: the rollout lane's engines wait (the judge too: one generate at a time)
-            if self.episodes is not None:
-                answered = self.episodes.answers(self.policy, rows)
-            else:
-                outs = self.policy.generate([chat.source(r) for r in rows], greedy=True,
-                                            max_new_tokens=self.config.rollout.max_new_tokens, images=self._images_of(rows))
-                answered = [rows[o.prompt_index] | {"response": o.response} for o in outs]
-            if self.rule is None:
-                self.take("judge")
-                verdicts = self._verdicts(answered, [r["images"] or [] for r in answered])
-        if self.rule is not None:
-            scores = [self.rule(r["prompt"], r["response"], r["answer"], r["prompt_id"]) for r in answered]
-        else:
-            scores = [float(v.startswith(self.config.judge.good)) for v in verdicts]
-        return EvaluateResult(score_sum=sum(scores), total=len(rows))
+        """Each evaluation set (``engines/evaluation.py``): this rank's share of its first ``limit`` prompts
+        answered greedily (with ``rollout.env`` or ``rollout.tools``: greedy episodes, the rule reading the
+        whole episode) and, with ``request.samples``, k times at ``request.temperature``, scored by the set's
+        rule, or by the judge's verdict when it has none. Sets on the same prompts share their answers."""
+        by_data: dict[tuple[str, int], list] = {}
+        for s in request.sets:
+            by_data.setdefault((s.uri, s.limit), []).append(s)
+        sums: dict[str, SetSums] = {}
+        for (uri, limit), sets in by_data.items():
+            reader = datasets.PromptReader(uri)  # this rank's share only, images included
+            indices = list(range(self.group, min(limit, len(reader)), self.layout.dp))
+            frames = self.prompts.frames  # a vision policy: videos as frames
+            rows = [(frames.row(r, uri) if frames else r) | {"prompt_row": i} for r, i in zip(reader.rows(indices), indices)]
+            rows = [r | {"prompt": chat.question(r)} for r in rows]
+            if not rows:
+                sums |= {s.name: SetSums() for s in sets}
+                continue
+            self.take("policy")
+            with self.rollout_weights:  # overlapping: the rollout lane's engines wait (the judge too: one generate at a time)
+                greedy, samples = self._eval_answers(rows, request, stable_seed(request.seed, "eval", uri, self.group))
+                if any(s.rule is None for s in sets):
+                    self.take("judge")
+                    verdicts = self._eval_verdicts(rows, greedy, samples)
+            for s in sets:
+                if s.rule is None:
+                    scores = [[float(v.startswith(self.config.judge.good)) for v in per] for per in verdicts]
+                else:
+                    rule = self._eval_rule(s.rule, s.rule_field)
+                    scores = [[rule(r["prompt"], answer, r["answer"], r["prompt_id"]) for answer in [g, *k]]
+                              for r, g, k in zip(rows, greedy, samples)]
+                vote = dotted.load(s.answer, f"eval.sets.{s.name}.answer") if s.answer else None
+                sums[s.name] = total = SetSums()
+                for per, answers in zip(scores, samples):
+                    majority = per[1 + evaluation.majority(answers, vote)] if answers else None
+                    total.add_prompt(per[0], per[1:], request.correct_at, majority)
+        first = sums.get(request.sets[0].name) if request.sets else None
+        return EvaluateResult(score_sum=first.greedy if first else 0.0, total=first.prompts if first else 0, sets=sums)
+
+    def _eval_answers(self, rows: list[dict], request: Evaluate, seed: int) -> tuple[list[str], list[list[str]]]:
+        """(each row's greedy answer, its ``request.samples`` sampled answers) from the rollout engine."""
+        k = request.samples
+        if self.episodes is not None:
+            greedy = [r["response"] for r in self.episodes.answers(self.policy, rows)]
+            if not k:
+                return greedy, [[] for _ in rows]
+            sampler = copy.copy(self.episodes)  # the same tools and environment, at the evaluation's temperature
+            sampler.config = self.episodes.config.model_copy(update={"temperature": request.temperature, "top_p": 1.0})
+            played = sampler.run(self.policy, rows, k, seed)
+            tokenizer = self.episodes.renderer.tokenizer
+            return greedy, [[e.response(tokenizer) for e in played[i * k:(i + 1) * k]] for i in range(len(rows))]
+        prompts, images, budget = [chat.source(r) for r in rows], self._images_of(rows), self.config.rollout.max_new_tokens
+        greedy = [""] * len(rows)
+        for o in self.policy.generate(prompts, greedy=True, max_new_tokens=budget, images=images):
+            greedy[o.prompt_index] = o.response
+        samples: list[list[str]] = [[] for _ in rows]
+        if k:
+            for o in self.policy.generate(prompts, n=k, temperature=request.temperature, top_p=1.0, max_new_tokens=budget,
+                                          seed=seed, images=images):
+                samples[o.prompt_index].append(o.response)
+        return greedy, samples
+
+    def _eval_verdicts(self, rows: list[dict], greedy: list[str], samples: list[list[str]]) -> list[list[str]]:
+        """The judge's verdict on each row's greedy answer, then on each of its samples."""
+        answered = [r | {"response": a} for r, g, k in zip(rows, greedy, samples) for a in [g, *k]]
+        verdicts = self._verdicts(answered, [r["images"] or [] for r in answered])
+        out, i = [], 0
+        for k in samples:
+            out.append(verdicts[i:i + 1 + len(k)])
+            i += 1 + len(k)
+        return out
+
+    def _eval_rule(self, spec: str, field: str) -> rewards.Rule:
+        """An evaluation set's rule, imported once (the run's own ``reward.rule`` is ``self.rule``)."""
+        if field == "reward.rule" and self.rule is not None and self.rule.spec == spec:
+            return self.rule
+        rules = self.__dict__.setdefault("_eval_rules", {})
+        if spec not in rules:
+            rules[spec] = rewards.load_rule(spec, field, rewards.timeout_of(self.config))
+        return rules[spec]
 
     @handle.register
     def export_policy(self, request: ExportPolicy) -> ExportPolicyResult:
@@ -543,5 +610,6 @@ class Worker:
                              busy_s=seconds, truncated=sum(row["truncated"] for row in rows), switch_s=switch, episodes=episodes)
 
     def params_sha(self) -> str:
-        """Fingerprint of the trainer's parameters: equal on every replica after a step."""
-        return fingerprint(self.trainer.export_weights())
+        """Fingerprint of the trainer's parameters this rank holds, where they are (no collective; a
+        train step's ``params_sha`` is its group's, checked against the other replicas: replica_check.py)."""
+        return fingerprint(self.trainer.local_parameters())

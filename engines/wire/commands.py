@@ -17,6 +17,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict
 
 from engines.config import RunConfig
+from engines.evaluation import EvalSet, SetSums
 
 
 class Result(BaseModel):
@@ -71,10 +72,14 @@ class SetupEnginesResult(Result):
     seconds: float
     policy_version: int
     stream_length: int  # prompts in this group's stream
+    # the checkpoint to resume from has files whose content is not what its manifest recorded (which,
+    # named): nothing was loaded, and the controller takes an older checkpoint (storage.runstate.set_aside)
+    damaged: str | None = None
 
 
 class SetupEngines(Request):
-    """Join the DP group (rendezvous at ``master``, rank 0's "host:port"), load the engines, resume."""
+    """Join the DP group (rendezvous at ``master``, rank 0's "host:port"), check the checkpoint to
+    resume from (``damaged`` in the result when it is not what its manifest recorded), load the engines, resume."""
 
     stage = "setup_engines"
     result = SetupEnginesResult
@@ -256,7 +261,9 @@ class SyncWeights(Request):
 
 
 class CheckpointResult(Result):
-    files: list[str] | None  # None: still being written (asynchronous; CheckpointWait answers them)
+    # each file written -> its size and SHA-256 (storage.runstate.file_record); None: still being
+    # written (asynchronous; CheckpointWait answers them)
+    files: dict[str, dict] | None
     asynchronous: bool
     stall_s: float  # how long training waited
     seconds: float
@@ -277,7 +284,7 @@ class Checkpoint(Request):
 
 class CheckpointWaitResult(Result):
     uri: str | None  # None: no write was started since the last wait
-    files: list[str] | None
+    files: dict[str, dict] | None
     write_s: float
     wait_s: float
 
@@ -287,11 +294,11 @@ class CheckpointWaitResult(Result):
                                              "wait_s": max(r.wait_s for r in results)})
 
 
-def _files(results) -> list[str] | None:
+def _files(results) -> dict[str, dict] | None:
     """Every rank's files of one checkpoint (each writes its own shards and RNG state)."""
     if any(r.files is None for r in results):
         return None
-    return sorted({f for r in results for f in r.files})
+    return {f: record for r in results for f, record in sorted(r.files.items())}
 
 
 class CheckpointWait(Request):
@@ -306,20 +313,25 @@ class CheckpointWait(Request):
 
 
 class EvaluateResult(Result):
-    score_sum: float  # the sum over this rank's prompts of the held-out metric (``heldout_metric``)
+    score_sum: float  # the sum over this rank's prompts of the first set's greedy score (``heldout_metric``)
     total: int
+    sets: dict[str, SetSums] = {}  # every set's sums over this rank's prompts (engines/evaluation.py)
 
 
 class Evaluate(Request):
-    """Greedy decoding of this rank's share of the first ``limit`` held-out prompts, scored by the
-    reward rule, or by the judge's verdict (1 for ``judge.good``) when there is no rule."""
+    """This rank's share of each evaluation set's first ``limit`` prompts, answered greedily and, with
+    ``samples``, k times at ``temperature`` (seeded by ``seed``), each set scored by its rule, or by the
+    judge's verdict (1 for ``judge.good``) when it has none (engines/evaluation.py)."""
 
     stage = "evaluate"
     ranks = "leader"
     alone = True
     result = EvaluateResult
-    uri: str
-    limit: int
+    sets: list[EvalSet]
+    samples: int = 0
+    temperature: float = 1.0
+    correct_at: float = 1.0
+    seed: int = 0
 
 
 class ExportPolicyResult(Result):

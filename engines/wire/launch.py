@@ -21,18 +21,30 @@ from engines.config.layout import Layout
 from engines.wire.channel import HostError, connect, disconnect
 
 
+# What a host's engine libraries write goes to the run's console (the host's stderr is the command's), so
+# by default they say little (the environment overrides each): vLLM's INFO lines flooded it, and each C++
+# warning of torch prints its whole stack, e.g. 14 frames for every bad message a stranger sends to rank 0's
+# rendezvous port (TCPStore: "Error processing client message"; 90 lines seen). C++ errors still print.
+QUIET_ENGINES = {"VLLM_LOGGING_LEVEL": "WARNING", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
+def host_environment(secret: bytes, threads: int, devices: str | None = None) -> dict[str, str]:
+    """The environment of an engine host (or node controller) that this process starts."""
+    env = QUIET_ENGINES | dict(os.environ, YATTFLOW_HOST_SECRET=secret.hex(), OMP_NUM_THREADS=str(threads),
+                               YATTFLOW_PARENT_PID=str(os.getpid()))  # engines/host/lifeline.py: the host goes when we do
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    project_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [project_root, env.get("PYTHONPATH")]))
+    return env
+
+
 class HostProcess:
     """One engine-host process, started and read up to its ``READY`` line."""
 
     def __init__(self, rank: int, world: int, threads: int, secret: bytes, bind: str = "127.0.0.1",
                  devices: str | None = None, module: str = "engines.host", forkserver=None):
-        env = dict(os.environ, YATTFLOW_HOST_SECRET=secret.hex(), OMP_NUM_THREADS=str(threads),
-                   YATTFLOW_PARENT_PID=str(os.getpid()))  # engines/host/lifeline.py: the host goes when we do
-        if devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = devices
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines flood the run's output
-        project_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [project_root, env.get("PYTHONPATH")]))
+        env = host_environment(secret, threads, devices)
         # module: the engine host, or a node controller (flows/node_controller.py: the same arguments and READY line)
         cmd = [sys.executable, "-m", module, "--rank", str(rank), "--world", str(world),
                "--threads", str(threads), "--bind", bind]
@@ -122,7 +134,7 @@ class LocalHosts:
             if self.fork:
                 from engines.wire.forkserver import ForkServer
 
-                self.forkserver = ForkServer(dict(os.environ))
+                self.forkserver = ForkServer(QUIET_ENGINES | dict(os.environ))  # (its children run the torch it imported)
             self.hosts = [HostProcess(rank, self.world, self.threads, secret, devices=self.devices[rank],
                                       forkserver=self.forkserver)
                           for rank in range(self.world)]

@@ -35,6 +35,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
 
@@ -44,7 +45,7 @@ from engines.backends.batching import micro_batches, pad_weights, response_value
 from engines.backends.distributed import default_device
 from engines.backends.megatron import optimizer as megatron_optimizer, pipeline, routing, vision
 from engines.backends.megatron.architectures import architecture
-from engines.backends.megatron.mapping import HFState, _param_to_hf, fuse_experts, padded_vocab_size, unfuse_experts
+from engines.backends.megatron.mapping import HFState, _param_to_hf, fuse_experts, global_name, padded_vocab_size, unfuse_experts
 from engines.backends.megatron.model import RecomputeGranularity, _init_distributed, build_gpt, transformer_config
 from engines.backends.megatron.offload import Offload, Sleeps, trainer_tensors
 from engines.rl import registry
@@ -288,6 +289,14 @@ class MegatronTrainer(Sleeps):
         expert-parallel rank: ``pipeline.whole_parameters``): every rank of the group must consume
         the whole iterator."""
         yield from fuse_experts(self._checkpoint_tensors(), self.text_config)
+
+    def local_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The parameters this rank holds (see ``base.Trainer``): its TP shard of its stage's layers
+        (a mixture's: its experts), under the whole model's layer numbers, where they are (the host
+        copy while asleep). A last stage's tied output layer is its own copy, so it is among them."""
+        offset = get_transformer_layer_offset(self.config) if parallel_state.get_pipeline_model_parallel_world_size() > 1 else 0
+        for name, p in self.model.module.named_parameters():
+            yield global_name(name, offset), self._offload.host_view(p.detach())
 
     def _checkpoint_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """As :meth:`export_weights`, under the names checkpoints use (a mixture's experts one by one)."""

@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from engines.backends.base import fingerprint
+from engines.backends.digest import bucket_fingerprint, sync_check
 
 BOS, EOS, FIRST_ID, ID_RANGE = 1, 2, 4, 60  # the char tokenizer's layout (engines/demo/tiny.py)
 
@@ -126,7 +126,8 @@ class TimingStubGenerator:
 
     def update_weights(self, buckets: Iterable) -> list[str]:
         """No model to load into: each bucket's fingerprint as received (the sync's shape, not its check)."""
-        digests = [fingerprint(bucket) for bucket in buckets]
+        mode = sync_check()
+        digests = [bucket_fingerprint(bucket, mode) for bucket in buckets]
         self.version += 1
         return digests
 
@@ -184,6 +185,9 @@ class TimingStubTrainer:
         import torch
 
         yield "stub.weights", torch.tensor(self.weights, dtype=torch.float32)
+
+    def local_parameters(self) -> Iterator[tuple[str, object]]:
+        return self.export_weights()  # 4 floats, whole on every rank
 
     def save_checkpoint(self, local_dir: str, state: dict | None = None) -> list[str]:
         """Rank 0 writes ``stub_state.json`` (replicas are equal); the files this rank wrote."""

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from engines.backends import value_head
-from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
+from engines.backends.base import FrozenCheckpoint, TrainBatch, load_torch_file, report_progress
 from engines.backends.batching import pad_batch
 from engines.backends.torch import fsdp
 from engines.backends.torch.model import forward_precision, resolve_device
@@ -213,7 +213,8 @@ class TorchCritic:
 
         if shards.is_sharded(local_dir):
             return shards.load(self.model, self.optimizer, local_dir)
-        state = torch.load(os.path.join(local_dir, CHECKPOINT_FILE), weights_only=True, map_location="cpu")
+        path = os.path.join(local_dir, CHECKPOINT_FILE)
+        state = load_torch_file(path, path, map_location="cpu")
         optimizer = state["optimizer"]
         named = any(isinstance(p, str) for g in optimizer["param_groups"] for p in g["params"])
         if self.mesh is not None:

@@ -13,7 +13,8 @@ from typing import Iterable
 import torch
 
 from engines.backends import chat, multimodal
-from engines.backends.base import Generation, WeightSyncError, fingerprint, refuse_unwritten
+from engines.backends.base import Generation, WeightSyncError, refuse_unwritten
+from engines.backends.digest import BucketDigest, sync_check
 from engines.backends.torch import routing
 from engines.backends.torch.model import decode_attention, forward_precision, load_model, resolve_device, without
 
@@ -101,20 +102,24 @@ class TorchGenerator:
 
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> list[str]:
         """Copy Hugging Face-named tensors into the model, a bucket at a time; answers each bucket's
-        fingerprint as read back from the model (``base.load_weights``)."""
+        fingerprint as read back from the model (``base.load_weights``): each parameter reduced on its
+        device right after its copy, in the sender's dtype (``digest.BucketDigest``)."""
         params = dict(self.model.named_parameters())
         written: set[str] = set()
         digests = []
+        mode = sync_check()
         with torch.no_grad():
             for bucket in buckets:
+                digest = BucketDigest(mode)
                 for name, tensor in bucket:
                     if name not in params:
                         raise WeightSyncError(f"weight sync: the rollout engine has no parameter {name!r}")
                     params[name].copy_(tensor)
+                    digest.add(name, params[name].to(tensor.dtype))
                     written.add(name)
-                digests.append(fingerprint((name, params[name].to(tensor.dtype)) for name, tensor in bucket))
+                digests.append(digest)
         refuse_unwritten(params.keys() - written)
-        return digests
+        return [d.hexdigest() for d in digests]  # read back to the host once, at the end
 
     # The reference engine stays resident: on a GPU beside the others, on a CPU nothing moves.
     def sleep(self) -> None:

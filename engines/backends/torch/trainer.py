@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from engines.backends import multimodal
-from engines.backends.base import FrozenCheckpoint, TrainBatch, report_progress
+from engines.backends.base import FrozenCheckpoint, TrainBatch, load_torch_file, report_progress
 from engines.backends.batching import pad_batch, pad_weights, padded_routes, response_values
 from engines.backends.torch import fsdp, lora as lora_adapter, routing
 from engines.backends.torch.model import forward_precision, is_vision_tower, load_model, resolve_device, sequence_logprobs
@@ -244,6 +244,13 @@ class TorchTrainer:
         for name, p in self.model.named_parameters():
             yield name, fsdp.full(p.detach())  # sharded: gathered one parameter at a time (collective)
 
+    def local_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The parameters this rank holds (see ``base.Trainer``): sharded, each one's local shard
+        (``DTensor.to_local``), else whole; with LoRA the peft model's, base and adapter."""
+        for name, p in self.model.named_parameters():
+            p = p.detach()
+            yield name, p.to_local() if hasattr(p, "to_local") else p  # a DTensor: this rank's shard
+
     def sleep(self) -> None:  # resident, as TorchGenerator
         pass
 
@@ -325,7 +332,7 @@ class TorchTrainer:
             return self._load_shards(local_dir)
         # read into host memory (a checkpoint may come from another device); load_state_dict
         # copies into the parameters, and the optimizer moves its state to theirs
-        state = torch.load(os.path.join(local_dir, "trainer.pt"), weights_only=True, map_location="cpu")
+        state = load_torch_file(os.path.join(local_dir, "trainer.pt"), os.path.join(local_dir, "trainer.pt"), map_location="cpu")
         self._check_lora(state, local_dir)
         if self.lora is not None:
             lora_adapter.check_adapter_state(self.model, state["model"], local_dir)

@@ -107,6 +107,32 @@ def bind_threads(spec: str | None) -> None:
     _REAL_SET_NUM_THREADS(len(cores))
 
 
+def fitting_length(model_dir: str, dtype: str, cache_bytes: int) -> int | None:
+    """The longest sequence whose keys and values fit three quarters of ``cache_bytes`` (a multiple of vLLM's
+    16-token blocks) when the model's own context (``max_position_embeddings``) does not; None when it fits,
+    when ``VLLM_CPU_KVCACHE_SPACE`` sizes the cache, or when the folder's config does not say."""
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return None
+    try:
+        from transformers import AutoConfig
+
+        text = AutoConfig.from_pretrained(model_dir).get_text_config()
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        per_token = 2 * text.num_hidden_layers * (getattr(text, "num_key_value_heads", None) or heads) * head_dim
+        per_token *= torch.finfo(getattr(torch, dtype)).bits // 8
+        longest = text.max_position_embeddings
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+    fits = cache_bytes * 3 // 4 // per_token // 16 * 16  # vLLM keeps some of the cache for itself (0.24 of 0.25 GiB)
+    if longest * per_token <= cache_bytes:
+        return None
+    log.info("vLLM on the CPU: %s's context of %d tokens needs %.2f GiB of KV cache, over the %.2f GiB it has; serving "
+             "%d tokens (set VLLM_CPU_KVCACHE_SPACE in GiB for more)", model_dir, longest, longest * per_token / 2**30,
+             cache_bytes / 2**30, fits)
+    return fits
+
+
 @contextlib.contextmanager
 def _environ(values: dict[str, str]):
     old = {k: os.environ.get(k) for k in values}
@@ -164,6 +190,9 @@ class VLLMGenerator:
         kwargs: dict = {"kv_cache_memory_bytes": kv_cache_memory_bytes, "tensor_parallel_size": tensor_parallel}
         if _ON_CPU:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes or 256 * 2**20
+            # a real model's full context may not fit that cache (SmolLM2-135M: 8,192 tokens need 0.35 GiB), which vLLM
+            # refuses at start: serve the longest sequence that fits instead (VLLM_CPU_KVCACHE_SPACE sets a larger cache)
+            max_model_len = max_model_len or fitting_length(model_dir, dtype, kv_cache_memory_bytes or 256 * 2**20)
             # whole prefills only: a prompt split over two engine steps has its first step's sample discarded,
             # and vLLM 0.32 then rewinds the request's seeded generator, which a CPU generator cannot do
             # ("CPU Generator does not use offset": more than 4096 prompt tokens in a wave, e.g. episodes)
@@ -198,6 +227,10 @@ class VLLMGenerator:
                 **kwargs,
             )
         torch.set_num_threads = _REAL_SET_NUM_THREADS  # undo the CPU worker's patch (docstring)
+        # every weight sync of a real model logged "RotaryEmbedding: Failed to load weights" and "ParallelLMHead: ..."
+        # (no checkpoint tensor for the rotary cache; the tied lm_head, repacked by worker_extension.py): vLLM's
+        # fallback working as meant, two console lines a step. The sync's own check refuses a parameter nothing reached.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
     def requests(
         self,

@@ -14,7 +14,8 @@ class WorkerExtension:
         passed by reference (``buckets``, an engine in the caller's process) or streamed as
         safetensors files through ``folder`` (``_streamed``). They go through vLLM's layerwise
         reload in one pass (vLLM's ``reload_weights``, which only logs a parameter that got no
-        tensor: here that is an error). Answers each bucket's fingerprint as received."""
+        tensor: here that is an error). Answers each bucket's fingerprint as received: each tensor reduced
+        where it is (``digest.BucketDigest``) just before the loader reads it."""
         import torch
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import (
@@ -22,15 +23,19 @@ class WorkerExtension:
             initialize_layerwise_reload,
         )
 
-        from engines.backends.base import WeightSyncError, fingerprint, refuse_unwritten
+        from engines.backends.base import WeightSyncError, refuse_unwritten
+        from engines.backends.digest import BucketDigest, sync_check
 
-        digests: list[str] = []
+        digests: list[BucketDigest] = []
+        mode = sync_check()
 
         def tensors():
             source = buckets if folder is None else _streamed(folder, self.rank)
             for bucket in source:
-                digests.append(fingerprint(bucket))
-                yield from bucket
+                digests.append(digest := BucketDigest(mode))
+                for name, tensor in bucket:
+                    digest.add(name, tensor)
+                    yield name, tensor
 
         runner = self.model_runner
         model = runner.get_model()
@@ -47,7 +52,7 @@ class WorkerExtension:
         runner.reset_mm_cache()
         self.repack_tied_output_layer()
         self.repack_experts()
-        return digests
+        return [d.hexdigest() for d in digests]
 
     def repack_tied_output_layer(self) -> bool:
         """After a reload, repack the output layer of a model whose output layer is tied to its
