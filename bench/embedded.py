@@ -33,10 +33,7 @@ from pathlib import Path
 from bench import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["prepare.train_prompts=600", "prepare.heldout_prompts=40", "sft.hidden_size=32", "sft.layers=1",
-        "sft.max_steps=150", "prepare.sft_target=0", "prepare.judge_target=0", "sft.check_every=150",
-        "data.heldout_limit=40", "sampling.prompts_per_wave=4", "sampling.target_groups=2", "rollout.samples_per_prompt=4",
-        "data.max_prompt_tokens=48", "rollout.max_new_tokens=8"]
+from tests.helpers import TINY  # the demo at test size
 STEP = re.compile(r"step (\d+)/\d+ .*\(([\d.]+)s, ([\d.]+)s in engines\)")
 
 

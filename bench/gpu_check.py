@@ -49,10 +49,6 @@ if str(ROOT) not in sys.path:
 # seconds each part may take (the whole check also has --budget); the GPU's lease is ~13 minutes after its start
 LIMITS = {"env": 60, "tests": 150, "demo": 240, "sync": 60, "speed": 180}
 LIFT_BAR = 20.0  # held-out points the demo must gain (tests/test_demo.py's bar)
-# the CPU rehearsal's sizes: the demo as the tests run it (tests/conftest.py's TINY), two RL steps
-CPU_DEMO = ["prepare.train_prompts=600", "prepare.heldout_prompts=40", "sft.hidden_size=32", "sft.layers=1", "sft.max_steps=150",
-            "prepare.sft_target=0", "prepare.judge_target=0", "sft.check_every=150", "data.heldout_limit=40",
-            "sampling.prompts_per_wave=4", "sampling.target_groups=2", "rollout.samples_per_prompt=4", "steps=2"]
 CPU_SPEED = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--seq", "64", "--batch", "2", "--vocab", "512",
              "--steps", "1", "--warmup", "1", "--allow-cpu"]
 
@@ -137,7 +133,12 @@ def part_tests(args) -> dict:
 
 def part_demo(args) -> dict:
     root = Path(args.prepared) if args.prepared and args.device == "cpu" else Path(tempfile.mkdtemp(prefix="gpu-check-demo-"))
-    common = [f"storage.root={root}", "dp=1"] + (CPU_DEMO if args.device == "cpu" else [])
+    if args.device == "cpu":  # the rehearsal: the demo as the tests run it, two RL steps
+        from tests.helpers import TINY
+
+        common = [f"storage.root={root}", "dp=1", *TINY, "steps=2"]
+    else:
+        common = [f"storage.root={root}", "dp=1"]
     # the shim's Megatron on the CPU is fp32; on the GPU the production setting, bf16
     megatron = ["name=gpu-check", "train.backend=megatron"] + (["model.dtype=bfloat16"] if args.device == "cuda" else [])
     out = _demo(common + megatron)

@@ -53,13 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from tests.postgres import PostgresCluster, PrefectServer, run_flow_subprocess  # noqa: E402
 
-# tests/conftest.py TINY: small enough to prepare in about a minute, every stage does real work
-TINY = [
-    "prepare.train_prompts=600", "prepare.heldout_prompts=40", "sft.hidden_size=32", "sft.layers=1",
-    "sft.max_steps=150", "prepare.sft_target=0", "prepare.judge_target=0", "sft.check_every=150", "data.heldout_limit=40",
-    "sampling.prompts_per_wave=4", "sampling.target_groups=2", "rollout.samples_per_prompt=4",
-    "data.max_prompt_tokens=48", "rollout.max_new_tokens=8",
-]
+from tests.helpers import TINY  # the demo at test size
 BACKENDS = ("sqlite", "postgresql")
 RETRY_MARKER = "Encountered retryable exception in request"  # one per 503 (SQLite lock) the server answers
 

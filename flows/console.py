@@ -164,7 +164,7 @@ class RunConsole(logging.Handler):
         if self.serve is None:
             return f"{name} in the Prefect UI: {link}"
         if self.live_base is not None:
-            return (f"{name} in the Prefect UI while this command runs: {ui_link(self.live_base, run_id)} (afterwards: "
+            return (f"{name} in the Prefect UI: {ui_link(self.live_base, run_id)} (live while this command runs; afterwards "
                     f"{link}, served by: {self.serve})")
         return f"{name} in the Prefect UI: {link} (once this command has ended, serve it with: {self.serve})"
 

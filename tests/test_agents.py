@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import final_parameters, no_engine_hosts_left, random_batch, save_tiny_model, trained  # (puts the checkout on sys.path)
+from tests.helpers import final_parameters, no_engine_hosts_left, random_batch, save_tiny_model, trained  # (puts the checkout on sys.path)
 
 from engines.agents import environment, sandbox, tools
 from engines.agents.episodes import Episodes
@@ -29,7 +29,6 @@ from engines.backends.torch.generator import TorchGenerator
 from engines.backends.torch.trainer import TorchTrainer
 from engines.config import load_config
 from engines.config.sections import RolloutConfig
-from engines.demo.tool_agent import save_tool_agent
 from engines.host import validation
 from engines.rl.base import LossStep
 from engines.rl.grpo import GRPOConfig
@@ -55,8 +54,8 @@ class Retry:
 
 
 @pytest.fixture(scope="module")
-def agent(tmp_path_factory) -> str:
-    return save_tool_agent(tmp_path_factory.mktemp("agent"))
+def agent(tool_agent) -> str:
+    return tool_agent
 
 
 def _play(model: str, rows, n=2, **rollout):

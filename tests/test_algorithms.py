@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
 
 import torch
 
@@ -16,7 +15,7 @@ from engines.rl import algorithms
 from engines.rl.grpo import GRPOConfig
 from engines.backends.base import TrainBatch
 from engines.backends.torch.trainer import TorchTrainer
-from helpers import STEP_RTOL, max_param_diff, params_of, parity, random_batch, save_tiny_model, step_gap, with_old_logprobs
+from tests.helpers import STEP_RTOL, max_param_diff, params_of, parity, random_batch, step_gap, with_old_logprobs
 
 
 # ---------------------------------------------------------------- group advantages
@@ -210,11 +209,6 @@ def test_token_weights_total_below_one_is_clamped():
 # ---------------------------------------------------------------- TorchTrainer against a hand computation
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("algo") / "model", hidden_size=32, num_layers=1)
-
-
 def hand_logprobs(model, prompt, response, temperature):
     """log p(response tokens) from one unpadded forward pass of this sequence alone."""
     ids = torch.tensor([prompt + response])
@@ -225,8 +219,8 @@ def hand_logprobs(model, prompt, response, temperature):
     return per_position[len(prompt) - 1 :]
 
 
-def test_trainer_logprobs_match_unpadded_forward(model_dir):
-    trainer = TorchTrainer(model_dir, temperature=0.7)
+def test_trainer_logprobs_match_unpadded_forward(tiny_model):
+    trainer = TorchTrainer(tiny_model, temperature=0.7)
     batch = random_batch(4, seed=5)
     got = trainer.logprobs(batch)
     with torch.no_grad():
@@ -236,10 +230,10 @@ def test_trainer_logprobs_match_unpadded_forward(model_dir):
 
 
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
-def test_trainer_loss_at_ratio_one(model_dir, aggregation):
+def test_trainer_loss_at_ratio_one(tiny_model, aggregation):
     """With old log-probs = the trainer's own, ratio is 1: the token-level loss is
     -sum(mask * adv) / tokens, the sequence-level one -mean(adv)."""
-    trainer = TorchTrainer(model_dir, lr=1e-2)
+    trainer = TorchTrainer(tiny_model, lr=1e-2)
     batch = random_batch(5, seed=11)
     batch = with_old_logprobs(batch, trainer.logprobs(batch))
     stats = trainer.train_step(batch, GRPOConfig(loss_aggregation=aggregation), minibatches=1)
@@ -283,20 +277,20 @@ def hand_minibatch_loss(model, reference, batch: TrainBatch, lo: int, hi: int, a
     return loss
 
 
-def off_policy_setup(model_dir, seed, **trainer_kwargs):
-    trainer = TorchTrainer(model_dir, lr=1e-2, temperature=TEMPERATURE, reference=True, **trainer_kwargs)
+def off_policy_setup(tiny_model, seed, **trainer_kwargs):
+    trainer = TorchTrainer(tiny_model, lr=1e-2, temperature=TEMPERATURE, reference=True, **trainer_kwargs)
     batch = random_batch(5, seed=seed)
     batch = with_old_logprobs(batch, trainer.logprobs(batch), noise=0.4, seed=seed)
-    hand = TorchTrainer(model_dir).model  # same initial weights, our own copy
-    reference = TorchTrainer(model_dir).model.eval()
+    hand = TorchTrainer(tiny_model).model  # same initial weights, our own copy
+    reference = TorchTrainer(tiny_model).model.eval()
     return trainer, batch, hand, reference
 
 
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
-def test_trainer_gradients_match_hand_written_loss(model_dir, aggregation):
+def test_trainer_gradients_match_hand_written_loss(tiny_model, aggregation):
     """One minibatch, no clipping: the gradient the trainer applied (left in ``.grad``)
     and its norm equal those of the hand-written loss."""
-    trainer, batch, hand, reference = off_policy_setup(model_dir, seed=31, grad_clip=1e9)
+    trainer, batch, hand, reference = off_policy_setup(tiny_model, seed=31, grad_clip=1e9)
     loss = hand_minibatch_loss(hand, reference, batch, 0, len(batch), aggregation)
     loss.backward()
     stats = trainer.train_step(batch, GRPO(aggregation), minibatches=1)
@@ -310,12 +304,12 @@ def test_trainer_gradients_match_hand_written_loss(model_dir, aggregation):
 
 
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
-def test_trainer_step_matches_hand_written_step(model_dir, aggregation):
+def test_trainer_step_matches_hand_written_step(tiny_model, aggregation):
     """Two minibatches with off-policy old log-probs: the parameters after ``train_step``
     equal a hand-written loop (per-sequence forward, clipped loss, k3 KL, minibatch
     normalisation, grad-norm clip, AdamW)."""
     grad_clip = 0.5
-    trainer, batch, hand, reference = off_policy_setup(model_dir, seed=21, grad_clip=grad_clip)
+    trainer, batch, hand, reference = off_policy_setup(tiny_model, seed=21, grad_clip=grad_clip)
     opt = torch.optim.AdamW(hand.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0)
     hand_loss = 0.0
     for lo, hi in [(0, 2), (2, 5)]:  # TrainBatch.split(2) of 5 sequences: round(2.5) = 2
@@ -335,8 +329,8 @@ def test_trainer_step_matches_hand_written_step(model_dir, aggregation):
     assert parity("torch trainer vs a hand-written step", gap) < STEP_RTOL
 
 
-def test_trainer_empty_batch_is_a_no_op(model_dir):
-    trainer = TorchTrainer(model_dir, lr=1e-2)
+def test_trainer_empty_batch_is_a_no_op(tiny_model):
+    trainer = TorchTrainer(tiny_model, lr=1e-2)
     before = params_of(trainer.model)
     stats = trainer.train_step(TrainBatch([], [], [], []), minibatches=2)
     assert stats["loss"] == 0.0 and stats["tokens"] == 0.0

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
 import megatron_cpu
 
 megatron_cpu.install()  # before Megatron is imported: its modules are patched as they load
@@ -47,7 +46,7 @@ from engines.backends.megatron.mapping import MappingError, hf_to_megatron, load
 from engines.backends.megatron.trainer import MegatronTrainer  # noqa: E402
 from engines.backends.torch.trainer import TorchTrainer  # noqa: E402
 from engines.demo.tiny_hub import save_tiny_hub_model  # noqa: E402
-from helpers import STEP_RTOL, free_port, parity, step_gap  # noqa: E402
+from tests.helpers import STEP_RTOL, free_port, parity, step_gap  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
 

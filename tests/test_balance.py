@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
 
 from engines.host import balance
 from engines.host.balance import greedy, imbalance, karmarkar_karp, max_total, partition, plan, plan_totals, split_bounds
@@ -187,7 +186,7 @@ def test_only_the_order_within_a_minibatch_changes():
 
     from engines.backends.base import TrainBatch
     from engines.backends.torch.trainer import TorchTrainer
-    from helpers import STEP_RTOL, params_of, parity, random_batch, save_tiny_model, step_gap, with_old_logprobs
+    from tests.helpers import STEP_RTOL, params_of, parity, random_batch, save_tiny_model, step_gap, with_old_logprobs
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_tiny_model(tmp, hidden_size=32, num_layers=1)
@@ -244,7 +243,7 @@ def host_runs(tmp_path_factory):
     from engines.wire.launch import LocalHosts
     from engines.backends.torch.trainer import TorchTrainer
     from engines.config import RunConfig
-    from helpers import EOS, FIRST_CHAR_ID, random_batch, save_tiny_model, with_old_logprobs
+    from tests.helpers import EOS, FIRST_CHAR_ID, random_batch, save_tiny_model, with_old_logprobs
     from storage import datasets
 
     root = tmp_path_factory.mktemp("balance-store")
@@ -294,7 +293,7 @@ def host_runs(tmp_path_factory):
 @pytest.mark.integration
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
 def test_balanced_step_in_hosts(host_runs, aggregation):
-    from helpers import STEP_RTOL, parity, step_gap
+    from tests.helpers import STEP_RTOL, parity, step_gap
 
     on = host_runs["results"][(aggregation, True)]
     off = host_runs["results"][(aggregation, False)]

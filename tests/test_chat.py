@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
-from helpers import ROOT  # noqa: F401  (puts the checkout on sys.path)
+from tests.helpers import ROOT  # noqa: F401  (puts the checkout on sys.path)
 
 from engines.backends import chat, multimodal
 from engines.backends.torch.generator import TorchGenerator

@@ -10,23 +10,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import random_batch, save_tiny_model, with_old_logprobs
+from tests.helpers import random_batch, save_tiny_model, with_old_logprobs
 
 from engines.host.checkpointing import Checkpoints
 from engines.wire.commands import Checkpoint, CheckpointWait
@@ -256,70 +253,6 @@ def _checkpoint_dir(root: str, name: str, step: int) -> Path:
     return Path(root) / "runs" / name / "checkpoints" / f"{step:06d}"
 
 
-def test_kill_during_checkpoint_write_resumes_previous_checkpoint(prepared):
-    """A real run (dp=2, a checkpoint every step, asynchronous) whose writers pause after their
-    first file (test hook). Once step 0 is committed and step 1's checkpoint is half written,
-    the engine hosts' process groups and the run itself are SIGKILLed. The half-written folder
-    has no manifest, state.json names step 0, and the same run started again resumes from
-    step 0, trains step 1 again and commits it."""
-    import psutil
-
-    from tests.conftest import TINY
-
-    name, extra = "killed", ["steps=2", "dp=2", "checkpoint.every=1", "data.heldout=null"]
-    code = "import asyncio, sys\nfrom flows.training import train\nasyncio.run(train(overrides=sys.argv[1:]))\n"
-    env = dict(os.environ, YATTFLOW_TEST_CHECKPOINT_DELAY_S="15", PYTHONPATH=str(ROOT))
-    args = [*TINY, f"storage.root={prepared}", f"name={name}", *extra]
-    run = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env, start_new_session=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    run_dir = Path(prepared) / "runs" / name
-    half = _checkpoint_dir(prepared, name, 1)
-    deadline = time.time() + 300
-    try:
-        while True:  # step 0 committed, step 1's writers paused after their first file
-            assert run.poll() is None, f"the run ended before it was killed:\n{run.stderr.read()[-3000:]}"
-            assert time.time() < deadline, "step 1's checkpoint write was never seen in progress"
-            state = json.loads((run_dir / "state.json").read_text()) if (run_dir / "state.json").exists() else {}
-            if state.get("step") == 0 and half.is_dir() and {"rng-0.pt", "rng-1.pt"} <= {p.name for p in half.iterdir()}:
-                break
-            time.sleep(0.1)
-        hosts = [p for p in psutil.Process(run.pid).children() if "engines.host" in " ".join(p.cmdline())]
-        assert len(hosts) == 2
-        for h in hosts:  # each host leads its own process group (its engines' processes included)
-            os.killpg(h.pid, signal.SIGKILL)
-        os.killpg(run.pid, signal.SIGKILL)
-    finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
-        run.wait()
-    psutil.wait_procs(hosts, timeout=10)
-    assert not any(h.is_running() and h.status() != psutil.STATUS_ZOMBIE for h in hosts)
-
-    # The interrupted checkpoint is not one; the previous one is what a resume reads.
-    assert not (half / "MANIFEST.json").exists()
-    assert not (half / "trainer-torch" / "trainer.pt").exists()  # the writers were paused before it
-    state = json.loads((run_dir / "state.json").read_text())
-    assert state["step"] == 0 and state["checkpoint"].endswith("/checkpoints/000000")
-    manifest = json.loads((_checkpoint_dir(prepared, name, 0) / "MANIFEST.json").read_text())
-    assert {"trainer-torch/trainer.pt", "rng-0.pt", "rng-1.pt", "model/config.json", "prompts.json"} <= set(manifest["files"])
-    assert [runstate.checkpoint_step(u) for u in runstate.committed_checkpoints(objectstore.normalize(str(run_dir)))] == [0]
-
-    # The same run again: resumes from step 0, redoes step 1, commits it (no test hook now).
-    from flows.training import train
-
-    summary = asyncio.run(train(overrides=[*TINY, f"storage.root={prepared}", f"name={name}", *extra]))
-    assert [m["step"] for m in summary["history"]] == [1]
-    m = summary["history"][0]
-    assert m["policy_version"] == 2  # step 0's weights (version 1) + one step
-    assert [c > c0 for c, c0 in zip(m["cursors"], state["cursors"])] == [True, True]
-    state = json.loads((run_dir / "state.json").read_text())
-    assert state["step"] == 1 and state["checkpoint"].endswith("/checkpoints/000001")
-    manifest = json.loads((half / "MANIFEST.json").read_text())
-    assert manifest["step"] == 1 and manifest["cursors"] == m["cursors"]
-    on_disk = sorted(str(p.relative_to(half)) for p in half.rglob("*") if p.is_file() and p.name != "MANIFEST.json")
-    assert on_disk == sorted(manifest["files"])  # the killed run's leftovers were removed first
-
-
 # ---------------------------------------------------------------- Megatron-Core (CPU shim, own process)
 
 MEGATRON_HOST = """
@@ -327,7 +260,7 @@ import json, sys
 import torch
 torch.set_num_threads(1)
 from safetensors.torch import load_file
-from helpers import random_batch, with_old_logprobs
+from tests.helpers import random_batch, with_old_logprobs
 from engines.host.checkpointing import Checkpoints
 from engines.wire.commands import Checkpoint, CheckpointWait
 from engines.config import RunConfig

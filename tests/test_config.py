@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
+from tests import helpers
+
 
 from engines.config import ConfigError, RunConfig, load_config
 
@@ -252,6 +253,7 @@ def test_every_field_is_described_and_listed_by_each_commands_help():
     and description: a field without a description is a defect."""
     import subprocess
     import sys
+    from typing import get_origin
 
     from pydantic import BaseModel
 
@@ -266,10 +268,11 @@ def test_every_field_is_described_and_listed_by_each_commands_help():
                 yield f"{prefix}{name}.name", field
                 for variant in variants:
                     yield from ((k, f) for k, f in leaves(variant, f"{prefix}{name}.") if k != f"{prefix}{name}.name")
-            else:  # a value, or a section that is off by default (train.lora): the field, then its own fields
-                yield f"{prefix}{name}", field
+            else:  # a value, a section that is off by default (train.lora), or one per name (eval.sets: a dict, its
+                yield f"{prefix}{name}", field  # fields listed as eval.sets.<name>.data): the field, then its own fields
+                each = "<name>." if get_origin(field.annotation) is dict else ""
                 for variant in variants:
-                    yield from leaves(variant, f"{prefix}{name}.")
+                    yield from leaves(variant, f"{prefix}{name}.{each}")
 
     undescribed = [key for key, field in leaves(RunConfig) if not (field.description or "").strip()]
     assert not undescribed, f"fields without a description: {undescribed}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import codecs
 import fcntl
+import json
 import os
 import pty
 import re
@@ -21,27 +22,31 @@ import sys
 import termios
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY
-from tests.helpers import free_port
-from tests.test_ui import Browser, needs_browser
+from tests.helpers import TINY, free_port
+from tests.browser import Browser, needs_browser
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
 LINK = re.compile(r"train-console in the Prefect UI: (http://127\.0\.0\.1:4200/runs/flow-run/([0-9a-f-]{36})) "
                   r"\(once this command has ended, serve it with: PREFECT_HOME=(\S+) yattflow server\)")
+# the line at the start: the page on the command's temporary server (its own port, not 4200), and the one for after
+LIVE = re.compile(r"train-console in the Prefect UI: (http://127\.0\.0\.1:(\d+))/runs/flow-run/([0-9a-f-]{36}) \(live while "
+                  r"this command runs; afterwards http://127\.0\.0\.1:4200/runs/flow-run/([0-9a-f-]{36}), served by: "
+                  r"PREFECT_HOME=\S+ yattflow server\)")
 
 
 def _embedded_env(home: Path) -> dict:
     return {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(home), "TERM": "xterm-256color"}
 
 
-def in_terminal(args: list[str], env: dict, timeout_s: float = 300) -> tuple[int, list[tuple[float, bytes]], float]:
+def in_terminal(args: list[str], env: dict, timeout_s: float = 300, watch=None) -> tuple[int, list[tuple[float, bytes]], float]:
     """``python -m flows.cli *args`` in a 160x40 pty: its exit code, what it wrote and when each piece
-    came, and when it ended."""
+    came, and when it ended. ``watch(chunks, proc)``, if given, runs in a thread while the command does."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, stdin=slave, stdout=slave,
@@ -61,6 +66,8 @@ def in_terminal(args: list[str], env: dict, timeout_s: float = 300) -> tuple[int
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    if watch is not None:
+        threading.Thread(target=watch, args=(chunks, proc), daemon=True).start()
     try:
         code = proc.wait(timeout=timeout_s)
     finally:
@@ -76,13 +83,28 @@ def in_terminal(args: list[str], env: dict, timeout_s: float = 300) -> tuple[int
 def terminal_run(prepared, tmp_path_factory) -> dict:
     """``yattflow train`` in a 160x40 pty: what it wrote, and when each piece came."""
     home = tmp_path_factory.mktemp("console-home")
+    live: dict = {}
+
+    def open_live_link(chunks, proc) -> None:
+        """While the command runs: its printed live page's flow run, asked of that server's API."""
+        while proc.poll() is None and "flow_run" not in live:
+            found = LIVE.search(_plain(b"".join(c for _, c in list(chunks)).decode(errors="replace")))
+            if found:
+                base, _, run_id, _ = found.groups()
+                try:
+                    with urllib.request.urlopen(f"{base}/api/flow_runs/{run_id}", timeout=10) as answer:
+                        live.update(flow_run=json.loads(answer.read()), running=proc.poll() is None)
+                except OSError as e:
+                    live["error"] = repr(e)
+            time.sleep(0.5)
+
     began = time.monotonic()
     code, chunks, ended = in_terminal(["train", *TINY, f"storage.root={prepared}", "name=console", f"steps={STEPS}", "dp=1",
-                                       f"eval.every={STEPS}"], _embedded_env(home))
+                                       f"eval.every={STEPS}"], _embedded_env(home), watch=open_live_link)
     text = b"".join(c for _, c in chunks).decode(errors="replace")
     assert code == 0, text[-3000:]
     print(f"\n[console] yattflow train ({STEPS} steps, embedded default) in a pty: {ended - began:.0f}s")
-    return {"chunks": chunks, "text": text, "ended": ended, "home": home, "root": prepared}
+    return {"chunks": chunks, "text": text, "ended": ended, "home": home, "root": prepared, "live": live}
 
 
 ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -125,7 +147,14 @@ def test_a_terminal_shows_a_live_progress_display_not_the_log(terminal_run):
                      r"kept \d+, dropped \d+, [\d.]+s", plain), plain[-3000:]
     assert re.search(rf"held-out mean \S+ reward after step {STEPS} .*: [\d.]+%", plain), plain[-3000:]
     assert "Finished in state" not in plain and "View at" not in plain and "anonymous usage" not in plain, plain[-3000:]
-    assert len(LINK.findall(plain)) == 2, plain[-3000:]  # at the start and at the end
+    # at the start, the page on the live temporary server (answering while the command ran), with the one for after;
+    # at the end, only the one for after (the temporary server has stopped)
+    lines = [m.start() for m in re.finditer("train-console in the Prefect UI: ", plain)]
+    (start,), (end,) = list(LIVE.finditer(plain)), list(LINK.finditer(plain))
+    assert lines == [start.start(), end.start()], plain[-3000:]
+    assert start.group(2) != "4200" and start.group(3) == start.group(4) == end.group(2), (start.group(0), end.group(0))
+    live = terminal_run["live"]
+    assert live.get("running") and live["flow_run"]["id"] == start.group(3) and live["flow_run"]["name"] == "train-console", live
     log = Path(terminal_run["root"]) / "logs" / "console-train.log"
     assert f"log: {log}" in plain
     assert "Finished in state Completed()" in log.read_text() and "rollout dp=0 wave=0" in log.read_text()
@@ -209,19 +238,6 @@ def _screen(text: str) -> list[str]:
     return lines
 
 
-def _int_answers(prepared: str, to: Path) -> str:
-    """The demo's prompts with ``answer`` as integers (its zero-padded '031' would become 31)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    to.mkdir()
-    for part in sorted((Path(prepared) / "data" / "train").glob("*.parquet")):
-        table = pq.read_table(part)
-        answers = pa.array([int(a) for a in table.column("answer").to_pylist()])
-        pq.write_table(table.set_column(table.schema.get_field_index("answer"), "answer", answers), to / part.name)
-    return str(to)
-
-
 def _pickled_model(prepared: str, to: Path, ran: Path) -> str:
     """The policy's folder with its weights as a pickle that runs code when loaded (it would create ``ran``)."""
     import pickle
@@ -241,8 +257,7 @@ CASES = {  # name: (extra overrides, exit code, the last line)
     "bad-state": ([], 1, r"yattflow train: file://\S+/runs/console-bad-state/state\.json: not valid JSON \('utf-8' codec can't "
                          r"decode .*\), and none of the run's checkpoint folders is intact .*use another run name to start over"),
     # refused by the command's pre-flight, before the server and the hosts start (flows/preflight.py): exit code 2
-    "int-answers": (["data.prompts={int_answers}"], 2, r"yattflow: file://{int_answers}/part-\S+\.parquet \(row group 0\): "
-                    r"field 'answer' has type int64, expected string: write it as text"),
+    # (one case of that class here; each class's check by a direct call: tests/test_preflight.py, tests/test_chat.py)
     "pickled-model": (["model.policy={pickled}"], 2, r"yattflow: model\.policy: file://{pickled}/pytorch_model\.bin: "
                       r"pickled weights are never loaded \(unpickling can run code\); save the model as safetensors"),
     # a rule that passes the pre-flight (its reference answer as the response) and hangs on the model's answers: its
@@ -257,16 +272,15 @@ CASES = {  # name: (extra overrides, exit code, the last line)
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_an_expected_error_is_a_line_on_the_console_and_its_traceback_in_the_log(prepared, tmp_path, monkeypatch, case):
-    """What issue 43 found printing tracebacks (a garbage state.json: ~35 lines; an answer column of
-    integers: 13 tracebacks; a pickled model: torch's text naming no file; a lost host healed: ~200
-    lines and 9 tracebacks), run in a real terminal on the session's server: no traceback, at most a
+    """What issue 43 found printing tracebacks (a garbage state.json: ~35 lines; a pickled model:
+    torch's text naming no file; a lost host healed: ~200 lines and 9 tracebacks; an answer column of
+    integers, 13 tracebacks, is now refused by the same pre-flight as the pickle), run in a real terminal on the session's server: no traceback, at most a
     few lines besides the run's own (its log file, its page, its progress), the last line naming
     the file and field and what to do, the traceback in the log file that the line names."""
     extra, code, last = CASES[case]
     name = f"console-{case}"
     ran = tmp_path / "pickle-ran"
-    paths = {"int_answers": _int_answers(prepared, tmp_path / "int-answers") if case == "int-answers" else "",
-             "pickled": _pickled_model(prepared, tmp_path / "pickled", ran) if case == "pickled-model" else "",
+    paths = {"pickled": _pickled_model(prepared, tmp_path / "pickled", ran) if case == "pickled-model" else "",
              "slow_rule": tmp_path / "slow_rule.py"}
     paths["slow_rule"].write_text("import time\n\ndef slow_on_wrong(prompt, response, answer):\n"
                                   "    if response.strip() != answer:\n        time.sleep(3600)\n    return 1.0\n")

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
 
 from engines.host.checkpointing import CheckpointDamaged, Checkpoints
 from engines.host.rewards import RewardRuleError, load_rule

@@ -64,18 +64,17 @@ def test_agent_demo_learns(prefect_server, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_demo_learns_with_ppo(prefect_server, demo_root, capsys):
+def test_a_ppo_run_trains_and_keeps_its_critic(prefect_server, demo_root):
     """Another algorithm picked by name on the same prepared root (RL only: the SFT'd models are
     reused), the one with an engine of its own: PPO's value model (initialised from the policy's
-    folder with a fresh value head) trained beside the policy, GAE advantages per token. The
-    other algorithms' lifts on 5 seeds: docs/algorithms.md (python -m bench.seeds --algorithms ...)."""
-    before, after = run_demo(demo_root, "name=demo-ppo", "train.algorithm.name=ppo")
-    with capsys.disabled():
-        print(f"\n[demo] PPO: held-out exact-match accuracy {before}% (SFT) -> {after}% (RL)")
-    assert after - before >= 20.0
-    checkpoints = sorted((demo_root / "runs" / "demo-ppo" / "checkpoints").glob("*/critic-torch/critic.pt"))
-    assert checkpoints  # the critic and its optimizer are in every checkpoint
-    assert (demo_root / "runs" / "demo-ppo" / "final" / "critic" / "model.safetensors").exists()  # exported beside the policy
+    folder with a fresh value head) trains beside the policy, is in every checkpoint and is exported
+    beside the policy. Four steps: PPO's learning, like every other algorithm's, is measured on 5 seeds
+    by ``python -m bench.seeds --algorithms ppo`` (docs/algorithms.md), not here."""
+    run_demo(demo_root, "name=demo-ppo", "train.algorithm.name=ppo", "steps=4", "checkpoint.every=2")
+    run = demo_root / "runs" / "demo-ppo"
+    committed = [m.parent for m in run.glob("checkpoints/*/MANIFEST.json")]
+    assert committed and all((c / "critic-torch" / "critic.pt").exists() for c in committed), committed
+    assert (run / "final" / "critic" / "model.safetensors").exists()  # exported beside the policy
 
 
 @pytest.mark.slow

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -24,7 +23,6 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     DeploymentFilter,
     DeploymentFilterName,
@@ -33,51 +31,20 @@ from prefect.client.schemas.filters import (
 )
 
 from flows.prefect_server import SERVER_SETTINGS
-from tests.conftest import TINY
-from tests.helpers import assert_steps_completed, children, read_run_tree
-
-ROOT = Path(__file__).resolve().parent.parent
-DEPLOYMENTS = ROOT / "deployments"
-POOLS = {"yattflow-process": ("process", DEPLOYMENTS / "process-gpu.json"),
-         "yattflow-eval": ("process", DEPLOYMENTS / "process-gpu.json"),
-         "yattflow-k8s": ("kubernetes", DEPLOYMENTS / "kubernetes-gpu.json")}
+from tests.helpers import TINY, assert_steps_completed, children, free_port, read_run_tree
+from tests.prefect_cli import (CLI_SECONDS, DEPLOYMENTS, POOLS, ROOT, client_call, prefect, remove_deployment, start_worker,
+                               stop_workers, wait_final, yattflow)
 
 
-CLI_SECONDS: list[float] = []  # how long a plain `prefect` command takes on this machine now
 
 
-def prefect(*args: str, timeout: float = 240) -> str:
-    """Run the real ``prefect`` CLI from the checkout; its output, or a failure that shows it."""
-    start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", *args], cwd=ROOT, env=dict(os.environ),
-                          capture_output=True, text=True, timeout=timeout)
-    if args[0] != "deploy":
-        CLI_SECONDS.append(time.time() - start)
-    assert proc.returncode == 0, f"prefect {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
 
 
-def yattflow(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=dict(os.environ),
-                          capture_output=True, text=True, timeout=timeout)
 
 
-def client_call(fn):
-    async def go():
-        async with get_client() as client:
-            return await fn(client)
-
-    return asyncio.run(go())
 
 
-def wait_final(flow_run_id, timeout: float = 360):
-    deadline = time.time() + timeout
-    while True:
-        run = client_call(lambda c: c.read_flow_run(flow_run_id))
-        if run.state and run.state.is_final():
-            return run
-        assert time.time() < deadline, f"flow run {run.name} still {run.state.name if run.state else None} after {timeout}s"
-        time.sleep(1)
+
 
 
 # ---------------------------------------------------------------------------------- fixtures
@@ -104,40 +71,10 @@ def deployed(pools):
     return out
 
 
-def remove_deployment(name: str) -> None:
-    """Delete a deployment and the automations of its triggers (deleting a deployment leaves them)."""
-    deployment = client_call(lambda c: c.read_deployment_by_name(name))
-    client_call(lambda c: c.delete_resource_owned_automations(f"prefect.deployment.{deployment.id}"))
-    client_call(lambda c: c.delete_deployment(deployment.id))
 
 
-def start_worker(log_path: Path, name: str, queues: list[str], env: dict | None = None,
-                 pool: str = "yattflow-process") -> subprocess.Popen:
-    """A real process worker on ``pool`` serving ``queues``, polling every second."""
-    env = dict(os.environ, PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="10", **(env or {}))
-    cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process",
-           "--name", name, *(arg for q in queues for arg in ("--work-queue", q))]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 120
-    while "started!" not in log_path.read_text():
-        assert proc.poll() is None and time.time() < deadline, f"worker {name} did not start:\n{log_path.read_text()}"
-        time.sleep(0.5)
-    return proc
 
 
-def stop_workers(*procs: subprocess.Popen, grace_s: float = 10) -> None:
-    """SIGINT to every worker at once (they exit on SIGINT, not promptly on SIGTERM), then kill
-    the ones still there after ``grace_s``: the tests are done with them."""
-    for proc in procs:
-        proc.send_signal(signal.SIGINT)
-    deadline = time.time() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(deadline - time.time(), 0.1))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -510,16 +447,11 @@ def test_new_prompt_files_extend_each_stream_and_reordering_is_refused(tmp_path)
 # ---------------------------------------------------------------------------------- yattflow server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.integration
 @pytest.mark.slow
 def test_yattflow_server_starts_server_and_workers_and_ctrl_c_stops_them(tmp_path):
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(tmp_path / "home")}
     log_path = tmp_path / "server.out"
@@ -600,34 +532,3 @@ def test_a_killed_cli_takes_its_temporary_server_with_it(prepared, tmp_path):
     assert state in ("", "Z"), f"the temporary server {server} outlived its killed parent (state {state})"
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT], ids=["ctrl-c"])
-def test_stopping_a_run_says_where_it_stands_and_leaves_nothing_running(prepared, stop):
-    """Ctrl-C in the middle of a run: no traceback, a line saying the step it stopped at and the
-    last committed checkpoint (as state.json has it), and no engine host left. (SIGTERM, at four
-    moments of a run: tests/test_recovery.py::test_sigterm_at_any_moment_stops_like_ctrl_c_and_the_run_resumes_exactly.)"""
-    import psutil
-
-    from storage.runstate import RunState
-
-    name = f"stopped-{stop.name.lower()}"
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *TINY, f"storage.root={prepared}", f"name={name}",
-                             "steps=30", "dp=2", "checkpoint.every=2"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    out, deadline = [], time.time() + 300
-    for line in proc.stdout:
-        out.append(line)
-        if "step 3/30" in line or time.time() > deadline:
-            break
-    hosts = [p for p in psutil.Process(proc.pid).children(recursive=True) if "engines.host" in " ".join(p.cmdline())]
-    assert len(hosts) == 2, "".join(out[-30:])
-    proc.send_signal(stop)
-    out += proc.stdout.readlines()
-    assert proc.wait(timeout=120) == 130, "".join(out[-30:])
-    text = "".join(out)
-    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
-    state = RunState.load(f"file://{prepared}/runs/{name}")
-    stopped = re.search(r"stopped at step (\d+) of 30; last checkpoint: step (\d+); run the same command to continue", text)
-    assert stopped, text[-2000:]
-    assert int(stopped.group(1)) >= 4 and int(stopped.group(2)) == state.step + 1 >= 2
-    psutil.wait_procs(hosts, timeout=15)
-    assert not [h for h in hosts if h.is_running() and h.status() != psutil.STATUS_ZOMBIE]

@@ -19,7 +19,6 @@ from datetime import timedelta
 
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
 import megatron_cpu
 
 megatron_cpu.install()  # in the spawned workers too: they import this module
@@ -29,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from engines.backends import distributed  # noqa: E402
-from helpers import free_port, random_batch, save_tiny_model, with_old_logprobs  # noqa: E402
+from tests.helpers import free_port, random_batch, save_tiny_model, with_old_logprobs  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
 

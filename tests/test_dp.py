@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ from engines.rl.gspo import GSPOConfig
 from engines.rl.ppo import PPOConfig
 from engines.rl.reinforce_pp import ReinforcePPConfig
 from engines.rl.rloo import RLOOConfig
-from helpers import (STEP_RTOL, concat, global_order, dp_worker, free_port, max_param_diff, params_of, parity, random_batch, save_tiny_model,
+from tests.helpers import (STEP_RTOL, concat, global_order, dp_worker, free_port, max_param_diff, params_of, parity, random_batch, save_tiny_model,
                      step_gap, with_old_logprobs)
 
 MINIBATCHES = 2

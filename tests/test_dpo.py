@@ -6,14 +6,12 @@ chosen-vs-rejected margin moves."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import pyarrow as pa
 import pyarrow.parquet  # noqa: F401  (pa.parquet)
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
 
 import torch
 
@@ -22,7 +20,7 @@ from engines.backends.torch.trainer import TorchTrainer
 from engines.config import ConfigError, load_config
 from engines.host.experience import training_rows
 from engines.rl.dpo import best_and_worst, dpo_loss
-from helpers import random_batch, save_tiny_model
+from tests.helpers import random_batch, run_train
 
 
 def plain_dpo(c: float, r: float, rc: float, rr: float, beta: float) -> float:
@@ -118,11 +116,6 @@ def test_batching_never_separates_a_pair():
         assert all(together(p.advantages) for p in passes) and len(passes) > 1
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("dpo") / "model", hidden_size=32, num_layers=1)
-
-
 def hand_logprob(model, prompt, response) -> torch.Tensor:
     ids = torch.tensor([prompt + response])
     logp = torch.log_softmax(model(input_ids=ids).logits[0].float()[:-1], -1)
@@ -130,7 +123,7 @@ def hand_logprob(model, prompt, response) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rpo_alpha", [0.0, 0.5])
-def test_trainer_step_is_the_hand_written_dpo_loss_and_moves_the_margin(model_dir, rpo_alpha):
+def test_trainer_step_is_the_hand_written_dpo_loss_and_moves_the_margin(tiny_model, rpo_alpha):
     """Pairs over two minibatches and length-sorted micro-batches of ~2 rows: the trainer's loss and
     gradient are the hand-written mean over pairs of the formula (reference = the starting policy;
     with rpo_alpha, plus alpha times the chosen response's NLL per token), and after a few steps the
@@ -138,9 +131,9 @@ def test_trainer_step_is_the_hand_written_dpo_loss_and_moves_the_margin(model_di
     algorithm = load_config(None, ["train.algorithm.name=online_dpo", "train.algorithm.beta=0.5",
                                    f"train.algorithm.rpo_alpha={rpo_alpha}"]).train.algorithm
     batch = random_batch(8, seed=11)
-    trainer = TorchTrainer(model_dir, lr=5e-3, grad_clip=1e9, reference=True)
-    hand = TorchTrainer(model_dir).model
-    ref = TorchTrainer(model_dir).model
+    trainer = TorchTrainer(tiny_model, lr=5e-3, grad_clip=1e9, reference=True)
+    hand = TorchTrainer(tiny_model).model
+    ref = TorchTrainer(tiny_model).model
     pairs = [(2 * k, 2 * k + 1) for k in range(4)]
     first = pairs[:2]  # minibatch 1 of 2: its gradient is what the trainer's first optimizer step used
     loss = sum(-torch.nn.functional.logsigmoid(0.5 * (
@@ -183,12 +176,6 @@ def test_trainer_step_is_the_hand_written_dpo_loss_and_moves_the_margin(model_di
 # ---------------------------------------------------------------- one tiny run of each, through the real flows
 
 
-def run_train(root: str, *extra: str) -> dict:
-    from flows.training import train
-    from tests.conftest import TINY
-
-    return asyncio.run(train(overrides=TINY + [f"storage.root={root}", *extra]))
-
 
 def margins(summary: dict) -> list[float]:
     return [m["train"]["pair_margin"] for m in summary["history"]]
@@ -213,7 +200,7 @@ def test_offline_dpo_run_learns_the_preferences_prepare_wrote(prepared):
     """``data.preferences`` from prepare (right sum over the carry mistake); the host reads it instead of
     rollouts: no generation, the rows' labels as rewards; the margin moves from 0."""
     from flows.prepare import prepare
-    from tests.conftest import TINY
+    from tests.helpers import TINY
 
     pairs = ["train.algorithm.name=dpo", "data.preferences=data/preferences"]
     prepare(overrides=TINY + [f"storage.root={prepared}", *pairs])

@@ -19,11 +19,10 @@ from pathlib import Path
 import pytest
 
 from engines.config import ConfigError, describe_fields, load_config
-from engines.evaluation import (EvalSet, SetSums, figures_line, majority, merged, pass_at, pass_ks, set_metric, sets_of)
+from engines.evaluation import SetSums, figures_line, majority, merged, pass_at, pass_ks, set_metric, sets_of
 from flows import preflight
 from flows.evaluations import markdown, status_lines
-from tests.conftest import TINY
-from tests.helpers import ROOT
+from tests.helpers import ROOT, TINY
 
 # ------------------------------------------------------------------------------------ the figures, by hand
 

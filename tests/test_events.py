@@ -22,9 +22,8 @@ from engines.config import ConfigError, load_config
 from flows import events
 from flows.cli import AUTOMATIONS_FILE, _ensure_automations
 from flows.metrics import StepMetrics
-from tests.conftest import TINY
-from tests.helpers import children
-from tests.test_deployments import (
+from tests.helpers import TINY, children
+from tests.prefect_cli import (
     DEPLOYMENTS,
     client_call,
     prefect,
@@ -35,7 +34,7 @@ from tests.test_deployments import (
     yattflow,
 )
 
-STUBS = ["rollout.backend=stub", "judge.backend=stub", "train.backend=stub"]
+from tests.helpers import STUBS
 
 
 # ---------------------------------------------------------------------------------- the guard, alone

@@ -14,13 +14,8 @@ import torch
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
-from flows.training import train
-from tests.conftest import TINY
-from tests.helpers import assert_steps_completed, children, read_run_tree, wrote_nothing
+from tests.helpers import TINY, assert_steps_completed, children, read_run_tree, run_train, wrote_nothing
 
-
-def run_train(root: str, *extra: str) -> dict:
-    return asyncio.run(train(overrides=TINY + [f"storage.root={root}", *extra]))
 
 
 class OpenRecorder:

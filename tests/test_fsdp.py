@@ -29,7 +29,7 @@ from engines.config.train import LoraConfig
 from engines.demo import vision
 from engines.rl.grpo import GRPOConfig
 from engines.rl.ppo import PPOConfig
-from helpers import (STEP_RTOL, free_port, global_order, parity, random_batch, save_tiny_model, save_tiny_vlm, step_gap,
+from tests.helpers import (STEP_RTOL, free_port, global_order, parity, random_batch, save_tiny_model, save_tiny_vlm, step_gap,
                      with_old_logprobs)
 from test_replica_check import replica_checks
 

@@ -7,7 +7,6 @@ import os
 
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
 
 
 def _megatron():
@@ -48,7 +47,7 @@ def test_megatron_bf16_train_step_with_everything_on_cuda(tmp_path):
     from engines.backends.megatron.model import SDPAttention
     from engines.backends.torch.trainer import TorchTrainer
     from engines.rl.grpo import GRPOConfig
-    from helpers import random_batch, save_tiny_model, with_old_logprobs
+    from tests.helpers import random_batch, save_tiny_model, with_old_logprobs
 
     model_dir = save_tiny_model(tmp_path / "model", hidden_size=256, num_layers=2)
     trainer = MegatronTrainer(model_dir, lr=1e-3, dtype="bfloat16", reference=True)
@@ -79,7 +78,7 @@ def test_megatron_sleep_export_wake_on_cuda(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from engines.backends.megatron.trainer import MegatronTrainer
-    from helpers import random_batch, save_tiny_model, with_old_logprobs
+    from tests.helpers import random_batch, save_tiny_model, with_old_logprobs
 
     model_dir = save_tiny_model(tmp_path / "model", hidden_size=512, num_layers=4)
     options = {"lr": 1e-3, "dtype": "bfloat16", "distributed_optimizer": True}
@@ -146,13 +145,12 @@ def test_torch_engines_on_cuda(tmp_path):
     """The torch engines on the GPU: model, reference and AdamW state there. Without autocast they
     are the CPU's fp32 reference (up to GPU float summation); with it (the default on CUDA) one
     step moves the weights like the CPU's up to bf16 rounding; the generator samples on the GPU."""
-    import torch
 
     from engines.backends.base import load_weights
     from engines.backends.torch.generator import TorchGenerator
 
     from engines.backends.torch.trainer import TorchTrainer
-    from helpers import random_batch, save_tiny_model, with_old_logprobs
+    from tests.helpers import random_batch, save_tiny_model, with_old_logprobs
 
     model_dir = save_tiny_model(tmp_path / "model", hidden_size=128, num_layers=2)
     cpu = TorchTrainer(model_dir, lr=1e-3, device="cpu")
@@ -187,7 +185,7 @@ def test_generation_on_cuda_runs_without_cudnn_attention(tmp_path):
 
     from engines.backends.torch.generator import TorchGenerator
     from engines.backends.torch.trainer import TorchTrainer
-    from helpers import random_batch, save_tiny_model
+    from tests.helpers import random_batch, save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "model", hidden_size=128, num_layers=2)
     sdpa = lambda prof: {e.key for e in prof.key_averages() if "scaled_dot_product" in e.key}  # noqa: E731
@@ -247,7 +245,7 @@ def _nccl_worker(rank: int, port: int, model_dir: str, out: str) -> None:
     from engines.backends import distributed
     from engines.backends.distributed import all_gather_ints
     from engines.backends.megatron.trainer import MegatronTrainer
-    from helpers import random_batch, with_old_logprobs
+    from tests.helpers import random_batch, with_old_logprobs
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the metadata group's gloo, on loopback
     device = torch.device("cuda", rank)
@@ -273,7 +271,7 @@ def test_megatron_dp2_over_nccl_with_gloo_metadata(tmp_path):
     import torch
     import torch.multiprocessing as mp
 
-    from helpers import free_port, save_tiny_model
+    from tests.helpers import free_port, save_tiny_model
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices (NCCL takes one per rank)")
@@ -295,7 +293,7 @@ def _nccl_layout_worker(rank: int, world: int, port: int, model_dir: str, layout
 
     from engines.backends import distributed
     from engines.backends.megatron.trainer import MegatronTrainer
-    from helpers import random_batch, with_old_logprobs
+    from tests.helpers import random_batch, with_old_logprobs
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")  # (rehearsed on a CPU, gloo)
@@ -322,7 +320,7 @@ def test_megatron_tp2_and_pp2_over_nccl_train_as_one_gpu(tmp_path, layout):
     import torch.multiprocessing as mp
 
     from engines.backends.megatron.mapping import load_hf_state
-    from helpers import STEP_RTOL, free_port, save_tiny_model, step_gap
+    from tests.helpers import STEP_RTOL, free_port, save_tiny_model, step_gap
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices (NCCL takes one per rank)")
@@ -347,7 +345,7 @@ def test_qwen2_5_vl_rolls_out_and_trains_with_images_on_cuda(tmp_path):
     image has) expands the placeholder, the torch generator samples with the images, and the
     trainer's log-probabilities of the same tokens, with the pixel tensors it rebuilds, agree."""
     import torch
-    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
     from transformers import Qwen2VLImageProcessor
 
     from engines.backends.base import TrainBatch
@@ -406,7 +404,7 @@ def test_digests_on_cuda_are_the_cpus_and_a_checked_sync_copies_no_bucket_to_the
     from engines.backends.base import load_weights
     from engines.backends.torch.generator import TorchGenerator
     from engines.backends.torch.trainer import TorchTrainer
-    from helpers import save_tiny_model
+    from tests.helpers import save_tiny_model
 
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8):

@@ -11,7 +11,6 @@ import time
 import psutil
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
 from bench import gpu_check
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import random_batch, save_tiny_model, with_old_logprobs
+from tests.helpers import random_batch, save_tiny_model, with_old_logprobs
 
 from engines.backends.base import load_weights
 from engines.backends.torch import lora
@@ -270,7 +270,7 @@ def test_a_lora_run_resumes_exactly_and_exports_adapter_and_merged_model(prepare
     import asyncio
 
     from flows.training import train
-    from tests.conftest import TINY
+    from tests.helpers import TINY
     from tests.helpers import trained
 
     common = [*TINY, "dp=2", "checkpoint.every=1", "data.heldout=null", f"storage.root={prepared}", "train.lora.rank=4",

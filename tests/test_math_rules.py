@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from helpers import ROOT  # noqa: F401  (puts the checkout on sys.path)
+from tests.helpers import ROOT  # noqa: F401  (puts the checkout on sys.path)
 
 from engines.config import ConfigError, load_config
 from engines.host import rewards

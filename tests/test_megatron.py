@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
 import megatron_cpu
 
 megatron_cpu.install()  # before Megatron is imported: its modules are patched as they load
@@ -43,7 +42,7 @@ from engines.demo.tiny import build_char_tokenizer  # noqa: E402
 from engines.backends.base import TrainBatch  # noqa: E402
 from engines.backends.torch.generator import TorchGenerator  # noqa: E402
 from engines.backends.torch.trainer import TorchTrainer  # noqa: E402
-from helpers import STEP_RTOL, free_port, global_order, parity, random_batch, save_tiny_model, step_gap, with_old_logprobs  # noqa: E402
+from tests.helpers import STEP_RTOL, free_port, global_order, parity, random_batch, save_tiny_model, step_gap, with_old_logprobs  # noqa: E402
 from engines.config.layout import Layout  # noqa: E402
 from test_replica_check import replica_checks  # noqa: E402
 from engines.rl.cispo import CISPOConfig  # noqa: E402
@@ -94,25 +93,12 @@ def batch_near(trainer, n: int, seed: int) -> TrainBatch:
     return with_old_logprobs(batch, trainer.logprobs(batch) if n else [], noise=0.5, seed=seed)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """Megatron in this process: a world of one (gloo), torn down so other modules see none."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield save_tiny_model(tmp_path_factory.mktemp("megatron") / "model", hidden_size=32, num_layers=2)
-    torch.set_num_threads(threads)
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 # --- 1. mapping ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
-def test_hf_megatron_round_trip_is_exact(model_dir, tp_size):
-    hf_state, hf_config = load_hf_state(model_dir), AutoConfig.from_pretrained(model_dir)
+def test_hf_megatron_round_trip_is_exact(megatron_model, tp_size):
+    hf_state, hf_config = load_hf_state(megatron_model), AutoConfig.from_pretrained(megatron_model)
     shards = [hf_to_megatron(hf_state, hf_config, rank, tp_size) for rank in range(tp_size)]
     back = megatron_to_hf(shards if tp_size > 1 else shards[0], hf_config)
     assert back.keys() == hf_state.keys()
@@ -121,8 +107,8 @@ def test_hf_megatron_round_trip_is_exact(model_dir, tp_size):
     assert shards[0]["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (4 * 8 * 2 // tp_size, 32)
 
 
-def test_qkv_is_interleaved_per_group_and_fc1_is_gate_up_per_rank(model_dir):
-    hf_state, hf_config = load_hf_state(model_dir), AutoConfig.from_pretrained(model_dir)
+def test_qkv_is_interleaved_per_group_and_fc1_is_gate_up_per_rank(megatron_model):
+    hf_state, hf_config = load_hf_state(megatron_model), AutoConfig.from_pretrained(megatron_model)
     q, k, v = (hf_state[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv")
     gate, up = hf_state["model.layers.0.mlp.gate_proj.weight"], hf_state["model.layers.0.mlp.up_proj.weight"]
     for rank in range(2):  # TP=2, 2 KV groups of 2 query heads of dim 8
@@ -137,8 +123,8 @@ def test_a_pipeline_stage_reads_only_its_own_tensors_from_the_folder(tmp_path):
     """``megatron_tensors`` with a stage's ``keep`` reads its layers' Hugging Face tensors (and the
     last stage's norm and output layer) from the folder and no other, and converts them as the
     whole model's mapping does."""
-    model_dir = save_tiny_model(tmp_path / "policy", hidden_size=32, num_layers=4)
-    hf_config, reads = AutoConfig.from_pretrained(model_dir), []
+    folder = save_tiny_model(tmp_path / "policy", hidden_size=32, num_layers=4)
+    hf_config, reads = AutoConfig.from_pretrained(folder), []
 
     class Counted(HFState):
         def __getitem__(self, name):
@@ -146,10 +132,10 @@ def test_a_pipeline_stage_reads_only_its_own_tensors_from_the_folder(tmp_path):
             return super().__getitem__(name)
 
     last = lambda name: stage_name(name, 2, 2, False, True, hf_config.tie_word_embeddings)  # noqa: E731 - layers 2-3 of 4
-    mine = dict(megatron_tensors(Counted(HFState.open(model_dir).index), hf_config, keep=lambda n: last(n) is not None))
+    mine = dict(megatron_tensors(Counted(HFState.open(folder).index), hf_config, keep=lambda n: last(n) is not None))
     own = ("model.layers.2.", "model.layers.3.", "model.norm.", "lm_head.", *(("model.embed_tokens.",) * hf_config.tie_word_embeddings))
     assert reads and all(name.startswith(own) for name in reads) and len(reads) == len(set(reads))
-    whole = hf_to_megatron(load_hf_state(model_dir), hf_config)
+    whole = hf_to_megatron(load_hf_state(folder), hf_config)
     assert mine.keys() == {n for n in whole if last(n) is not None} and all(torch.equal(mine[n], whole[n]) for n in mine)
     assert {last(n) for n in mine} >= {"decoder.layers.0.mlp.linear_fc2.weight", "decoder.final_layernorm.weight"}
 
@@ -157,15 +143,15 @@ def test_a_pipeline_stage_reads_only_its_own_tensors_from_the_folder(tmp_path):
 # --- 2./3. parity with TorchTrainer -----------------------------------------------------------
 
 
-def test_logprobs_match_torch_trainer(model_dir):
-    megatron, reference = MegatronTrainer(model_dir), TorchTrainer(model_dir)
+def test_logprobs_match_torch_trainer(megatron_model):
+    megatron, reference = MegatronTrainer(megatron_model), TorchTrainer(megatron_model)
     batch = random_batch(6, seed=1, max_response=9)
     assert parity("megatron vs torch trainer: log-probs", lp_diff(megatron.logprobs(batch), reference.logprobs(batch))) <= ATOL
     assert megatron.logprobs(TrainBatch([], [], [], [])) == []
 
 
-def test_optimizers_are_configured_alike(model_dir):
-    megatron, reference = MegatronTrainer(model_dir, **HYPER), TorchTrainer(model_dir, **HYPER)
+def test_optimizers_are_configured_alike(megatron_model):
+    megatron, reference = MegatronTrainer(megatron_model, **HYPER), TorchTrainer(megatron_model, **HYPER)
     (inner,) = [o.optimizer for o in megatron.optimizer.chained_optimizers]
     assert type(inner) is type(reference.optimizer) is torch.optim.AdamW
     for key in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
@@ -187,9 +173,9 @@ def test_optimizers_are_configured_alike(model_dir):
     ],
     ids=["token-2-minibatches", "sequence-kl", "gspo", "cispo"],
 )
-def test_train_step_matches_torch_trainer(model_dir, step_kwargs, trainer_kwargs):
-    megatron = MegatronTrainer(model_dir, **HYPER, **trainer_kwargs)
-    reference = TorchTrainer(model_dir, **HYPER, **trainer_kwargs)
+def test_train_step_matches_torch_trainer(megatron_model, step_kwargs, trainer_kwargs):
+    megatron = MegatronTrainer(megatron_model, **HYPER, **trainer_kwargs)
+    reference = TorchTrainer(megatron_model, **HYPER, **trainer_kwargs)
     batch = batch_near(reference, 8, seed=3)
     before = {k: v.clone() for k, v in reference.export_weights()}  # TorchTrainer yields live views
     stats, ref_stats = megatron.train_step(batch, **step_kwargs), reference.train_step(batch, **step_kwargs)
@@ -202,12 +188,12 @@ def test_train_step_matches_torch_trainer(model_dir, step_kwargs, trainer_kwargs
     assert megatron.version == 1
 
 
-def test_dpo_pair_loss_matches_torch_trainer(model_dir):
+def test_dpo_pair_loss_matches_torch_trainer(megatron_model):
     """Online DPO's pair loss (both rows of a pair in one pass, reference log-probs) over two
     minibatches of length-sorted micro-batches: Megatron's step is torch's."""
     algorithm = OnlineDPOConfig(beta=0.5)
-    megatron = MegatronTrainer(model_dir, **HYPER, reference=True)
-    reference = TorchTrainer(model_dir, **HYPER, reference=True)
+    megatron = MegatronTrainer(megatron_model, **HYPER, reference=True)
+    reference = TorchTrainer(megatron_model, **HYPER, reference=True)
     batch = batch_near(reference, 8, seed=3)
     before = {k: v.clone() for k, v in reference.export_weights()}
     kwargs = {"minibatches": 2, "micro_batch_tokens": 24}
@@ -224,26 +210,26 @@ def test_dpo_pair_loss_matches_torch_trainer(model_dir):
     [({"algorithm": GRPOConfig(loss_aggregation="token")}, {}), ({"algorithm": GRPOConfig(loss_aggregation="sequence", kl_coef=0.5)}, {"reference": True})],
     ids=["token", "sequence-kl"],
 )
-def test_micro_batches_equal_one_pass(model_dir, step_kwargs, trainer_kwargs):
+def test_micro_batches_equal_one_pass(megatron_model, step_kwargs, trainer_kwargs):
     """Length-sorted passes of <= 16 padded tokens, gradients accumulated in DDP's buffers: the
     one-pass step (and its loss and pre-clip grad norm, which Adam's step alone would not show)."""
     from engines.backends.batching import micro_batches
 
-    batch = batch_near(TorchTrainer(model_dir), 10, seed=7)
+    batch = batch_near(TorchTrainer(megatron_model), 10, seed=7)
     kwargs = {"minibatches": 2, **step_kwargs}
     assert all(len(micro_batches(part, 16)) >= 3 for part in batch.split(2))
     runs = []
     for budget in (None, 16):
-        trainer = MegatronTrainer(model_dir, **HYPER, **trainer_kwargs)
+        trainer = MegatronTrainer(megatron_model, **HYPER, **trainer_kwargs)
         runs.append((trainer.train_step(batch, micro_batch_tokens=budget, **kwargs), dict(trainer.export_weights())))
     (one, one_weights), (micro, micro_weights) = runs
-    assert parity("megatron: micro-batches vs one pass, step", step_gap(micro_weights, one_weights, load_hf_state(model_dir))) <= STEP_RTOL
+    assert parity("megatron: micro-batches vs one pass, step", step_gap(micro_weights, one_weights, load_hf_state(megatron_model))) <= STEP_RTOL
     assert micro["loss"] == pytest.approx(one["loss"], abs=1e-6)
     assert micro["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
     assert micro["clip_fraction"] == pytest.approx(one["clip_fraction"], abs=1e-9) and micro["tokens"] == one["tokens"]
 
 
-def test_qwen2_tied_embeddings_and_qkv_bias(tmp_path, model_dir):
+def test_qwen2_tied_embeddings_and_qkv_bias(tmp_path, megatron_model):
     """The other mapped family: Qwen2 (bias on Q/K/V) with input and output embeddings tied."""
     tokenizer = build_char_tokenizer()
     torch.manual_seed(0)
@@ -267,8 +253,8 @@ def test_qwen2_tied_embeddings_and_qkv_bias(tmp_path, model_dir):
     assert lp_diff(megatron.logprobs(batch), reference.logprobs(batch)) <= ATOL
 
 
-def test_save_hf_loads_in_transformers(tmp_path, model_dir):
-    megatron = MegatronTrainer(model_dir, lr=LR)
+def test_save_hf_loads_in_transformers(tmp_path, megatron_model):
+    megatron = MegatronTrainer(megatron_model, lr=LR)
     megatron.train_step(batch_near(megatron, 4, seed=5))
     megatron.save_hf(str(tmp_path / "hf"))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
@@ -279,9 +265,9 @@ def test_save_hf_loads_in_transformers(tmp_path, model_dir):
     assert lp_diff(TorchTrainer(str(tmp_path / "hf")).logprobs(batch), megatron.logprobs(batch)) <= ATOL
 
 
-def test_bfloat16_trains(model_dir):
+def test_bfloat16_trains(megatron_model):
     """bf16 parameters (norms included: the optimizer wants one dtype), fp32 main copies."""
-    megatron, reference = MegatronTrainer(model_dir, **HYPER, dtype="bfloat16"), TorchTrainer(model_dir)
+    megatron, reference = MegatronTrainer(megatron_model, **HYPER, dtype="bfloat16"), TorchTrainer(megatron_model)
     batch = batch_near(reference, 6, seed=4)
     assert lp_diff(megatron.logprobs(batch), reference.logprobs(batch)) < 1e-2  # bf16 rounding
     assert {p.dtype for p in megatron.model.parameters()} == {torch.bfloat16}
@@ -306,7 +292,7 @@ def _padded_causal(s: int, batch: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "padded"])
-def test_sdpa_attention_equals_local_spec_attention_with_gqa(model_dir, mask):
+def test_sdpa_attention_equals_local_spec_attention_with_gqa(megatron_model, mask):
     """Same inputs through Megatron's DotProductAttention and SDPAttention: 2 query heads sharing
     1 key/value head (the demo's shape), outputs and input gradients equal to 1e-5 in fp32. Megatron
     builds the causal mask itself when given none (the trainer gives none)."""
@@ -339,7 +325,7 @@ def test_sdpa_attention_equals_local_spec_attention_with_gqa(model_dir, mask):
     assert (full.permute(2, 0, 1, 3).reshape(seq, batch, 32) - outs[0]).abs().max().item() > 1e-2
 
 
-def test_gpt_logits_with_sdpa_equal_the_local_spec(tmp_path, model_dir):
+def test_gpt_logits_with_sdpa_equal_the_local_spec(tmp_path, megatron_model):
     """A whole GPTModel of the demo's shape (2 query heads, 1 key/value head) built from the same
     Hugging Face weights with each attention: logits equal to 1e-5 in fp32."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -376,14 +362,14 @@ RECOMPUTE = {
 
 
 @pytest.mark.parametrize("name", list(RECOMPUTE))
-def test_recomputation_reruns_the_forward_and_changes_nothing(model_dir, name):
+def test_recomputation_reruns_the_forward_and_changes_nothing(megatron_model, name):
     """With recomputation the chosen parts run their forward again in the backward pass (counted
     by forward hooks: the option reaches Megatron), and the step is bit for bit the step without."""
     options, part = RECOMPUTE[name]
-    batch = batch_near(TorchTrainer(model_dir), 6, seed=21)
+    batch = batch_near(TorchTrainer(megatron_model), 6, seed=21)
     runs = {}
     for label, extra in (("plain", {}), ("recompute", options)):
-        trainer = MegatronTrainer(model_dir, **HYPER, **extra)
+        trainer = MegatronTrainer(megatron_model, **HYPER, **extra)
         calls = {i: 0 for i in range(2)}
         for i, layer in enumerate(trainer.model.module.decoder.layers):
             module = {"layer": layer, "core_attention": layer.self_attention.core_attention, "mlp": layer.mlp}[part]
@@ -397,25 +383,25 @@ def test_recomputation_reruns_the_forward_and_changes_nothing(model_dir, name):
     assert max_diff(runs["recompute"][2], runs["plain"][2]) == 0.0
 
 
-def test_run_config_recomputation_reaches_megatron(model_dir):
+def test_run_config_recomputation_reaches_megatron(megatron_model):
     from engines.backends.build import make_trainer
     from engines.config import RunConfig
 
     cfg = RunConfig(train={"backend": "megatron", "recompute_granularity": "full", "recompute_method": "block",
                            "recompute_num_layers": 2})
-    trainer = make_trainer(cfg, model_dir)
+    trainer = make_trainer(cfg, megatron_model)
     assert (trainer.config.recompute_granularity, trainer.config.recompute_method, trainer.config.recompute_num_layers) == ("full", "block", 2)
     cfg = RunConfig(train={"backend": "megatron", "recompute_granularity": "selective", "recompute_modules": ["mlp"]})
-    trainer = make_trainer(cfg, model_dir)
+    trainer = make_trainer(cfg, megatron_model)
     assert trainer.config.recompute_granularity == "selective" and trainer.config.recompute_modules == ["mlp"]
-    assert make_trainer(RunConfig(train={"backend": "megatron"}), model_dir).config.recompute_granularity is None
+    assert make_trainer(RunConfig(train={"backend": "megatron"}), megatron_model).config.recompute_granularity is None
 
 
 # --- 5. placement: the trainer's offload ---------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_sleep_releases_every_storage_and_wake_restores_it_bit_for_bit(model_dir, dtype):
+def test_sleep_releases_every_storage_and_wake_restores_it_bit_for_bit(megatron_model, dtype):
     """Full colocation: the trainer sleeps while rollout and GenRM hold the devices. On the CPU as
     on a GPU every storage the trainer holds (weights, gradient buffer, Adam moments, fp32 main
     copies, the reference model) is released and its bytes kept in host memory; training after
@@ -423,7 +409,7 @@ def test_sleep_releases_every_storage_and_wake_restores_it_bit_for_bit(model_dir
     from engines.backends.megatron.offload import trainer_tensors
 
     options = {**HYPER, "distributed_optimizer": True, "reference": True, "dtype": dtype}
-    a, b = MegatronTrainer(model_dir, **options), MegatronTrainer(model_dir, **options)
+    a, b = MegatronTrainer(megatron_model, **options), MegatronTrainer(megatron_model, **options)
     steps = [batch_near(a, 6, seed=s) for s in (11, 12, 13)]
     n = sum(p.numel() for p in a.model.parameters())
     for batch in steps:
@@ -441,13 +427,13 @@ def test_sleep_releases_every_storage_and_wake_restores_it_bit_for_bit(model_dir
     assert a.logprobs(probe) == b.logprobs(probe)
 
 
-def test_a_sleeping_trainer_exports_from_host_memory_and_refuses_the_rest(tmp_path, model_dir):
+def test_a_sleeping_trainer_exports_from_host_memory_and_refuses_the_rest(tmp_path, megatron_model):
     """``export_weights`` and ``save_hf`` of a sleeping trainer read the host copy (bit for bit the
     awake weights; nothing is woken); what needs the live state fails with a message rather than
     reading released memory (on an H100, ``export_policy`` after evaluation crashed inside CUDA)."""
     from engines.backends.megatron.offload import trainer_tensors
 
-    trainer = MegatronTrainer(model_dir, **HYPER, dtype="bfloat16")
+    trainer = MegatronTrainer(megatron_model, **HYPER, dtype="bfloat16")
     trainer.train_step(batch_near(trainer, 6, seed=15))
     awake = dict(trainer.export_weights())
     trainer.sleep()
@@ -465,7 +451,7 @@ def test_a_sleeping_trainer_exports_from_host_memory_and_refuses_the_rest(tmp_pa
     assert all(torch.equal(awake[k], v) for k, v in trainer.export_weights())
 
 
-def test_host_stages_read_a_sleeping_trainer_or_wake_it(tmp_path, model_dir):
+def test_host_stages_read_a_sleeping_trainer_or_wake_it(tmp_path, megatron_model):
     """The host's stages after evaluation put the trainer to sleep (``take("policy")``):
     the params fingerprint and ``export_policy`` read its host copy and leave it asleep;
     ``sync_weights`` and ``checkpoint`` wake it. Each gives what it gives for an awake trainer."""
@@ -479,7 +465,7 @@ def test_host_stages_read_a_sleeping_trainer_or_wake_it(tmp_path, model_dir):
     def host() -> Worker:
         h = Worker(rank=0, world=1, threads=1)
         h.config = RunConfig.model_validate({"dp": 1, "train": {"backend": "megatron"}, "checkpoint": {"asynchronous": False}})
-        h.trainer, h.policy = MegatronTrainer(model_dir, **HYPER), TorchGenerator(model_dir)
+        h.trainer, h.policy = MegatronTrainer(megatron_model, **HYPER), TorchGenerator(megatron_model)
         h.checkpoints = Checkpoints(0, "megatron", [["part-00000.parquet", 8]])
         h.awake = {"policy", "trainer"}  # as after setup
         return h
@@ -516,9 +502,9 @@ CHECKPOINTED = [("float32", False), ("float32", True), ("bfloat16", True)]
 
 
 @pytest.mark.parametrize("dtype, distributed_optimizer", CHECKPOINTED, ids=["fp32", "fp32-distopt", "bf16-distopt"])
-def test_checkpoint_resume_is_exact_sync_and_async(tmp_path, model_dir, dtype, distributed_optimizer):
+def test_checkpoint_resume_is_exact_sync_and_async(tmp_path, megatron_model, dtype, distributed_optimizer):
     options = {**HYPER, "dtype": dtype, "distributed_optimizer": distributed_optimizer}
-    a = MegatronTrainer(model_dir, **options)
+    a = MegatronTrainer(megatron_model, **options)
     first, second, probe = batch_near(a, 6, seed=7), batch_near(a, 6, seed=8), random_batch(4, seed=9)
     a.train_step(first)
     files = a.save_checkpoint(str(tmp_path / "sync"))
@@ -535,7 +521,7 @@ def test_checkpoint_resume_is_exact_sync_and_async(tmp_path, model_dir, dtype, d
     a_after = dict(a.export_weights())
 
     for folder in ("sync", "async"):
-        b = MegatronTrainer(model_dir, **options)
+        b = MegatronTrainer(megatron_model, **options)
         b.load_checkpoint(str(tmp_path / folder))
         assert b.version == 1
         assert b.logprobs(probe) == a_probe  # bit for bit
@@ -546,7 +532,7 @@ def test_checkpoint_resume_is_exact_sync_and_async(tmp_path, model_dir, dtype, d
 # --- 7. processes the product starts: the shim through sitecustomize --------------------------
 
 
-def test_engine_in_a_subprocess_via_sitecustomize(model_dir):
+def test_engine_in_a_subprocess_via_sitecustomize(megatron_model):
     code = """
 import json, sys
 assert "torch" not in sys.modules and "megatron" not in sys.modules, "the shim was not lazy"
@@ -561,7 +547,7 @@ print(json.dumps({"stats": trainer.train_step(batch), "version": trainer.version
 """
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS / "megatron_cpu_site"), str(TESTS.parent)]))
     done = subprocess.run(
-        [sys.executable, "-c", code, model_dir], env=env, capture_output=True, text=True, timeout=120, cwd=TESTS.parent
+        [sys.executable, "-c", code, megatron_model], env=env, capture_output=True, text=True, timeout=120, cwd=TESTS.parent
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -571,7 +557,7 @@ print(json.dumps({"stats": trainer.train_step(batch), "version": trainer.version
 # --- 2./4./5. two processes over gloo: TP=2, then DP=2 ---------------------------------------
 
 
-def _worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) -> None:
+def _worker(rank: int, port: int, megatron_model: str, cases_file: str, out: str) -> None:
     from datetime import timedelta
 
     torch.set_num_threads(1)
@@ -586,7 +572,7 @@ def _worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) -> 
         # too; the stats come from the last stage
         for name, layout in (("tp", {"tensor_parallel": 2}), ("pp", {"pipeline_parallel": 2})):
             case = cases[name]
-            trainer = MegatronTrainer(model_dir, **HYPER, **layout, **case.get("trainer", {}))
+            trainer = MegatronTrainer(megatron_model, **HYPER, **layout, **case.get("trainer", {}))
             results[name] = {
                 "logprobs": trainer.logprobs(case["batch"]),
                 "initial": dict(trainer.export_weights()),
@@ -598,7 +584,7 @@ def _worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) -> 
 
         # the distributed optimizer saved fully reshardable by TP=2 ranks, resumed by two pipeline stages
         first, second = cases["reshard"]
-        trainer = MegatronTrainer(model_dir, **HYPER, tensor_parallel=2, distributed_optimizer=True, reshardable_optimizer=True)
+        trainer = MegatronTrainer(megatron_model, **HYPER, tensor_parallel=2, distributed_optimizer=True, reshardable_optimizer=True)
         trainer.train_step(first, minibatches=MINIBATCHES)
         trainer.save_checkpoint(os.path.join(out, "reshard-checkpoint"))
         trainer.save_hf(os.path.join(out, "reshard-hf"))  # the weights after the first step (TP rank 0 writes)
@@ -606,7 +592,7 @@ def _worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) -> 
         results["reshard-tp2"] = dict(trainer.export_weights())
         del trainer
         parallel_state.destroy_model_parallel()
-        resumed = MegatronTrainer(model_dir, **HYPER, pipeline_parallel=2, distributed_optimizer=True, reshardable_optimizer=True)
+        resumed = MegatronTrainer(megatron_model, **HYPER, pipeline_parallel=2, distributed_optimizer=True, reshardable_optimizer=True)
         resumed.load_checkpoint(os.path.join(out, "reshard-checkpoint"))
         resumed.train_step(second, minibatches=MINIBATCHES)
         results["reshard-pp2"] = dict(resumed.export_weights())
@@ -615,14 +601,14 @@ def _worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) -> 
 
         # DP=2: each rank steps on its own shard
         for name, case in cases["dp"].items():
-            trainer = MegatronTrainer(model_dir, **HYPER, **case["trainer"])
+            trainer = MegatronTrainer(megatron_model, **HYPER, **case["trainer"])
             stats = [trainer.train_step(step[rank], **case["kwargs"]) for step in case["steps"]]
             results[name] = {"stats": stats, "weights": dict(trainer.export_weights())}
 
         # DP=2 checkpoint: each rank writes its own folder; both load the union
         ckpt = cases["checkpoint"]
         for distributed_optimizer in (False, True):
-            trainer = MegatronTrainer(model_dir, **HYPER, distributed_optimizer=distributed_optimizer)
+            trainer = MegatronTrainer(megatron_model, **HYPER, distributed_optimizer=distributed_optimizer)
             trainer.train_step(ckpt["first"][rank])
             name = f"ckpt-distopt{int(distributed_optimizer)}"
             own = Path(out) / f"{name}-rank{rank}"
@@ -633,7 +619,7 @@ def _worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) -> 
                 for r in range(2):
                     shutil.copytree(Path(out) / f"{name}-rank{r}", merged, dirs_exist_ok=True)
             dist.barrier()
-            resumed = MegatronTrainer(model_dir, **HYPER, distributed_optimizer=distributed_optimizer)
+            resumed = MegatronTrainer(megatron_model, **HYPER, distributed_optimizer=distributed_optimizer)
             resumed.load_checkpoint(str(merged))
             results[name] = {
                 "files": files,
@@ -649,9 +635,9 @@ def _worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) -> 
 
 
 @pytest.fixture(scope="module")
-def two_processes(model_dir, tmp_path_factory):
+def two_processes(megatron_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("megatron-2p")
-    probe = TorchTrainer(model_dir)
+    probe = TorchTrainer(megatron_model)
     steps_of = lambda sizes, seed: [batch_near(probe, n, seed + rank) for rank, n in enumerate(sizes)]  # noqa: E731
     cases = {
         "tp": {"batch": batch_near(probe, 8, seed=11), "kwargs": {"minibatches": MINIBATCHES}},
@@ -669,24 +655,24 @@ def two_processes(model_dir, tmp_path_factory):
         "reshard": (batch_near(probe, 6, seed=71), batch_near(probe, 6, seed=72)),
     }
     torch.save(cases, tmp / "cases.pt")
-    mp.spawn(_worker, args=(free_port(), model_dir, str(tmp / "cases.pt"), str(tmp)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), megatron_model, str(tmp / "cases.pt"), str(tmp)), nprocs=2, join=True)
     results = [torch.load(tmp / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
     return {"cases": cases, "results": results, "tmp": tmp}
 
 
-def single_process_steps(model_dir: str, case: dict, **trainer_kwargs) -> tuple[dict, list[dict]]:
+def single_process_steps(megatron_model: str, case: dict, **trainer_kwargs) -> tuple[dict, list[dict]]:
     """One process (world of one) stepping on the concatenated batches."""
-    trainer = MegatronTrainer(model_dir, **HYPER, **trainer_kwargs)
+    trainer = MegatronTrainer(megatron_model, **HYPER, **trainer_kwargs)
     mb = case["kwargs"]["minibatches"]
     stats = [trainer.train_step(global_order(step, mb), **case["kwargs"]) for step in case["steps"]]
     return dict(trainer.export_weights()), stats
 
 
-def test_tp2_matches_tp1(model_dir, two_processes):
+def test_tp2_matches_tp1(megatron_model, two_processes):
     tp = two_processes["cases"]["tp"]
-    single = MegatronTrainer(model_dir, **HYPER)
+    single = MegatronTrainer(megatron_model, **HYPER)
     single_lp = single.logprobs(tp["batch"])
-    initial = load_hf_state(model_dir)
+    initial = load_hf_state(megatron_model)
     for rank in range(2):
         result = two_processes["results"][rank]["tp"]
         assert parity("megatron: tp=2 vs tp=1, log-probs", lp_diff(result["logprobs"], single_lp)) <= ATOL
@@ -700,14 +686,14 @@ def test_tp2_matches_tp1(model_dir, two_processes):
     assert two_processes["results"][0]["tp"]["stats"]["grad_norm"] == pytest.approx(single_stats["grad_norm"], rel=1e-5)
 
 
-def test_pp2_matches_pp1(model_dir, two_processes):
+def test_pp2_matches_pp1(megatron_model, two_processes):
     """Two pipeline stages, one layer each, train what one process trains: log-probs, the exported
     weights before and after a step of several micro-batches per minibatch (1F1B) with a KL to the
     pipelined reference, and the step's statistics on both stages."""
     pp = two_processes["cases"]["pp"]
-    single = MegatronTrainer(model_dir, **HYPER, **pp["trainer"])
+    single = MegatronTrainer(megatron_model, **HYPER, **pp["trainer"])
     single_lp = single.logprobs(pp["batch"])
-    initial = load_hf_state(model_dir)
+    initial = load_hf_state(megatron_model)
     rank0, rank1 = (r["pp"] for r in two_processes["results"])
     for result in (rank0, rank1):
         assert parity("megatron: pp=2 vs pp=1, log-probs", lp_diff(result["logprobs"], single_lp)) <= ATOL
@@ -720,13 +706,13 @@ def test_pp2_matches_pp1(model_dir, two_processes):
         assert rank0["stats"][name] == pytest.approx(single_stats[name], rel=1e-5, abs=1e-7), name
 
 
-def test_the_distributed_optimizer_resumes_under_another_tp_and_pp_when_saved_reshardable(model_dir, two_processes):
+def test_the_distributed_optimizer_resumes_under_another_tp_and_pp_when_saved_reshardable(megatron_model, two_processes):
     """train.reshardable_optimizer: a checkpoint of TP=2 ranks with the distributed optimizer
     (Megatron's fully_reshardable format) resumes in two pipeline stages and in one process, whose
     next step is the TP=2 ranks' own; a control that lost the Adam state is far from it."""
     tmp, results = two_processes["tmp"], two_processes["results"][0]
     before, second = load_hf_state(str(tmp / "reshard-hf")), two_processes["cases"]["reshard"][1]
-    one = MegatronTrainer(model_dir, **HYPER, distributed_optimizer=True, reshardable_optimizer=True)
+    one = MegatronTrainer(megatron_model, **HYPER, distributed_optimizer=True, reshardable_optimizer=True)
     one.load_checkpoint(str(tmp / "reshard-checkpoint"))
     one.train_step(second, minibatches=MINIBATCHES)
     resumed = {"pp2": results["reshard-pp2"], "tp1": dict(one.export_weights())}
@@ -739,13 +725,13 @@ def test_the_distributed_optimizer_resumes_under_another_tp_and_pp_when_saved_re
 
 
 @pytest.mark.parametrize("name", list(DP_CASES))
-def test_dp2_replicas_identical_and_equal_single_process(model_dir, two_processes, name):
+def test_dp2_replicas_identical_and_equal_single_process(megatron_model, two_processes, name):
     case = two_processes["cases"]["dp"][name]
     rank0, rank1 = (r[name] for r in two_processes["results"])
     assert max_diff(rank0["weights"], rank1["weights"]) == 0.0
 
-    ref_weights, ref_stats = single_process_steps(model_dir, case, **DP_CASES[name][2])
-    assert parity("megatron: dp=2 vs one process, 2 steps", step_gap(rank0["weights"], ref_weights, load_hf_state(model_dir))) <= STEP_RTOL
+    ref_weights, ref_stats = single_process_steps(megatron_model, case, **DP_CASES[name][2])
+    assert parity("megatron: dp=2 vs one process, 2 steps", step_gap(rank0["weights"], ref_weights, load_hf_state(megatron_model))) <= STEP_RTOL
     for step in range(2):
         assert rank0["stats"][step]["loss"] == pytest.approx(ref_stats[step]["loss"], abs=1e-5)
         assert rank0["stats"][step]["grad_norm"] == pytest.approx(ref_stats[step]["grad_norm"], rel=1e-5)
@@ -754,28 +740,28 @@ def test_dp2_replicas_identical_and_equal_single_process(model_dir, two_processe
 
 
 @pytest.mark.parametrize("name", [n for n in DP_CASES if "micro" in n])
-def test_dp2_micro_batches_equal_one_process_one_pass(model_dir, two_processes, name):
+def test_dp2_micro_batches_equal_one_process_one_pass(megatron_model, two_processes, name):
     """Two ranks stepping in several passes each equal one process stepping in one pass."""
     case = two_processes["cases"]["dp"][name]
     one_pass = dict(case, kwargs={k: v for k, v in case["kwargs"].items() if k != "micro_batch_tokens"})
-    ref_weights, ref_stats = single_process_steps(model_dir, one_pass, **DP_CASES[name][2])
+    ref_weights, ref_stats = single_process_steps(megatron_model, one_pass, **DP_CASES[name][2])
     rank0 = two_processes["results"][0][name]
     assert parity("megatron: dp=2 micro-batches vs one process one pass, 2 steps",
-                  step_gap(rank0["weights"], ref_weights, load_hf_state(model_dir))) <= STEP_RTOL
+                  step_gap(rank0["weights"], ref_weights, load_hf_state(megatron_model))) <= STEP_RTOL
     for step in range(2):
         assert rank0["stats"][step]["loss"] == pytest.approx(ref_stats[step]["loss"], abs=1e-5)
         assert rank0["stats"][step]["grad_norm"] == pytest.approx(ref_stats[step]["grad_norm"], rel=1e-5)
 
 
-def test_dp2_tolerance_would_catch_a_missing_all_reduce(model_dir, two_processes):
+def test_dp2_tolerance_would_catch_a_missing_all_reduce(megatron_model, two_processes):
     """A rank stepping on its shard alone (what a missed all-reduce amounts to) lands far
     outside the tolerance the DP run meets."""
     case = two_processes["cases"]["dp"]["token-3-5"]
-    solo = MegatronTrainer(model_dir, **HYPER)
+    solo = MegatronTrainer(megatron_model, **HYPER)
     for step in case["steps"]:
         solo.train_step(step[1], **case["kwargs"])
-    ref_weights, _ = single_process_steps(model_dir, case)
-    gap = step_gap(dict(solo.export_weights()), ref_weights, load_hf_state(model_dir))
+    ref_weights, _ = single_process_steps(megatron_model, case)
+    gap = step_gap(dict(solo.export_weights()), ref_weights, load_hf_state(megatron_model))
     assert parity("control: megatron, a rank without the all-reduce", gap) > 50 * STEP_RTOL
 
 
@@ -794,7 +780,7 @@ def test_dp2_checkpoint_union_of_rank_folders_resumes(two_processes, name):
     assert max_diff(rank0["weights"][1], rank1["weights"][1]) == 0.0
 
 
-def _tp_pp_dp_worker(rank: int, port: int, model_dir: str, out: str) -> None:
+def _tp_pp_dp_worker(rank: int, port: int, megatron_model: str, out: str) -> None:
     """One of eight ranks: two DP replicas, each over TP=2 x PP=2 (Megatron's order: rank = tp +
     2 pp + 4 dp), the distributed optimizer; each replica steps on its own batches."""
     from datetime import timedelta
@@ -804,7 +790,7 @@ def _tp_pp_dp_worker(rank: int, port: int, model_dir: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=8, timeout=timedelta(seconds=300))
     try:
         case = torch.load(os.path.join(out, "case.pt"), weights_only=False)
-        trainer = MegatronTrainer(model_dir, **HYPER, tensor_parallel=2, pipeline_parallel=2, distributed_optimizer=True)
+        trainer = MegatronTrainer(megatron_model, **HYPER, tensor_parallel=2, pipeline_parallel=2, distributed_optimizer=True)
         stats = [trainer.train_step(step[rank // 4], **case["kwargs"]) for step in case["steps"]]
         weights = dict(trainer.export_weights())
         if rank % 4 == 0:  # each replica's first rank
@@ -817,14 +803,14 @@ def _tp_pp_dp_worker(rank: int, port: int, model_dir: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_tp2_pp2_dp2_equals_one_process(model_dir, tmp_path):
+def test_tp2_pp2_dp2_equals_one_process(megatron_model, tmp_path):
     """Eight ranks, TP=2 x PP=2 x DP=2 with the distributed optimizer and token-cut micro-batches
     on the 1F1B schedule, train two steps as one process does on both replicas' batches."""
-    probe = TorchTrainer(model_dir)
+    probe = TorchTrainer(megatron_model)
     case = {"steps": [[batch_near(probe, n, seed + dp) for dp, n in enumerate((3, 5))] for seed in (300, 350)],
             "kwargs": {"minibatches": MINIBATCHES, "micro_batch_tokens": 16}}
     torch.save(case, tmp_path / "case.pt")
-    mp.spawn(_tp_pp_dp_worker, args=(free_port(), model_dir, str(tmp_path)), nprocs=8, join=True)
+    mp.spawn(_tp_pp_dp_worker, args=(free_port(), megatron_model, str(tmp_path)), nprocs=8, join=True)
     dp0, dp1 = (torch.load(tmp_path / f"dp{d}.pt", weights_only=False) for d in range(2))
     assert max_diff(dp0["weights"], dp1["weights"]) == 0.0  # the replicas stay equal
     # and the replica check says so, each rank digesting its own TP x PP shard (a quarter of the model or
@@ -837,9 +823,9 @@ def test_tp2_pp2_dp2_equals_one_process(model_dir, tmp_path):
     assert flipped.startswith("decoder.layers.1.") or flipped.startswith("output_layer")  # stage 1's, by its global name
     assert {c["flipped"][1] for c in checks} == {
         f"replica check after the train step: dp-0.3 (rank 3) and dp-1.3 (rank 7) hold different bits in {flipped!r}"}
-    weights, stats = single_process_steps(model_dir, case, distributed_optimizer=True)
+    weights, stats = single_process_steps(megatron_model, case, distributed_optimizer=True)
     assert parity("megatron: tp=2 x pp=2 x dp=2 vs one process, 2 steps",
-                  step_gap(dp0["weights"], weights, load_hf_state(model_dir))) <= STEP_RTOL
+                  step_gap(dp0["weights"], weights, load_hf_state(megatron_model))) <= STEP_RTOL
     for step in range(2):
         assert dp0["stats"][step]["loss"] == pytest.approx(stats[step]["loss"], abs=1e-5)
         assert dp0["stats"][step]["grad_norm"] == pytest.approx(stats[step]["grad_norm"], rel=1e-5)

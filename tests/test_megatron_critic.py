@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
 import megatron_cpu
 
 megatron_cpu.install()  # before Megatron is imported
@@ -43,7 +42,7 @@ from engines.host.checkpointing import Checkpoints  # noqa: E402
 from engines.host.validation import InputError, check_critic  # noqa: E402
 from engines.host.worker import Worker  # noqa: E402
 from engines.wire.commands import Checkpoint, DynamicFilter, ExportPolicy, TrainStep  # noqa: E402
-from helpers import STEP_RTOL, free_port, parity, random_batch, save_tiny_model, scored_rows, step_gap  # noqa: E402
+from tests.helpers import STEP_RTOL, free_port, parity, random_batch, scored_rows, step_gap  # noqa: E402
 from storage import datasets, objectstore  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -53,19 +52,6 @@ HYPER = {"lr": 1e-3, "betas": (0.8, 0.95), "weight_decay": 0.1, "grad_clip": 0.5
 PPO = {"dp": 1, "train": {"backend": "megatron", "algorithm": {"name": "ppo"}, "minibatches": 2, "micro_batch_tokens": 24},
        "checkpoint": {"asynchronous": False}}
 ALGORITHM = RunConfig.model_validate(PPO).train.algorithm
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """Megatron in this process: a world of one (gloo), torn down so other modules see none."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield save_tiny_model(tmp_path_factory.mktemp("mcritic") / "model", hidden_size=32, num_layers=2)
-    torch.set_num_threads(threads)
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def with_head(critic, seed: int = 0):
@@ -104,11 +90,11 @@ def value_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
-def test_values_loss_and_step_match_torch_critic(model_dir, tmp_path):
-    fresh = MegatronCritic(model_dir, **HYPER)
+def test_values_loss_and_step_match_torch_critic(megatron_model, tmp_path):
+    fresh = MegatronCritic(megatron_model, **HYPER)
     probe = random_batch(4, seed=1)
     assert all(v == 0.0 for row in fresh.values(probe) for v in row)  # zero head: the first values are 0, as torch's
-    megatron, reference = with_head(fresh), with_head(TorchCritic(model_dir, **HYPER))
+    megatron, reference = with_head(fresh), with_head(TorchCritic(megatron_model, **HYPER))
     batch = critic_batch(reference, seed=3)
     assert value_diff(megatron.values(batch), reference.values(batch)) <= 1e-6
     before = exported(reference, tmp_path / "before")
@@ -125,7 +111,7 @@ def test_values_loss_and_step_match_torch_critic(model_dir, tmp_path):
     assert value_diff(megatron.values(batch), reference.values(batch)) <= 1e-4
 
 
-def _dp_worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) -> None:
+def _dp_worker(rank: int, port: int, megatron_model: str, cases_file: str, out: str) -> None:
     from datetime import timedelta
 
     torch.set_num_threads(1)
@@ -133,7 +119,7 @@ def _dp_worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
     try:
         steps = torch.load(cases_file, weights_only=False)
-        critic = with_head(MegatronCritic(model_dir, **HYPER))
+        critic = with_head(MegatronCritic(megatron_model, **HYPER))
         stats = [critic.train_step(step[rank], ALGORITHM, minibatches=2, micro_batch_tokens=24) for step in steps]
         weights = exported(critic, Path(out) / f"rank{rank}")
         torch.save({"stats": stats, "weights": weights}, os.path.join(out, f"rank{rank}.pt"))
@@ -142,27 +128,27 @@ def _dp_worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) 
         dist.destroy_process_group()
 
 
-def test_dp2_equals_one_process(model_dir, tmp_path):
-    probe = with_head(TorchCritic(model_dir, **HYPER))
+def test_dp2_equals_one_process(megatron_model, tmp_path):
+    probe = with_head(TorchCritic(megatron_model, **HYPER))
     steps = [[critic_batch(probe, seed + rank, n) for rank, n in enumerate((3, 5))] for seed in (20, 30)]
     torch.save(steps, tmp_path / "steps.pt")
-    mp.spawn(_dp_worker, args=(free_port(), model_dir, str(tmp_path / "steps.pt"), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_dp_worker, args=(free_port(), megatron_model, str(tmp_path / "steps.pt"), str(tmp_path)), nprocs=2, join=True)
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
     assert max_diff(rank0["weights"], rank1["weights"]) == 0.0  # replicas stay equal
-    one, solo = with_head(MegatronCritic(model_dir, **HYPER)), with_head(MegatronCritic(model_dir, **HYPER))
+    one, solo = with_head(MegatronCritic(megatron_model, **HYPER)), with_head(MegatronCritic(megatron_model, **HYPER))
     for k, step in enumerate(steps):  # minibatch k of every rank before minibatch k + 1 of any (test_dp.py's order)
         parts = [b.split(2) for b in step]
         stats = one.train_step(TrainBatch.concat([p[m] for m in range(2) for p in parts]), ALGORITHM, minibatches=2)
         for key in ("explained_variance", "critic_grad_norm"):  # DP-global (value_loss is each rank's own)
             assert rank0["stats"][k][key] == pytest.approx(stats[key], rel=1e-5), key
         solo.train_step(step[1], ALGORITHM, minibatches=2)  # what a missing all-reduce amounts to
-    weights, initial = exported(one, tmp_path / "one"), exported(with_head(MegatronCritic(model_dir, **HYPER)), tmp_path / "initial")
+    weights, initial = exported(one, tmp_path / "one"), exported(with_head(MegatronCritic(megatron_model, **HYPER)), tmp_path / "initial")
     assert parity("megatron critic: dp=2 vs one process, 2 steps", step_gap(rank0["weights"], weights, initial)) <= STEP_RTOL
     assert parity("control: megatron critic, a rank without the all-reduce",
                   step_gap(exported(solo, tmp_path / "solo"), weights, initial)) > 50 * STEP_RTOL
 
 
-def _tp_worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) -> None:
+def _tp_worker(rank: int, port: int, megatron_model: str, cases_file: str, out: str) -> None:
     """One critic split over two tensor-parallel ranks, the whole batch on each."""
     from datetime import timedelta
 
@@ -171,7 +157,7 @@ def _tp_worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
     try:
         steps = torch.load(cases_file, weights_only=False)
-        critic = with_head(MegatronCritic(model_dir, tensor_parallel=2, **HYPER))
+        critic = with_head(MegatronCritic(megatron_model, tensor_parallel=2, **HYPER))
         values = critic.values(steps[0])
         critic.save_hf(os.path.join(out, "tp-initial"))  # collective: the shards gathered, TP rank 0 writes
         stats = [critic.train_step(step, ALGORITHM, minibatches=2, micro_batch_tokens=24) for step in steps]
@@ -182,15 +168,15 @@ def _tp_worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) 
         dist.destroy_process_group()
 
 
-def test_tp2_equals_one_process(model_dir, tmp_path):
+def test_tp2_equals_one_process(megatron_model, tmp_path):
     """train.tensor_parallel=2: the critic's values, its steps and its gathered export are one
     process's (the export before any step bit for bit)."""
-    probe = with_head(TorchCritic(model_dir, **HYPER))
+    probe = with_head(TorchCritic(megatron_model, **HYPER))
     steps = [critic_batch(probe, seed, 6) for seed in (40, 50)]
     torch.save(steps, tmp_path / "steps.pt")
-    mp.spawn(_tp_worker, args=(free_port(), model_dir, str(tmp_path / "steps.pt"), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(free_port(), megatron_model, str(tmp_path / "steps.pt"), str(tmp_path)), nprocs=2, join=True)
     rank0, rank1 = (torch.load(tmp_path / f"tp-rank{r}.pt", weights_only=False) for r in range(2))
-    one = with_head(MegatronCritic(model_dir, **HYPER))
+    one = with_head(MegatronCritic(megatron_model, **HYPER))
     initial = exported(one, tmp_path / "initial")
     assert max_diff(load_file(str(tmp_path / "tp-initial" / "model.safetensors")), initial) == 0.0
     assert rank0["values"] == rank1["values"]
@@ -204,8 +190,8 @@ def test_tp2_equals_one_process(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("options", [{}, {"dtype": "bfloat16", "distributed_optimizer": True}], ids=["fp32", "bf16-distopt"])
-def test_sleep_wake_and_exact_resume(model_dir, tmp_path, options):
-    a = with_head(MegatronCritic(model_dir, **HYPER, **options), seed=1)
+def test_sleep_wake_and_exact_resume(megatron_model, tmp_path, options):
+    a = with_head(MegatronCritic(megatron_model, **HYPER, **options), seed=1)
     first, second, probe = critic_batch(a, 5), critic_batch(a, 6), random_batch(4, seed=9)
     a.train_step(first, ALGORITHM, minibatches=2)
     values = a.values(probe)
@@ -219,19 +205,19 @@ def test_sleep_wake_and_exact_resume(model_dir, tmp_path, options):
     files = a.save_checkpoint(str(tmp_path / "ckpt"))
     assert {"metadata.json", "common.pt"} <= set(files)
     a.train_step(second, ALGORITHM, minibatches=2)
-    b = MegatronCritic(model_dir, **HYPER, **options)  # a zero head: the checkpoint brings its own
+    b = MegatronCritic(megatron_model, **HYPER, **options)  # a zero head: the checkpoint brings its own
     b.load_checkpoint(str(tmp_path / "ckpt"))
     assert b.values(probe) == values
     b.train_step(second, ALGORITHM, minibatches=2)  # Adam moments and step count came back too
     assert max_diff(exported(b, tmp_path / "b"), exported(a, tmp_path / "a")) == 0.0
 
 
-def test_exported_critic_loads_back_as_model_critic(model_dir, tmp_path):
+def test_exported_critic_loads_back_as_model_critic(megatron_model, tmp_path):
     """final/critic/: a Hugging Face token classifier whose logits are the values; both backends
     load it as model.critic with the values it had; a folder with other labels is refused."""
     from transformers import AutoModelForTokenClassification
 
-    trained = with_head(MegatronCritic(model_dir, **HYPER), seed=2)
+    trained = with_head(MegatronCritic(megatron_model, **HYPER), seed=2)
     trained.train_step(critic_batch(trained, 8), ALGORITHM)
     probe = random_batch(5, seed=10)
     values = trained.values(probe)
@@ -248,9 +234,9 @@ def test_exported_critic_loads_back_as_model_critic(model_dir, tmp_path):
 
     bad = tmp_path / "again" / "config.json"
     bad.write_text(json.dumps(json.loads(bad.read_text()) | {"id2label": {"0": "LABEL_0", "1": "LABEL_1"}}))
-    config = RunConfig.model_validate({"model": {"policy": model_dir, "critic": str(tmp_path / "again")}, **PPO})
+    config = RunConfig.model_validate({"model": {"policy": megatron_model, "critic": str(tmp_path / "again")}, **PPO})
     with pytest.raises(InputError, match="^model.critic: .*num_labels \\(id2label\\) is 2; a critic's value head has 1 output"):
-        check_critic(config, model_dir)
+        check_critic(config, megatron_model)
 
 
 def test_qwen2_tied_critic_matches_torch(tmp_path):
@@ -278,11 +264,11 @@ def test_qwen2_tied_critic_matches_torch(tmp_path):
     assert json.loads((tmp_path / "m" / "config.json").read_text())["architectures"] == ["Qwen2ForTokenClassification"]
 
 
-def megatron_ppo_host(model_dir: str, seed: int = 0) -> Worker:
+def megatron_ppo_host(megatron_model: str, seed: int = 0) -> Worker:
     h = Worker(rank=0, world=1, threads=1)
     h.config = RunConfig.model_validate(PPO)
-    h.trainer = MegatronTrainer(model_dir, lr=1e-2)
-    h.critic = with_head(MegatronCritic(model_dir, lr=1e-2), seed=seed)
+    h.trainer = MegatronTrainer(megatron_model, lr=1e-2)
+    h.critic = with_head(MegatronCritic(megatron_model, lr=1e-2), seed=seed)
     h.checkpoints = Checkpoints(0, "megatron", [["part-00000.parquet", 8]])
     h.awake = {"trainer", "critic"}
     return h
@@ -305,11 +291,11 @@ def ppo_step(h: Worker, tmp, step: int) -> dict:
     return h.train_step(TrainStep(experience=out)).statistics
 
 
-def test_megatron_host_ppo_steps_checkpoint_export_and_resume(model_dir, tmp_path):
+def test_megatron_host_ppo_steps_checkpoint_export_and_resume(megatron_model, tmp_path):
     """An engine host with train.backend=megatron: PPO steps (filter values, per-token advantages,
     policy and critic trained), full colocation's switches, a checkpoint that holds
     critic-megatron/, an export with critic/, and a resumed host that continues exactly."""
-    h = megatron_ppo_host(model_dir)
+    h = megatron_ppo_host(megatron_model)
     stats = ppo_step(h, tmp_path, 0)
     assert {"loss", "clip_fraction", "value_loss", "value_clip_fraction", "explained_variance", "critic_grad_norm"} <= set(stats)
     assert stats["value_loss"] > 0 and stats["critic_grad_norm"] > 0
@@ -323,7 +309,7 @@ def test_megatron_host_ppo_steps_checkpoint_export_and_resume(model_dir, tmp_pat
     files = h.checkpoint(Checkpoint(uri=uri)).files  # checkpoint.asynchronous=false; wakes the critic to write its shards
     assert "critic-megatron/metadata.json" in files and any(f.startswith("trainer-megatron/") for f in files)
     after = ppo_step(h, tmp_path, 1)
-    other = megatron_ppo_host(model_dir, seed=9)
+    other = megatron_ppo_host(megatron_model, seed=9)
     other.checkpoints.load(other.trainer, uri, other.critic)
     assert ppo_step(other, tmp_path, 1) == after
     assert max_diff(exported(other.critic, tmp_path / "o"), exported(h.critic, tmp_path / "h")) == 0.0

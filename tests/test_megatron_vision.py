@@ -14,7 +14,6 @@ import random
 
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
 import megatron_cpu
 
 megatron_cpu.install()  # before Megatron is imported: its modules are patched as they load
@@ -31,7 +30,7 @@ from engines.backends.megatron.trainer import MegatronTrainer  # noqa: E402
 from engines.backends.torch.trainer import TorchTrainer  # noqa: E402
 from engines.demo import vision  # noqa: E402
 from engines.demo.tiny_vision import build_tiny_idefics3, build_vision_processor  # noqa: E402
-from helpers import STEP_RTOL, parity, step_gap  # noqa: E402
+from tests.helpers import STEP_RTOL, parity, step_gap  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
 
@@ -223,7 +222,7 @@ def _worker(rank: int, port: int, model_dir: str, cases_file: str, out: str) -> 
 
 def test_vlm_tp2_pp2_and_dp2_equal_one_process(vlm, tmp_path):
     import torch.multiprocessing as mp
-    from helpers import free_port
+    from tests.helpers import free_port
 
     probe = TorchTrainer(vlm)
     halves = [vision_batch(vlm, n, seed=20 + rank) for rank, n in enumerate((3, 5))]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
 
 import torch
 import torch.multiprocessing as mp
@@ -32,8 +31,7 @@ from engines.rl import algorithms
 from engines.backends.base import TrainBatch
 from engines.backends.torch.trainer import TorchTrainer
 from engines.backends.batching import micro_batches
-from helpers import (STEP_RTOL, concat, global_order, dp_worker, free_port, max_param_diff, params_of, parity, random_batch, save_tiny_model,
-                     step_gap, with_old_logprobs)
+from tests.helpers import (STEP_RTOL, concat, global_order, dp_worker, free_port, max_param_diff, params_of, parity, random_batch, step_gap, with_old_logprobs)
 from engines.rl.grpo import GRPOConfig
 
 LR = 1e-2
@@ -114,10 +112,10 @@ def test_micro_batches_none_and_empty():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def model_dir(tiny_model):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield save_tiny_model(tmp_path_factory.mktemp("micro") / "model", hidden_size=32, num_layers=1)
+    yield tiny_model
     torch.set_num_threads(threads)
 
 

@@ -193,7 +193,7 @@ def test_a_moe_policy_trains_through_the_flow_with_router_replay(prepared):
     import pyarrow.parquet as pq
 
     from flows.training import train
-    from tests.conftest import TINY
+    from tests.helpers import TINY
 
     root = Path(prepared)
     save_tiny_hub_model("qwen3_moe", root / "models" / "tiny-moe", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1)

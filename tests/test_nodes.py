@@ -8,10 +8,9 @@ import asyncio
 from pathlib import Path
 
 from flows.training import train
-from tests.conftest import TINY
-from tests.helpers import assert_steps_completed, read_run_tree
+from tests.helpers import TINY, assert_steps_completed, read_run_tree
 
-STUBS = ["rollout.backend=stub", "judge.backend=stub", "train.backend=stub"]
+from tests.helpers import STUBS
 
 
 async def _node_tasks(run: str) -> dict[str, tuple[str, str]]:

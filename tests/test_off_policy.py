@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
 
 import torch
 
@@ -19,7 +18,7 @@ from engines.host import offpolicy
 from engines.host.balance import presplit
 from engines.rl.grpo import GRPOConfig
 from engines.rl.off_policy import correction_weights, staleness_counts
-from helpers import random_batch, save_tiny_model, with_old_logprobs
+from tests.helpers import random_batch, save_tiny_model, with_old_logprobs
 
 
 def logprob_rows(seed: int, rows: int = 6, spread: float = 1.5) -> tuple[list[list[float]], list[list[float]]]:
@@ -93,20 +92,15 @@ def test_overlap_refuses_a_critic_and_node_controllers():
     assert load_config(None, ["controllers.groups_per_node=2"]).controllers.groups_per_node == 2
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("offpolicy") / "model", hidden_size=32, num_layers=1)
-
-
 class _Train:
     old_policy, off_policy_correction, tis_cap, mis_low, mis_high = "decoupled", "tis", 1.2, 0.5, 2.0
 
 
-def test_decoupled_tis_through_the_trainer_matches_the_formula(model_dir):
+def test_decoupled_tis_through_the_trainer_matches_the_formula(tiny_model):
     """Decoupled PPO + TIS through ``offpolicy.correct`` and TorchTrainer's loss step: the loss is
     -sum_t min(w_t, C) * min(r_t A, clip(r_t) A) / tokens with r_t = pi/pi_old (= 1 at the first
     pass, so the surrogate is A) and w_t = pi_old / mu, pi_old the trainer's own log-probs."""
-    trainer = TorchTrainer(model_dir, lr=1e-2)
+    trainer = TorchTrainer(tiny_model, lr=1e-2)
     batch = random_batch(5, seed=4)
     own = trainer.logprobs(batch)
     batch = with_old_logprobs(batch, own, noise=0.6, seed=4)  # the behaviour policy: a stale one
@@ -120,8 +114,8 @@ def test_decoupled_tis_through_the_trainer_matches_the_formula(model_dir):
     assert 0.0 < stats["is_truncated_fraction"] < 1.0
 
 
-def test_correct_keeps_a_balanced_batch_minibatches(model_dir):
-    trainer = TorchTrainer(model_dir)
+def test_correct_keeps_a_balanced_batch_minibatches(tiny_model):
+    trainer = TorchTrainer(tiny_model)
     a, b = random_batch(2, seed=1), random_batch(3, seed=2)
     batch = presplit([a, b])
     out, _ = offpolicy.correct(trainer, batch, _Train)

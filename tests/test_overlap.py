@@ -8,9 +8,9 @@ import asyncio
 
 from conftest import TINY
 from flows.training import train
-from helpers import assert_steps_completed, no_engine_hosts_left, read_run_tree, run_until_healed, taken_prompts, trained_once
+from tests.helpers import assert_steps_completed, no_engine_hosts_left, read_run_tree, run_until_healed, taken_prompts, trained_once
 
-STUBS = ["rollout.backend=stub", "judge.backend=stub", "train.backend=stub"]
+from tests.helpers import STUBS
 
 
 async def flow_run_times(names: list[str]) -> dict[str, tuple]:
@@ -85,7 +85,7 @@ async def under_run(run_name: str) -> tuple[dict[str, list[str]], list[tuple[str
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
-    from helpers import children
+    from tests.helpers import children
 
     async with get_client() as client:
         runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"train-{run_name}"])))

@@ -105,7 +105,7 @@ def test_each_layout_needs_its_trainer_and_is_refused_where_it_is_not_wired_yet(
     with pytest.raises(ConfigError, match=r"hosts\.work_queue='dp-\{node\}': KeyError: 'node' \(its fields: \{group\}"):
         load_config(None, ["hosts.work_queue=dp-{node}"])
     from engines.host.validation import InputError, check_megatron_architecture
-    from helpers import save_tiny_model
+    from tests.helpers import save_tiny_model
 
     model = save_tiny_model(tmp_path / "policy", hidden_size=32, num_layers=1)  # 4 heads, 2 key/value heads
     check_megatron_architecture(config, model)
@@ -197,7 +197,7 @@ def tp_root(tmp_path_factory) -> Path:
     pytest.importorskip("megatron.core", reason="Megatron-Core is optional (make engines installs it)")
     import pyarrow as pa
 
-    from helpers import save_tiny_model
+    from tests.helpers import save_tiny_model
     from storage import datasets
 
     root = tmp_path_factory.mktemp("tp-hosts")
@@ -231,7 +231,7 @@ def test_two_groups_split_by_tensor_or_by_pipeline_train_the_same_step(steps):
     and RNG state with the policy's Hugging Face folder."""
     from safetensors.torch import load_file
 
-    from helpers import STEP_RTOL, parity, step_gap
+    from tests.helpers import STEP_RTOL, parity, step_gap
     from storage import datasets
 
     tp2, pp2 = steps["tp2"], steps["pp2"]
@@ -274,7 +274,7 @@ def test_two_groups_of_two_expert_parallel_ranks_train_the_step_groups_of_one_ra
     from safetensors.torch import load_file
 
     from engines.demo.tiny_hub import save_tiny_hub_model
-    from helpers import STEP_RTOL, parity, step_gap
+    from tests.helpers import STEP_RTOL, parity, step_gap
     from storage import datasets
 
     root = tmp_path / "moe"
@@ -306,7 +306,7 @@ def test_a_run_whose_follower_rank_is_killed_heals_and_trains_each_step_once(pre
     import asyncio
 
     from flows.training import train
-    from helpers import no_engine_hosts_left
+    from tests.helpers import no_engine_hosts_left
 
     site = str(ROOT / "tests" / "megatron_cpu_site")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [site, str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -330,7 +330,7 @@ def test_a_tensor_parallel_checkpoint_resumes_pipelined_and_trains_on_alike(step
     groups' next step (a fresh optimizer's would not be: Adam's first step differs from its second)."""
     from safetensors.torch import load_file
 
-    from helpers import STEP_RTOL, parity, step_gap
+    from tests.helpers import STEP_RTOL, parity, step_gap
 
     tp2, pp2 = steps["tp2"], steps["pp2"]
     resumed = "\n".join(line for lines in pp2["resumed"] for line in lines)
@@ -389,7 +389,7 @@ def test_a_vllm_rollout_engine_over_two_ranks_samples_with_the_trainers_weights(
     from engines.wire.channel import client
     from engines.wire.commands import DynamicFilter, GenRMScore, Rollout, SetupEngines, SyncWeights, TrainStep
     from engines.wire.launch import LocalHosts
-    from helpers import save_tiny_model
+    from tests.helpers import save_tiny_model
     from storage import datasets
 
     save_tiny_model(tmp_path / "models" / "policy", hidden_size=128, num_layers=2)  # head size 32: vLLM's CPU attention
@@ -466,7 +466,7 @@ def test_ppo_with_its_critic_over_two_tensor_parallel_ranks_or_two_stages_trains
     are one rank's."""
     import torch
 
-    from helpers import STEP_RTOL, parity, step_gap
+    from tests.helpers import STEP_RTOL, parity, step_gap
 
     one = ppo_steps(tp_root, tp=1)
     for name, split in {"tp=2": ppo_steps(tp_root, tp=2), "pp=2": ppo_steps(tp_root, tp=1, pp=2)}.items():
@@ -496,7 +496,7 @@ def test_a_run_sharded_with_fsdp_resumes_unsharded_from_its_sharded_checkpoint(p
     from engines.backends.base import fingerprint
     from engines.backends.torch.trainer import TorchTrainer
     from flows.training import train
-    from helpers import no_engine_hosts_left
+    from tests.helpers import no_engine_hosts_left
 
     overrides = [*task(tp_root), "name=fsdp-resharded", "dp=1", "checkpoint.every=1", "train.micro_batch_tokens=48",
                  "rollout.mode=stream", "rollout.max_staleness=2", "train.old_policy=decoupled", "train.off_policy_correction=tis"]

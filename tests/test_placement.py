@@ -17,8 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flows.training import train
-from tests.conftest import TINY
-from tests.helpers import read_run_tree
+from tests.helpers import TINY, read_run_tree
 
 # 4 prompts per wave in chunks of 1 prompt (4 samples): 4 chunks, at most 1 waiting for the judge
 PLACEMENT = ["placement.stream_chunk=1", "placement.queue_size=1", "dp=1", "steps=2", "checkpoint.every=10"]

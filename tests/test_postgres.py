@@ -14,8 +14,7 @@ import time
 
 import pytest
 
-from tests.conftest import TINY
-from tests.helpers import assert_steps_completed, read_run_tree
+from tests.helpers import TINY, assert_steps_completed, read_run_tree
 from tests import postgres as pg
 
 

@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from helpers import random_batch, save_tiny_model, scored_rows
+from tests.helpers import random_batch, save_tiny_model, scored_rows
 
 from engines.backends.base import TrainBatch
 from engines.backends.torch.critic import TorchCritic
@@ -31,11 +31,6 @@ from engines.wire.commands import Checkpoint, CheckpointWait, DynamicFilter, Tra
 from storage import datasets, objectstore
 
 PPO = {"dp": 1, "train": {"algorithm": {"name": "ppo"}, "minibatches": 2, "micro_batch_tokens": 24}}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("ppo") / "model")
 
 
 def critic_of(model_dir: str, seed: int = 0, lr: float = 1e-2) -> TorchCritic:
@@ -57,9 +52,9 @@ def critic_batch(critic: TorchCritic, seed: int) -> TrainBatch:
     return batch
 
 
-def test_critic_step_matches_hand_written_value_loss(model_dir):
+def test_critic_step_matches_hand_written_value_loss(tiny_model):
     torch.set_num_threads(1)
-    critic, hand = critic_of(model_dir), critic_of(model_dir)
+    critic, hand = critic_of(tiny_model), critic_of(tiny_model)
     batch = critic_batch(critic, 7)
     tokens = sum(len(r) for r in batch.response_ids)
     loss, clipped = torch.zeros((), dtype=torch.float64), 0.0
@@ -106,9 +101,9 @@ def ppo_step(h: Worker, tmp, step: int) -> tuple[list[dict], dict]:
     return experience, h.train_step(TrainStep(experience=out)).statistics
 
 
-def test_host_ppo_step_and_exact_resume(model_dir, tmp_path):
+def test_host_ppo_step_and_exact_resume(tiny_model, tmp_path):
     torch.set_num_threads(1)
-    h = ppo_host(model_dir)
+    h = ppo_host(tiny_model)
     rows = scored_rows(0)
     values = h.critic.values(TrainBatch([r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows],
                                         [r["logprobs"] for r in rows], [0.0] * 6))
@@ -141,9 +136,9 @@ def test_host_ppo_step_and_exact_resume(model_dir, tmp_path):
         other.checkpoints.load(other.trainer, plain, other.critic)
 
 
-def test_a_missing_critic_folder_is_refused_before_engines_load(model_dir, tmp_path):
+def test_a_missing_critic_folder_is_refused_before_engines_load(tiny_model, tmp_path):
     config = RunConfig.model_validate({
-        "storage": {"root": str(tmp_path)}, "model": {"policy": model_dir, "critic": str(tmp_path / "no-such-critic")},
+        "storage": {"root": str(tmp_path)}, "model": {"policy": tiny_model, "critic": str(tmp_path / "no-such-critic")},
         "train": {"algorithm": {"name": "ppo"}}, "reward": {"genrm_weight": 0.0, "rule_weight": 1.0,
                                                             "rule": "engines.demo.arithmetic:exact_match"}})
     with pytest.raises(InputError, match="^model.critic: .*no-such-critic is not a readable Hugging Face model folder"):

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import save_tiny_model
+from tests.helpers import save_tiny_model
 from engines.config import load_config
 from engines.host import rewards, validation
 from flows import preflight
@@ -368,7 +368,7 @@ def yattflow_train(store: Path, home: Path, *overrides: str) -> subprocess.Compl
 def vlm_store(store: Path) -> tuple[str, str]:
     """A tiny vision-language policy and prompts whose second image declares 13000 x 13000 pixels."""
     from engines.demo import vision
-    from helpers import save_tiny_vlm
+    from tests.helpers import save_tiny_vlm
 
     policy = store / "models" / "vlm"
     if not policy.exists():

@@ -28,8 +28,7 @@ from flows.training import train
 from storage import objectstore
 from storage.lease import RunInUse
 from storage.runstate import RunState
-from tests.conftest import TINY
-from tests.helpers import final_parameters, no_engine_hosts_left, trained
+from tests.helpers import TINY, final_parameters, no_engine_hosts_left, trained
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -226,12 +225,12 @@ def hosts_starting(out: str, me: psutil.Process) -> bool:
 def test_sigterm_at_any_moment_stops_like_ctrl_c_and_the_run_resumes_exactly(prepared, uninterrupted, faults):
     """SIGTERM (what kill, Kubernetes, Slurm and systemd send) to ``yattflow train`` while its engine
     hosts start, inside a step (a host hung in step 1's scoring: the run waits on it, its event loop
-    idle, where Prefect's own SIGTERM handler made it crash with exit 1), between steps (after the
-    line of step 3), and during the background write of step 3's checkpoint (its writer hung after
-    the first file): each time status 130, the stop line naming the step and the committed
+    idle, where Prefect's own SIGTERM handler made it crash with exit 1) and between steps (after the
+    line of step 3): each time status 130, the stop line naming the step and the committed
     checkpoint, nothing left running. The same command then finishes the run, and it trained
-    exactly what the uninterrupted run did."""
-    faults("genrm_score@1:dp-1:hang", "checkpoint_write@3:dp-0:hang")
+    exactly what the uninterrupted run did. (During a checkpoint's background write, with the CPU
+    hogged, on the embedded server: tests/test_stops.py.)"""
+    faults("genrm_score@1:dp-1:hang")
     name = "recovery-sigterm"
     args = [*COMMON, f"storage.root={prepared}", f"name={name}", "timeouts.stage_s=120"]  # the hangs wait for us
     run_uri = f"file://{prepared}/runs/{name}"
@@ -248,10 +247,7 @@ def test_sigterm_at_any_moment_stops_like_ctrl_c_and_the_run_resumes_exactly(pre
     assert top == "CANCELLED" and "CANCELLED" in below and "CRASHED" not in below, (top, below)  # a deliberate stop, not a crash
     last = stop_with_sigterm(args, lambda out, _: "step 3/6" in out)
     assert re.fullmatch(stopped("4", "step 2"), last), last
-    # the writer hangs as step 3 ends (its log line may come first) or while step 4 trains
-    last = stop_with_sigterm(args, lambda out, _: "fault injection: checkpoint_write@3:dp-0:hang" in out)
-    assert re.fullmatch(stopped("45", "step 2"), last), last
-    assert RunState.load(run_uri).step == 1  # step 3's checkpoint was never committed
+    assert RunState.load(run_uri).step == 1  # step 3's checkpoint was not committed yet
 
     done = subprocess.run([sys.executable, "-m", "flows.cli", "train", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env=dict(os.environ))

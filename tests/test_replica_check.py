@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
 
 import torch  # noqa: E402
 
@@ -169,7 +168,7 @@ class Faulty:
 def test_a_stale_or_corrupted_bucket_is_refused_naming_it(tmp_path, monkeypatch, check):
     from engines.backends.torch.generator import TorchGenerator
     from engines.backends.torch.trainer import TorchTrainer
-    from helpers import save_tiny_model
+    from tests.helpers import save_tiny_model
 
     monkeypatch.setenv(digest.SYNC_CHECK, check)
     folder = save_tiny_model(tmp_path / "policy", num_layers=2)

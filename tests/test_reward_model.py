@@ -24,8 +24,7 @@ from engines.reward_model import bt_loss
 from flows.rm import RMNotConverged, rm
 from flows.training import train
 from storage import datasets
-from tests.conftest import TINY
-from tests.helpers import save_tiny_model, wrote_nothing
+from tests.helpers import TINY, save_tiny_model, wrote_nothing
 
 # A tiny RM on the demo's pairs: 600 training pairs, 200 held out, hidden 32, one layer
 SMALL = ["prepare.train_prompts=600", "prepare.heldout_prompts=200", "sft.hidden_size=32", "sft.layers=1",

@@ -13,7 +13,6 @@ import random
 
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
 
 import torch
 
@@ -27,7 +26,7 @@ from engines.rl.ppo import gae, value_loss
 from engines.rl.registry import ALGORITHMS
 from engines.rl.reinforce_pp import ReinforcePPConfig
 from engines.rl.rloo import RLOOConfig, rloo_advantages
-from helpers import random_batch, save_tiny_model, with_old_logprobs
+from tests.helpers import random_batch, with_old_logprobs
 
 
 def off_policy(seed: int, batch: int = 4, tokens: int = 6):
@@ -223,11 +222,6 @@ def test_every_algorithm_is_picked_by_name_with_its_own_fields():
 # ---------------------------------------------------------------- one TorchTrainer step per algorithm
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("rl") / "model", hidden_size=32, num_layers=1)
-
-
 def hand_logprobs(model, prompt, response):
     ids = torch.tensor([prompt + response])
     logp = torch.log_softmax(model(input_ids=ids).logits[0].float()[:-1], -1)
@@ -265,17 +259,17 @@ def hand_loss(name, model, batch):
 
 
 @pytest.mark.parametrize("name", ["grpo", "gspo", "cispo", "rloo", "reinforce_pp", "ppo"])
-def test_trainer_gradient_matches_hand_written_loss(model_dir, name):
+def test_trainer_gradient_matches_hand_written_loss(tiny_model, name):
     algorithm = load_config(None, [f"train.algorithm.name={name}"]
                             + (["train.algorithm.clip_low=0.05", "train.algorithm.clip_high=0.05"] if name == "gspo" else [])
                             ).train.algorithm
-    trainer = TorchTrainer(model_dir, lr=1e-2, grad_clip=1e9)
+    trainer = TorchTrainer(tiny_model, lr=1e-2, grad_clip=1e9)
     batch = random_batch(5, seed=41)
     batch = with_old_logprobs(batch, trainer.logprobs(batch), noise=0.3, seed=41)
     if name == "ppo":  # one advantage per response token (GAE's), as the host writes them
         rng = random.Random(41)
         batch.advantages = [[rng.uniform(-1.5, 1.5) for _ in r] for r in batch.response_ids]
-    hand = TorchTrainer(model_dir).model
+    hand = TorchTrainer(tiny_model).model
     loss = hand_loss(name, hand, batch)
     loss.backward()
     stats = trainer.train_step(batch, algorithm, minibatches=1)

@@ -11,11 +11,10 @@ import psutil
 import pytest
 
 from flows.stack import Stack
-from tests.conftest import TINY
-from tests.helpers import assert_steps_completed, read_run_tree
+from tests.helpers import TINY, assert_steps_completed, read_run_tree
 from tests.postgres import PostgresCluster, PostgresUnavailable, run_flow_subprocess
 
-STUBS = ["rollout.backend=stub", "judge.backend=stub", "train.backend=stub"]
+from tests.helpers import STUBS
 
 
 def test_stack_refuses_sqlite():

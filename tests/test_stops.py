@@ -23,8 +23,7 @@ from pathlib import Path
 import psutil
 
 from storage.runstate import RunState
-from tests.conftest import TINY
-from tests.helpers import trained, trained_once
+from tests.helpers import TINY, trained, trained_once
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -109,7 +108,7 @@ def test_a_stop_ends_within_30s_under_a_cpu_hog_at_any_moment_and_the_same_comma
         for noise in ("Traceback", "Crashed", "Crash detected", "Error logging to API", "ConnectError"):
             assert noise not in out, (point, noise, out[-3000:])
         assert stopped.fullmatch(out.strip().splitlines()[-1]), (point, out[-3000:])
-    print(f"\n[stops] SIGTERM/Ctrl-C to the end of the command, CPU hogged: "
+    print("\n[stops] SIGTERM/Ctrl-C to the end of the command, CPU hogged: "
           + ", ".join(f"{point} {s:.1f}s" for point, s in took.items()))
     assert "Crashed" in (Path(prepared) / "logs" / f"{name}-train.log").read_text()  # Prefect's lines: in the log file
 

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
+from tests import helpers
+
 
 import pyarrow as pa
 import pyarrow.parquet as pq

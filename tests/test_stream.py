@@ -11,7 +11,6 @@ import time
 
 import pytest
 
-import helpers  # noqa: F401  (puts the checkout on sys.path)
 
 import torch
 
@@ -23,7 +22,7 @@ from engines.host import offpolicy
 from engines.host.prompts import PromptStream
 from engines.host.stream import StreamLane
 from engines.rl.grpo import GRPOConfig
-from helpers import random_batch, run_until_healed, save_tiny_model, taken_prompts, trained_once, with_old_logprobs
+from tests.helpers import random_batch, run_until_healed, save_tiny_model, taken_prompts, trained_once, with_old_logprobs
 
 
 def prompt_at(i: int) -> dict:
@@ -79,7 +78,7 @@ def test_a_sample_continued_under_three_versions_keeps_each_tokens_and_is_correc
         assert corrected.is_weights[i] == pytest.approx(want, abs=1e-3)
 
 
-def test_an_episode_spans_weight_updates_turn_by_turn(tmp_path):
+def test_an_episode_spans_weight_updates_turn_by_turn(tool_agent):
     """Real torch engines and the calculator (rollout.tools): the lane plays each episode a turn per
     segment, so a weight sync between two turns puts the call under version 0 and the answer under
     version 1. Each sampled token's recorded log-prob is the trainer's under its own version; the
@@ -88,9 +87,8 @@ def test_an_episode_spans_weight_updates_turn_by_turn(tmp_path):
     from engines.backends import chat
     from engines.backends.torch.generator import TorchGenerator
     from engines.backends.torch.trainer import TorchTrainer
-    from engines.demo.tool_agent import save_tool_agent
 
-    agent = save_tool_agent(tmp_path / "agent")
+    agent = tool_agent
     trainer, generator = TorchTrainer(agent, lr=3e-3, temperature=0.3), TorchGenerator(agent, prompt_format=chat.PromptFormat("auto"))
     ro = RolloutConfig(mode="stream", max_staleness=2, samples_per_prompt=2, max_new_tokens=80, temperature=0.3,
                        tools=["engines.agents.tools:calculator"], max_turns=3)
@@ -189,7 +187,7 @@ def test_a_group_older_than_max_staleness_is_dropped_and_counted():
     assert lane.figures.stale_dropped == dropped
 
 
-STUBS = ["rollout.backend=stub", "judge.backend=stub", "train.backend=stub"]
+from tests.helpers import STUBS
 
 
 def test_a_streaming_run_killed_resumes_with_no_prompt_trained_twice_or_skipped(prepared, tmp_path):

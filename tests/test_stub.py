@@ -10,10 +10,9 @@ import pyarrow.parquet as pq
 
 from engines.backends.stub.engines import TimingStubGenerator, TimingStubTrainer
 from flows.training import train
-from tests.conftest import TINY
-from tests.helpers import assert_steps_completed, random_batch, read_run_tree
+from tests.helpers import TINY, assert_steps_completed, random_batch, read_run_tree
 
-STUBS = ["rollout.backend=stub", "judge.backend=stub", "train.backend=stub"]
+from tests.helpers import STUBS
 
 
 def test_stub_generator_is_deterministic_and_shaped(tmp_path):

@@ -9,7 +9,6 @@ screenshots (paths printed; also copied under ``$YATTFLOW_TEST_ARTIFACTS`` when 
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import shutil
 from pathlib import Path
@@ -22,13 +21,10 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.sorting import LogSort
 
-from tests.test_flows import run_train
+from tests.browser import Browser, needs_browser
+from tests.helpers import run_train
 
-CHROMIUM = "/usr/bin/chromium"
 
-needs_browser = pytest.mark.skipif(
-    not Path(CHROMIUM).exists(), reason=f"needs Debian's chromium at {CHROMIUM} (apt-get install chromium)"
-)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -58,59 +54,8 @@ async def _artifacts(key: str, flow_run_id: str) -> list:
             key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
 
 
-def _keep(path: Path) -> Path:
-    """Print where a screenshot is; copy it under ``$YATTFLOW_TEST_ARTIFACTS`` if that is set."""
-    print(f"screenshot: {path}")
-    if os.environ.get("YATTFLOW_TEST_ARTIFACTS"):
-        dest = Path(os.environ["YATTFLOW_TEST_ARTIFACTS"]) / "ui" / path.name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, dest)
-        print(f"screenshot copy: {dest}")
-    return path
 
 
-class Browser:
-    """One headless Chromium page on the Prefect UI, used the way a person uses it: open a
-    page, click a tab or a card, read the text, take a screenshot."""
-
-    def __init__(self, base_url: str, out: Path):
-        self.base, self.out = base_url, out
-        self._pw = self._browser = self.page = None
-
-    def open(self, path: str, tab: str | None = None) -> "Browser":
-        if self.page is None:  # started on first use: Playwright's sync API keeps an event loop running
-            from playwright.sync_api import sync_playwright
-
-            self._pw = sync_playwright().start()
-            self._browser = self._pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-            self.page = self._browser.new_page(viewport={"width": 1600, "height": 1100})
-        self.page.goto(self.base + path)
-        if tab:  # the run page opens on Logs whatever ?tab= says; click like a person
-            self.click(tab)
-        return self
-
-    def click(self, text: str) -> "Browser":
-        self.page.get_by_text(text, exact=True).first.click()
-        return self
-
-    def wait_for(self, *texts: str, timeout_s: float = 60) -> "Browser":
-        for text in texts:
-            self.page.get_by_text(text, exact=False).first.wait_for(timeout=timeout_s * 1000)
-        return self
-
-    def text(self) -> str:
-        return self.page.inner_text("body")
-
-    def shot(self, name: str) -> Path:
-        self.page.wait_for_load_state("networkidle")
-        path = self.out / name
-        self.page.screenshot(path=str(path), full_page=True)
-        return _keep(path)
-
-    def close(self) -> None:
-        if self._pw is not None:
-            self._browser.close()
-            self._pw.stop()
 
 
 @pytest.fixture

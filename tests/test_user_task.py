@@ -9,7 +9,6 @@ and the torch engines on the tiny prepared models.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import re
 import textwrap
@@ -23,13 +22,9 @@ from engines.config import load_config
 from engines.host.rewards import RewardRuleError, load_rule
 from engines.host.validation import InputError
 from flows import preflight
-from flows.training import NothingToLearn, train
-from tests.conftest import TINY
-from tests.helpers import save_tiny_model, wrote_nothing
+from flows.training import NothingToLearn
+from tests.helpers import TINY, run_train, save_tiny_model, wrote_nothing
 
-
-def run_train(root: str, *extra: str) -> dict:
-    return asyncio.run(train(overrides=TINY + [f"storage.root={root}", *extra]))
 
 
 def checked(root: str, *extra: str) -> None:

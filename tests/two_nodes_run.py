@@ -26,8 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.conftest import TINY
-from tests.helpers import read_run_tree
+from tests.helpers import TINY, read_run_tree
 from tests.postgres import PostgresCluster, PrefectServer, run_flow_subprocess
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -71,9 +71,19 @@ def load(path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # its "Converting and de-quantizing GGUF tensors" bar: a console line per tensor
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf_logging.disable_progress_bar()
+    # its "Converting and de-quantizing GGUF tensors" bar is tqdm's own, which that switch does not reach: a console
+    # (and a log file) full of carriage returns; the bar's iterable is passed through as it is instead
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    bar = getattr(reader, "tqdm", None)
+    reader.tqdm = lambda iterable, *args, **kwargs: iterable
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    finally:
+        if bar is not None:
+            reader.tqdm = bar
     return model.eval(), tokenizer
 
 

@@ -105,12 +105,15 @@ class TrainConfig(Section):
     micro_batch_tokens: int | None = Field(
         4096,
         gt=0,
-        description="Padded tokens (sequences x longest sequence) per forward/backward pass. Each minibatch's sequences "
-        "are sorted by length and cut into the fewest passes of at most this size (padding least among those), gradients "
-        "accumulating before the minibatch's one optimizer step: the update is the same (up to float summation order), "
-        "a DP group's compute follows its tokens rather than rows x its longest row, and activation memory is bounded. "
-        "Set it about where one pass saturates the device (a minibatch that fits in one pass is not split). "
-        "None: one pass per minibatch, padded to its longest sequence.",
+        description="Tokens per forward/backward pass. The torch trainer and critic pack: each minibatch's sequences, "
+        "longest first, are laid end to end in lanes as wide as the pass's longest sequence (positions restarting and "
+        "attention kept within each sequence), lanes x width at most this size; a family that cannot pack (a "
+        "vision-language model, linear attention) and the Megatron trainer pad instead: sequences sorted by length and "
+        "cut into the fewest passes of at most this many padded tokens (sequences x longest sequence). Gradients "
+        "accumulate before the minibatch's one optimizer step and every pass's loss is normalised by the whole "
+        "minibatch's DP-global count: the update is the same (up to float summation order), a DP group's compute "
+        "follows its tokens, and activation memory is bounded (docs/engines.md, Packed micro-batches). Set it about "
+        "where one pass saturates the device. None: one pass per minibatch.",
     )
     algorithm: AlgorithmChoice = Field(
         default_factory=DEFAULT,

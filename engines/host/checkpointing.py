@@ -146,7 +146,6 @@ class Checkpoints:
             if rank == 0:
                 files += sorted(str(p.relative_to(tmp)) for p in Path(tmp, "model").rglob("*") if p.is_file())
             put(f"rng-{rank}.pt", rng)
-            _test_checkpoint_pause()
             faults.inject("checkpoint_write", checkpoint_step(uri), name)
             for file in files:
                 put(file, Path(tmp, file).read_bytes())
@@ -298,15 +297,6 @@ class BackgroundWrite:
             raise RuntimeError(f"checkpoint write to {self.uri} failed after {self.seconds:.2f}s: "
                                f"{type(self.error).__name__}: {self.error}") from self.error
         return {"uri": self.uri, "files": self.files, "write_s": self.seconds}
-
-
-def _test_checkpoint_pause() -> None:
-    """TEST HOOK ONLY: ``YATTFLOW_TEST_CHECKPOINT_DELAY_S`` makes every checkpoint writer pause that
-    many seconds after its first file, so that a test can kill a run while a checkpoint is half
-    written (tests/test_checkpoint.py). Read only here, on the writer's thread; never set it in a real run."""
-    delay = float(os.environ.get("YATTFLOW_TEST_CHECKPOINT_DELAY_S") or 0)
-    if delay > 0:
-        time.sleep(delay)
 
 
 def to_bytes(obj) -> bytes:

@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from engines.backends import value_head
 from engines.backends.base import FrozenCheckpoint, TrainBatch, load_torch_file, report_progress
-from engines.backends.batching import pad_batch
+from engines.backends.batching import Packed, pad_batch
 from engines.backends.torch import fsdp
-from engines.backends.torch.model import forward_precision, resolve_device
+from engines.backends.torch.model import forward_precision, packing_refusal, resolve_device
 from engines.backends.torch.trainer import all_reduce_grads, copy_state
 from engines.rl.base import on_response_tokens
 
@@ -44,11 +44,16 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Values [batch, len - 1]: position p's value is of the state after tokens <= p, the one
-        the policy's log-probability of token p + 1 is read at (``sequence_logprobs``)."""
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        the policy's log-probability of token p + 1 is read at (``sequence_logprobs``). Right-padded
+        rows (``attention_mask``), or packed lanes (``position_ids`` restarting per row, no mask:
+        ``batching.Packed``)."""
+        if attention_mask is not None:
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state
         with torch.autocast(input_ids.device.type, enabled=False):  # the head in fp32 even under bf16 autocast
             return self.value_head(hidden[:, :-1].float()).squeeze(-1)
 
@@ -59,13 +64,15 @@ class TorchCritic:
 
     def __init__(self, model_dir: str, lr: float, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
                  grad_clip: float = 1.0, dtype: str = "float32", device: torch.device | str | None = None,
-                 autocast: bool | None = None, shards: int = 1):
+                 autocast: bool | None = None, shards: int = 1, packed: bool = True):
         from transformers import AutoModel, AutoTokenizer  # here: hosts without a critic never import it
 
         self.device = resolve_device(device)
         self.autocast = autocast
         backbone = AutoModel.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
         self.model = ValueModel(backbone, backbone.config.hidden_size)
+        # packed passes as the policy's (TorchTrainer's ``packed``); else why padded
+        self.packing = packing_refusal(backbone.config) if packed else "packed=False"
         head = value_head.read_head(model_dir)  # an exported critic's head (value_head.py); else the zeros
         if head is not None:
             with torch.no_grad():
@@ -90,8 +97,12 @@ class TorchCritic:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
     def _forward(self, batch: TrainBatch):
+        """Values [rows, width - 1] and the response mask, in :func:`pad_batch`'s row layout."""
         ids, attn, resp, _ = (t.to(self.device) for t in pad_batch(batch, self.pad_id))
         with forward_precision(self.device, self.autocast):
+            if self.packing is None:
+                packed = Packed(batch, self.pad_id).to(self.device)
+                return packed.rows(self.model(packed.ids, position_ids=packed.positions)), resp
             return self.model(ids, attn), resp
 
     @torch.no_grad()
@@ -115,7 +126,8 @@ class TorchCritic:
         for part in batch.split(minibatches):
             self.optimizer.zero_grad(set_to_none=True)
             # FSDP: this rank's share of the group's rows, and as many passes as the group's busiest rank
-            mine, passes, real = fsdp.passes(part, micro_batch_tokens, 1, self.mesh, self.device, self.pad_id)
+            mine, passes, real = fsdp.passes(part, micro_batch_tokens, 1, self.mesh, self.device, self.pad_id,
+                                             packed=self.packing is None)
             total = torch.tensor([float(sum(mine.trained_tokens()))], dtype=torch.float64, device=self.device)
             if self.distributed:
                 dist.all_reduce(total)

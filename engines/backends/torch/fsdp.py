@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from engines.backends.base import TrainBatch
-from engines.backends.batching import micro_batches
+from engines.backends.batching import micro_batches, packed_micro_batches
 
 if TYPE_CHECKING:  # the FSDP modules are imported where used: ~1.4 s that a trainer without them never pays
     from torch.distributed.device_mesh import DeviceMesh
@@ -79,12 +79,13 @@ def rows(part: TrainBatch, unit: int, mesh: DeviceMesh) -> TrainBatch:
 
 
 def passes(part: TrainBatch, max_tokens: int | None, unit: int, mesh: DeviceMesh | None, device: torch.device,
-           pad_id: int) -> tuple[TrainBatch, list[TrainBatch], int]:
+           pad_id: int, packed: bool = False) -> tuple[TrainBatch, list[TrainBatch], int]:
     """This rank's rows of a minibatch (all of them without a mesh), its forward/backward passes of
-    at most ``max_tokens`` padded tokens (``micro_batches``) and how many of them are real: sharded,
-    ``filler`` passes follow until the rank has as many as its group's busiest (collective)."""
+    at most ``max_tokens`` tokens (``packed``: ``packed_micro_batches``, else padded: ``micro_batches``)
+    and how many of them are real: sharded, ``filler`` passes follow until the rank has as many as its
+    group's busiest (collective)."""
     mine = part if mesh is None else rows(part, unit, mesh)
-    cut = micro_batches(mine, max_tokens, unit)
+    cut = (packed_micro_batches if packed else micro_batches)(mine, max_tokens, unit)
     real = len(cut)
     if mesh is not None:
         cut += [filler(pad_id)] * (passes_of_the_busiest(real, mesh, device) - real)

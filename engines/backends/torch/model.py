@@ -99,3 +99,35 @@ def without(logits: torch.Tensor, banned: list[int] | None) -> torch.Tensor:
     logits = logits.clone()
     logits[..., banned] = -1e9
     return logits
+
+
+# model types whose packed forward (position ids restarting per row, no attention mask: transformers'
+# block-diagonal causal mask, ``batching.Packed``) is tested equal to the padded one
+# (tests/test_packing.py); every other family trains padded, for the reason ``packing_refusal`` gives
+PACKED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
+
+
+def packing_refusal(config, vision: bool = False) -> str | None:
+    """Why a model (its Hugging Face ``config``) cannot train on packed micro-batches, or None if it can.
+    ``vision``: a vision-language policy (its processor turns images into media tokens)."""
+    kind = getattr(config, "model_type", "?")
+    if vision:
+        return (f"{kind} is a vision-language model: its image features are merged into each row's media tokens and "
+                "Qwen-VL derives 3-D positions per row from them, which a packed row would mix up")
+    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
+        return (f"{kind} has linear-attention (Gated DeltaNet) layers: their recurrent state and causal convolution run "
+                "across a packed lane, and transformers' PyTorch kernels take no per-row starts, so one row would leak into the next")
+    if kind not in PACKED_FAMILIES:
+        return f"{kind} is not among the families whose packed forward is tested equal to the padded one ({', '.join(PACKED_FAMILIES)})"
+    return None
+
+
+def packed_logprobs(model, packed, temperature: float, banned: list[int] | None = None) -> torch.Tensor:
+    """:func:`sequence_logprobs` of a packed pass (``batching.Packed``), in its rows' padded layout
+    [rows, width - 1] (0 past a row's end). No attention mask: transformers reads the rows' boundaries
+    from where ``position_ids`` restart and masks attention block-diagonally; no cache, which would
+    turn that reading off."""
+    logits = model(input_ids=packed.ids, position_ids=packed.positions, use_cache=False).logits
+    logits = without(logits[:, :-1].float(), banned) / temperature
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, packed.ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return packed.rows(lp)

@@ -21,9 +21,10 @@ from torch.profiler import record_function
 
 from engines.backends import multimodal
 from engines.backends.base import FrozenCheckpoint, TrainBatch, load_torch_file, report_progress
-from engines.backends.batching import pad_batch, pad_weights, padded_routes, response_values
+from engines.backends.batching import Packed, pad_batch, pad_weights, packed_routes, padded_routes, response_values
 from engines.backends.torch import fsdp, lora as lora_adapter, routing
-from engines.backends.torch.model import forward_precision, is_vision_tower, load_model, resolve_device, sequence_logprobs
+from engines.backends.torch.model import (forward_precision, is_vision_tower, load_model, packed_logprobs, packing_refusal,
+                                          resolve_device, sequence_logprobs)
 from engines.rl import registry
 from engines.rl.base import AlgorithmConfig, LossStep
 
@@ -48,6 +49,11 @@ class TorchTrainer:
     optimizer, checkpoints and ``save_hf`` hold the adapter, ``export_weights`` the merged weights,
     and the KL reference is the policy with its adapter disabled (no second copy); ``seed``: the
     adapter's initialisation, the same on every replica.
+
+    ``packed``: forward passes over packed micro-batches (``batching.packed_micro_batches``: rows end to
+    end, positions restarting per row, attention block-diagonal; docs/engines.md), the policy's, the
+    reference's and :meth:`logprobs`'s; a family that cannot pack (``model.packing_refusal``: a
+    vision-language model, linear attention) runs padded passes, and ``packing`` says why.
     """
 
     def __init__(
@@ -68,6 +74,7 @@ class TorchTrainer:
         shards: int = 1,
         router_replay: bool = False,
         router_balance: float = 0.0,
+        packed: bool = True,
     ):
         self.device = resolve_device(device)
         self.autocast = autocast
@@ -79,6 +86,8 @@ class TorchTrainer:
         if lora is not None:
             self.model = lora_adapter.wrap(self.model, lora, freeze_vision and self.processor is not None, seed)
             self.lora = lora_adapter.base_record(model_dir, lora)
+        # why this policy trains padded (None: packed; packed=False: asked for)
+        self.packing = packing_refusal(self.model.config, vision=self.processor is not None) if packed else "packed=False"
         self.model.train()
         # the KL reference: a second copy of the policy, or with LoRA the policy with its adapter disabled
         self.reference = load_model(model_dir, dtype, on)[1].eval() if reference and lora is None else None
@@ -137,12 +146,11 @@ class TorchTrainer:
         """The trainer's log-probabilities of each response token under the current weights."""
         if not len(batch):
             return []
-        ids, attn, _, _ = (t.to(self.device) for t in pad_batch(batch, self.tokenizer.pad_token_id))
+        inputs = self._inputs(batch)
         # with LoRA in eval mode: adapter dropout would make these random
         mode = lora_adapter.eval_mode(self.model) if self.lora is not None else contextlib.nullcontext()
-        with forward_precision(self.device, self.autocast), mode, self._replaying(batch, ids.shape[1]):
-            pixels = multimodal.pixels(self.processor, batch, self.device, input_ids=ids)
-            lp = sequence_logprobs(self.model, ids, attn, self.temperature, pixels, self.banned)
+        with forward_precision(self.device, self.autocast), mode, self._replaying(batch, inputs):
+            lp = self._logprobs(self.model, inputs)
         return response_values(lp, batch)
 
     def train_step(
@@ -171,7 +179,7 @@ class TorchTrainer:
             # FSDP: this rank's share of the group's rows, and as many passes as the group's busiest rank
             # (each pass's all-gathers are the group's)
             mine, passes, real = fsdp.passes(part, micro_batch_tokens, step.unit, self.mesh, self.device,
-                                             self.tokenizer.pad_token_id)
+                                             self.tokenizer.pad_token_id, packed=self.packing is None)
             (total,) = self._global_sums([step.count(mine)])
             loss_value = 0.0
             for k, micro in enumerate(passes):
@@ -179,16 +187,16 @@ class TorchTrainer:
                 if self.mesh is not None:
                     fsdp.sync_gradients(self.model, now=k == len(passes) - 1)
                 # the named regions are what a profile of the step shows (bench/train_step.py)
-                with record_function("pad_batch"):
-                    ids, attn, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
-                    pixels = multimodal.pixels(self.processor, micro, self.device, pixel_cache, ids)
+                with record_function("pad_batch"):  # the loss's rows (padded) and the forward's inputs (packed or padded)
+                    _, _, resp, old = (t.to(self.device) for t in pad_batch(micro, self.tokenizer.pad_token_id))
+                    inputs = self._inputs(micro, step.unit, pixel_cache)
                 with record_function("forward"), forward_precision(self.device, self.autocast), \
-                        self._replaying(micro, ids.shape[1]), self._router_logits() as router_logits:  # the loss: fp32 either way
-                    logprobs = sequence_logprobs(self.model, ids, attn, self.temperature, pixels, self.banned)
+                        self._replaying(micro, inputs), self._router_logits() as router_logits:  # the loss: fp32 either way
+                    logprobs = self._logprobs(self.model, inputs)
                     ref = None
                     if algorithm.needs.reference and (self.reference is not None or self.lora is not None):
                         with torch.no_grad(), self._reference() as reference:
-                            ref = sequence_logprobs(reference, ids, attn, self.temperature, pixels, self.banned)
+                            ref = self._logprobs(reference, inputs)
                 with record_function("loss"):
                     # global ``total`` (not this pass's own count): the passes' losses sum to the minibatch's
                     loss = step(logprobs, old, micro.advantages, resp, total, ref, pad_weights(micro)) if k < real \
@@ -196,7 +204,7 @@ class TorchTrainer:
                     if router_logits:  # the router's load balance over the pass's tokens, its share of the minibatch by rows
                         share = len(micro) / max(len(mine), 1) if k < real else 0.0
                         with torch.set_grad_enabled(self.router_balance > 0):  # else a figure only
-                            aux = routing.balance_loss(router_logits, attn, self.routes[1]) * share
+                            aux = routing.balance_loss(router_logits, inputs["tokens"], self.routes[1]) * share
                         if self.router_balance:
                             loss = loss + self.router_balance * aux
                         balance += aux.item() / minibatches
@@ -218,12 +226,30 @@ class TorchTrainer:
         figures = {"router_balance": balance} if self.routed else {}
         return step.result(tokens, loss=loss_total, grad_norm=grad_norm, **figures)
 
-    def _replaying(self, batch: TrainBatch, width: int):
+    def _inputs(self, batch: TrainBatch, unit: int = 1, pixel_cache=None) -> dict:
+        """What a forward pass over ``batch`` takes: its packed layout (``packed``), or its padded ``ids``
+        and ``attn`` and a vision-language policy's ``pixels``; and ``tokens``, 1 on the rows' tokens."""
+        if self.packing is None:
+            packed = Packed(batch, self.tokenizer.pad_token_id, unit).to(self.device)
+            return {"packed": packed, "tokens": packed.real}
+        ids, attn, _, _ = (t.to(self.device) for t in pad_batch(batch, self.tokenizer.pad_token_id))
+        pixels = multimodal.pixels(self.processor, batch, self.device, pixel_cache, ids)
+        return {"ids": ids, "attn": attn, "pixels": pixels, "tokens": attn}
+
+    def _logprobs(self, model, inputs: dict) -> torch.Tensor:
+        """``model``'s log-probabilities of a pass (:meth:`_inputs`) in the rows' padded layout [rows, width - 1]."""
+        if "packed" in inputs:
+            return packed_logprobs(model, inputs["packed"], self.temperature, self.banned)
+        return sequence_logprobs(model, inputs["ids"], inputs["attn"], self.temperature, inputs["pixels"], self.banned)
+
+    def _replaying(self, batch: TrainBatch, inputs: dict):
         """The forward's routers take the rollout's experts (``train.router_replay`` and a batch that
-        has them; ``routing``), else their own."""
+        has them; ``routing``), laid out as the pass's tokens, else their own."""
         if not self.router_replay or batch.routed_experts is None:
             return contextlib.nullcontext()
-        return routing.replaying(self.model, padded_routes(batch.routed_experts, width, *self.routes))
+        if "packed" in inputs:
+            return routing.replaying(self.model, packed_routes(batch.routed_experts, inputs["packed"], *self.routes))
+        return routing.replaying(self.model, padded_routes(batch.routed_experts, inputs["ids"].shape[1], *self.routes))
 
     def _router_logits(self):
         """A MoE policy's router logits of the forward, for its load-balance figure and loss (else nothing kept)."""
