@@ -48,9 +48,8 @@ import time
 from pathlib import Path
 
 from bench.overhead import TINY, train_once
+from tests.helpers import STUBS
 from tests.postgres import PostgresCluster, PostgresUnavailable, PrefectServer, run_flow_subprocess
-
-STUBS = ["rollout.backend=stub", "judge.backend=stub", "train.backend=stub"]
 MODES = {"sync": ["rollout.max_staleness=0"],
          "max_staleness=1": ["rollout.max_staleness=1", "train.old_policy=decoupled", "train.off_policy_correction=tis"],
          "stream": ["rollout.mode=stream", "rollout.max_staleness=4", "train.old_policy=decoupled", "train.off_policy_correction=tis"]}

@@ -298,6 +298,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.integration  # a Megatron host in a subprocess: the check tier keeps the torch checkpoints
 def test_megatron_host_checkpoint_async(tmp_path):
     """Megatron keeps its ``dist_checkpointing`` save synchronous (a collective) and writes the
     rest — upload, Hugging Face folder from weights copied at save time, RNG — in the background."""

@@ -34,6 +34,7 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
 
 
+@pytest.mark.integration  # vLLM and Megatron-Core loaded side by side: the check tier keeps each against torch
 def test_vllm_rollout_megatron_step_weight_sync(tmp_path):
     mp.spawn(closed_loop, args=(str(tmp_path),), nprocs=1, join=True)  # raises the child's failure
 

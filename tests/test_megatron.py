@@ -803,6 +803,7 @@ def _tp_pp_dp_worker(rank: int, port: int, megatron_model: str, out: str) -> Non
         dist.destroy_process_group()
 
 
+@pytest.mark.integration  # eight ranks in subprocesses: the check tier keeps the two-rank layouts
 def test_tp2_pp2_dp2_equals_one_process(megatron_model, tmp_path):
     """Eight ranks, TP=2 x PP=2 x DP=2 with the distributed optimizer and token-cut micro-batches
     on the 1F1B schedule, train two steps as one process does on both replicas' batches."""

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from conftest import TINY
 from flows.training import train
-from tests.helpers import assert_steps_completed, no_engine_hosts_left, read_run_tree, run_until_healed, taken_prompts, trained_once
-
-from tests.helpers import STUBS
+from tests.helpers import (STUBS, TINY, assert_steps_completed, no_engine_hosts_left, read_run_tree, run_until_healed,
+                           taken_prompts, trained_once)
 
 
 async def flow_run_times(names: list[str]) -> dict[str, tuple]:

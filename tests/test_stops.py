@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import psutil
+import pytest
 
 from storage.runstate import RunState
 from tests.helpers import TINY, trained, trained_once
@@ -136,6 +137,7 @@ with StopSignals(lambda: "yattflow test: stopped here; run the same command to c
 """
 
 
+@pytest.mark.integration  # waits out a grace on purpose
 def test_a_clean_up_that_hangs_is_cut_short_and_a_second_ctrl_c_cuts_it_at_once(tmp_path):
     """The bound is the code's, not luck's: a command whose clean-up never ends still ends ``grace_s``
     after SIGTERM, with status 130, its child process killed and its stop line last (a note in the log

@@ -364,6 +364,7 @@ def test_s3_bytes_and_json(s3_root):
     assert not objectstore.exists(uri)
 
 
+@pytest.mark.integration  # waits out an outage on purpose: not the edit loop's
 @s3
 def test_s3_outage_is_ridden_out_then_named(s3_root, s3_server, monkeypatch, caplog):
     """An object store that stops answering is retried with backoff (YATTFLOW_STORAGE_RETRY_S): reads,
@@ -634,6 +635,7 @@ def test_holder_renews_its_lease_before_it_expires(run_root):
     lease.release()
 
 
+@pytest.mark.integration  # waits out an outage on purpose: not the edit loop's
 @s3
 def test_a_lease_outlives_an_outage_longer_than_itself(s3_root, s3_server, monkeypatch):
     """S3 stops answering for longer than the lease (less than the store's retries): the holder's renewal

@@ -10,11 +10,8 @@ import math
 import time
 
 import pytest
-
-
 import torch
 
-from conftest import TINY
 from engines.backends.base import TrainBatch
 from engines.backends.stub.engines import TimingStubGenerator
 from engines.config.sections import RolloutConfig
@@ -22,7 +19,8 @@ from engines.host import offpolicy
 from engines.host.prompts import PromptStream
 from engines.host.stream import StreamLane
 from engines.rl.grpo import GRPOConfig
-from tests.helpers import random_batch, run_until_healed, save_tiny_model, taken_prompts, trained_once, with_old_logprobs
+from tests.helpers import (STUBS, TINY, random_batch, run_until_healed, save_tiny_model, taken_prompts, trained_once,
+                           with_old_logprobs)
 
 
 def prompt_at(i: int) -> dict:
@@ -185,9 +183,6 @@ def test_a_group_older_than_max_staleness_is_dropped_and_counted():
     assert dropped >= 1 and len(range(cursor)) + len(ahead) == 1 + 2 + dropped
     assert all(3 - r["policy_version"] <= 1 for r in rows)
     assert lane.figures.stale_dropped == dropped
-
-
-from tests.helpers import STUBS
 
 
 def test_a_streaming_run_killed_resumes_with_no_prompt_trained_twice_or_skipped(prepared, tmp_path):

