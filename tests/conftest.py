@@ -89,6 +89,18 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def single_thread_model(tiny_model):
+    """``tiny_model`` with torch on one thread for the module: the parity tests compare sums whose order a
+    thread count would change."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tiny_model
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
 def megatron_model(tmp_path_factory):
     """A tiny random Llama of two layers for Megatron-Core in this process: a world of one (gloo), one
     thread, torn down after the module so that other modules see no process group."""

@@ -111,22 +111,14 @@ def test_micro_batches_none_and_empty():
 # ---------------------------------------------------------------- one process
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_model
-    torch.set_num_threads(threads)
-
-
-def make_batch(model_dir: str, n: int, seed: int) -> TrainBatch:
+def make_batch(single_thread_model: str, n: int, seed: int) -> TrainBatch:
     """Lengths 3..17, old log-probs near the trainer's own (some ratios beyond the clip range)."""
     batch = random_batch(n, seed=seed, max_prompt=5, max_response=12)
-    return with_old_logprobs(batch, TorchTrainer(model_dir).logprobs(batch) if n else [], noise=0.3, seed=seed)
+    return with_old_logprobs(batch, TorchTrainer(single_thread_model).logprobs(batch) if n else [], noise=0.3, seed=seed)
 
 
-def step(model_dir: str, batch: TrainBatch, budget: int | None, trainer_kwargs: dict, step_kwargs: dict, dtype="float64") -> dict:
-    trainer = TorchTrainer(model_dir, lr=LR, dtype=dtype, **trainer_kwargs)
+def step(single_thread_model: str, batch: TrainBatch, budget: int | None, trainer_kwargs: dict, step_kwargs: dict, dtype="float64") -> dict:
+    trainer = TorchTrainer(single_thread_model, lr=LR, dtype=dtype, **trainer_kwargs)
     before = params_of(trainer.model)
     stats = trainer.train_step(batch, minibatches=MINIBATCHES, micro_batch_tokens=budget, **step_kwargs)
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}  # the last minibatch's (clipped) gradient
@@ -166,16 +158,16 @@ CASES = {
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_micro_batched_step_equals_one_pass(model_dir, name, dtype):
+def test_micro_batched_step_equals_one_pass(single_thread_model, name, dtype):
     step_kwargs, trainer_kwargs = CASES[name]
-    batch = make_batch(model_dir, 12, seed=3)
+    batch = make_batch(single_thread_model, 12, seed=3)
     # precondition: every minibatch really runs in several passes of different widths
     for part in batch.split(MINIBATCHES):
         passes = micro_batches(part, BUDGET)
         assert len(passes) >= 3 and len({max(lengths(p)) for p in passes}) >= 3
-    one = step(model_dir, batch, None, trainer_kwargs, step_kwargs, dtype)
-    micro = step(model_dir, batch, BUDGET, trainer_kwargs, step_kwargs, dtype)
-    assert max_param_diff(one["params"], params_of(TorchTrainer(model_dir, dtype=dtype).model)) > 1e-3  # it trained
+    one = step(single_thread_model, batch, None, trainer_kwargs, step_kwargs, dtype)
+    micro = step(single_thread_model, batch, BUDGET, trainer_kwargs, step_kwargs, dtype)
+    assert max_param_diff(one["params"], params_of(TorchTrainer(single_thread_model, dtype=dtype).model)) > 1e-3  # it trained
     assert 0 < one["stats"]["clip_fraction"] < 1
     d = differences(one, micro)
     parity(f"torch trainer: micro-batches vs one pass ({dtype}), step", d["params"])
@@ -183,22 +175,22 @@ def test_micro_batched_step_equals_one_pass(model_dir, name, dtype):
     assert_same_step(one, micro, dtype)
 
 
-def test_wrong_scaling_is_caught(model_dir, monkeypatch):
+def test_wrong_scaling_is_caught(single_thread_model, monkeypatch):
     """Two plausible mistakes fail ``assert_same_step``: normalising each pass by its own
     token count, and a uniform factor (here 1/2, e.g. dividing by the number of passes) —
     the latter changes Adam's step only where a gradient is near Adam's eps, but the loss
     and the grad norm by 2x."""
     step_kwargs, trainer_kwargs = CASES["token"][0], {"grad_clip": 1e9}  # no clipping: see the halved case
-    batch = make_batch(model_dir, 12, seed=3)
-    one = step(model_dir, batch, None, trainer_kwargs, step_kwargs)
+    batch = make_batch(single_thread_model, 12, seed=3)
+    one = step(single_thread_model, batch, None, trainer_kwargs, step_kwargs)
     good = algorithms.token_weights
 
     monkeypatch.setattr(algorithms, "token_weights", lambda mask, aggregation, total: good(mask, aggregation, mask.sum().item()))
-    per_pass = differences(one, step(model_dir, batch, BUDGET, trainer_kwargs, step_kwargs))
+    per_pass = differences(one, step(single_thread_model, batch, BUDGET, trainer_kwargs, step_kwargs))
     assert per_pass["params"] > 1e-3 and per_pass["grad_norm"] > 1e-3 and per_pass["grads"] > 1e-3, per_pass
 
     monkeypatch.setattr(algorithms, "token_weights", lambda mask, aggregation, total: good(mask, aggregation, total) / 2)
-    halved = step(model_dir, batch, BUDGET, trainer_kwargs, step_kwargs)
+    halved = step(single_thread_model, batch, BUDGET, trainer_kwargs, step_kwargs)
     assert halved["stats"]["loss"] / one["stats"]["loss"] == pytest.approx(0.5, rel=1e-3)
     assert halved["stats"]["grad_norm"] / one["stats"]["grad_norm"] == pytest.approx(0.5, rel=1e-3)
     with pytest.raises(AssertionError):
@@ -219,37 +211,37 @@ DP_CASES = {
 
 
 @pytest.fixture(scope="module")
-def dp_run(model_dir, tmp_path_factory):
+def dp_run(single_thread_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("micro-dp")
     cases = {}
     for i, (name, (sizes, step_kwargs, trainer_kwargs)) in enumerate(DP_CASES.items()):
         cases[name] = {
-            "batches": [make_batch(model_dir, n, seed=100 * i + rank) for rank, n in enumerate(sizes)],
+            "batches": [make_batch(single_thread_model, n, seed=100 * i + rank) for rank, n in enumerate(sizes)],
             "kwargs": {"minibatches": MINIBATCHES, "micro_batch_tokens": BUDGET, **step_kwargs},
             "trainer": {"lr": LR, "dtype": "float64", **trainer_kwargs},
         }
     torch.save(cases, tmp / "cases.pt")
     out = tmp / "out"
     out.mkdir()
-    mp.spawn(dp_worker, args=(2, free_port(), model_dir, str(tmp / "cases.pt"), str(out)), nprocs=2, join=True)
+    mp.spawn(dp_worker, args=(2, free_port(), single_thread_model, str(tmp / "cases.pt"), str(out)), nprocs=2, join=True)
     results = {name: [torch.load(out / f"{name}-rank{r}.pt", weights_only=False) for r in range(2)] for name in cases}
     return {"cases": cases, "results": results}
 
 
 @pytest.mark.parametrize("name", list(DP_CASES))
-def test_dp2_micro_batched_equals_one_process_one_pass(model_dir, dp_run, name):
+def test_dp2_micro_batched_equals_one_process_one_pass(single_thread_model, dp_run, name):
     """Two ranks, each in several passes, step like one process on the union in one pass."""
     case = dp_run["cases"][name]
     rank0, rank1 = dp_run["results"][name]
     assert max_param_diff(rank0["params"], rank1["params"]) == 0.0
     assert any(len(micro_batches(part, BUDGET)) >= 2 for b in case["batches"] for part in b.split(MINIBATCHES))
 
-    trainer = TorchTrainer(model_dir, **case["trainer"])
+    trainer = TorchTrainer(single_thread_model, **case["trainer"])
     one_pass = {k: v for k, v in case["kwargs"].items() if k != "micro_batch_tokens"}
     ref_stats = trainer.train_step(global_order(case["batches"], MINIBATCHES), **one_pass)
     ref_params = params_of(trainer.model)
     atol, rel = TOLERANCE["float64"]
-    assert step_gap(rank0["params"], ref_params, params_of(TorchTrainer(model_dir, dtype="float64").model)) < atol
+    assert step_gap(rank0["params"], ref_params, params_of(TorchTrainer(single_thread_model, dtype="float64").model)) < atol
     for stats in (rank0["stats"], rank1["stats"]):
         assert stats["loss"] == pytest.approx(ref_stats["loss"], abs=1e-6)  # float32 loss terms
         assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=rel)

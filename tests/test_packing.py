@@ -74,14 +74,6 @@ ALGORITHMS = {
 LAYOUTS = {"1x8": (False, None), "8x1": (False, 1), "packed": (True, 48), "packed-1-pass": (True, None)}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_model
-    torch.set_num_threads(threads)
-
-
 def uneven_batch(seed: int, rows: int = 8) -> TrainBatch:
     """``rows`` sequences of 5..9 tokens and one of 8x the median (the third), rows i and i + 1 of
     each pair of one prompt (DPO's chosen and rejected)."""
@@ -98,7 +90,7 @@ def uneven_batch(seed: int, rows: int = 8) -> TrainBatch:
     return TrainBatch(prompts, responses, [[0.0] * len(r) for r in responses], [0.0] * rows)
 
 
-def algorithm_batch(model_dir: str, name: str, seed: int) -> TrainBatch:
+def algorithm_batch(single_thread_model: str, name: str, seed: int) -> TrainBatch:
     """An uneven batch with what ``name``'s step reads: old log-probabilities near the policy's (some
     ratios clipped), advantages from rewards as the host computes them (PPO: per token, from a critic's
     values, with the critic's returns). DPO: 12 rows, so that its pairs too fill more than one packed pass
@@ -106,7 +98,7 @@ def algorithm_batch(model_dir: str, name: str, seed: int) -> TrainBatch:
     rows = 12 if ALGORITHMS[name].needs.pairs else 8
     batch = uneven_batch(seed, rows)
     rng = random.Random(seed + 1)
-    now = TorchTrainer(model_dir).logprobs(batch)
+    now = TorchTrainer(single_thread_model).logprobs(batch)
     batch.old_logprobs = [[x + rng.uniform(-0.3, 0.3) for x in row] for row in now]
     rewards = [float(rng.random() < 0.5) + rng.uniform(-0.1, 0.1) for _ in range(rows)]
     algorithm = ALGORITHMS[name]
@@ -120,22 +112,22 @@ def algorithm_batch(model_dir: str, name: str, seed: int) -> TrainBatch:
     return batch
 
 
-def critic_of(model_dir: str, packed: bool) -> TorchCritic:
+def critic_of(single_thread_model: str, packed: bool) -> TorchCritic:
     """A critic whose value head is not zero, so that its backbone gets gradients too."""
-    critic = TorchCritic(model_dir, lr=LR, grad_clip=1e9, packed=packed)
+    critic = TorchCritic(single_thread_model, lr=LR, grad_clip=1e9, packed=packed)
     with torch.no_grad():
         critic.model.value_head.weight.copy_(torch.randn(critic.model.value_head.weight.shape,
                                                          generator=torch.Generator().manual_seed(0)) * 0.5)
     return critic
 
 
-def train(model_dir: str, name: str, batch: TrainBatch, packed: bool, budget: int | None) -> dict:
+def train(single_thread_model: str, name: str, batch: TrainBatch, packed: bool, budget: int | None) -> dict:
     """One step of ``name`` (and of PPO's critic); parameters, gradients and statistics of each model."""
     algorithm = ALGORITHMS[name]
-    trainer = TorchTrainer(model_dir, lr=LR, grad_clip=1e9, reference=algorithm.needs.reference, packed=packed)
+    trainer = TorchTrainer(single_thread_model, lr=LR, grad_clip=1e9, reference=algorithm.needs.reference, packed=packed)
     out = {"policy": record(trainer.model, lambda: trainer.train_step(batch, algorithm, 1, budget))}
     if algorithm.needs.critic:
-        critic = critic_of(model_dir, packed)
+        critic = critic_of(single_thread_model, packed)
         out["critic"] = record(critic.model, lambda: critic.train_step(batch, algorithm, 1, budget))
     return out
 
@@ -199,7 +191,7 @@ def test_packed_passes_hold_every_row_once_within_the_budget_and_pairs_together(
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "qwen3_5_text"])
-def test_packed_forward_equals_padded_or_packing_is_refused(family, model_dir):
+def test_packed_forward_equals_padded_or_packing_is_refused(family, single_thread_model):
     """Each family of tiny_hub: the packed forward's log-probabilities are the padded forward's (Gemma 3's
     sliding window shorter than the long row), or the family is refused, for the reason that shows here:
     Qwen3.5's linear attention carries one row's state into the next."""
@@ -238,13 +230,13 @@ def test_families_that_cannot_pack_are_named(tmp_path):
 
 
 @pytest.mark.parametrize("name", list(ALGORITHMS))
-def test_every_layout_takes_the_step_of_one_padded_pass(model_dir, name):
+def test_every_layout_takes_the_step_of_one_padded_pass(single_thread_model, name):
     unit = ALGORITHMS[name].needs.unit
-    batch = algorithm_batch(model_dir, name, seed=11)
+    batch = algorithm_batch(single_thread_model, name, seed=11)
     # preconditions: the budgets cut this batch into several passes, packing pads less
     assert len(packed_micro_batches(batch, LAYOUTS["packed"][1], unit)) >= 2
     assert len(micro_batches(batch, LAYOUTS["8x1"][1], unit)) == len(batch) // unit
-    steps = {layout: train(model_dir, name, batch, packed, budget) for layout, (packed, budget) in LAYOUTS.items()}
+    steps = {layout: train(single_thread_model, name, batch, packed, budget) for layout, (packed, budget) in LAYOUTS.items()}
     reference = steps.pop("1x8")
     assert all(s["stats"]["grad_norm" if part == "policy" else "critic_grad_norm"] > 0 for part, s in reference.items())
     for layout, step in steps.items():
@@ -253,16 +245,16 @@ def test_every_layout_takes_the_step_of_one_padded_pass(model_dir, name):
         assert_same_step(reference, step)
 
 
-def test_a_per_micro_batch_normalisation_fails_the_check(model_dir, monkeypatch):
+def test_a_per_micro_batch_normalisation_fails_the_check(single_thread_model, monkeypatch):
     """The control: each pass's loss divided by its own token count (OpenRLHF #1249, veRL #6957's
     critic) instead of the minibatch's is a different step on these rows, and the check says so."""
-    batch = algorithm_batch(model_dir, "dapo", seed=11)
-    reference = train(model_dir, "dapo", batch, False, None)
-    assert_same_step(reference, train(model_dir, "dapo", batch, True, LAYOUTS["packed"][1]))
+    batch = algorithm_batch(single_thread_model, "dapo", seed=11)
+    reference = train(single_thread_model, "dapo", batch, False, None)
+    assert_same_step(reference, train(single_thread_model, "dapo", batch, True, LAYOUTS["packed"][1]))
     good = algorithms.token_weights
     monkeypatch.setattr(algorithms, "token_weights", lambda mask, aggregation, total: good(mask, aggregation, mask.sum().item()))
     for packed, budget in (LAYOUTS["8x1"], LAYOUTS["packed"]):
-        wrong = train(model_dir, "dapo", batch, packed, budget)
+        wrong = train(single_thread_model, "dapo", batch, packed, budget)
         g = gaps(reference, wrong)["policy"]
         assert g["step"] > 10 * STEP_RTOL and g["grads"] > 100 * GRADS_RTOL, g
         with pytest.raises(AssertionError):
@@ -272,7 +264,7 @@ def test_a_per_micro_batch_normalisation_fails_the_check(model_dir, monkeypatch)
 # ---------------------------------------------------------------- two gloo DP ranks against one process
 
 
-def dp_worker(rank: int, port: int, model_dir: str, cases_file: str, out_dir: str) -> None:
+def dp_worker(rank: int, port: int, single_thread_model: str, cases_file: str, out_dir: str) -> None:
     """One of two DP ranks: every case's step (policy, and PPO's critic) on its rank's rows, packed."""
     from datetime import timedelta
 
@@ -284,7 +276,7 @@ def dp_worker(rank: int, port: int, model_dir: str, cases_file: str, out_dir: st
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
     try:
         for name, batches in torch.load(cases_file, weights_only=False).items():
-            step = train(model_dir, name, batches[rank], *LAYOUTS["packed"])
+            step = train(single_thread_model, name, batches[rank], *LAYOUTS["packed"])
             torch.save({part: {k: v for k, v in s.items() if k != "before"} for part, s in step.items()},
                        os.path.join(out_dir, f"{name}-rank{rank}.pt"))
     finally:
@@ -292,29 +284,29 @@ def dp_worker(rank: int, port: int, model_dir: str, cases_file: str, out_dir: st
 
 
 @pytest.fixture(scope="module")
-def dp_run(model_dir, tmp_path_factory):
+def dp_run(single_thread_model, tmp_path_factory):
     """Each algorithm's rows split unevenly over two ranks: rank 0 holds the long row and two more,
     rank 1 the other five (DPO: rank 0 one pair, rank 1 the five others, the long row's among them)."""
     tmp = tmp_path_factory.mktemp("packing-dp")
     cases = {}
     for name, algorithm in ALGORITHMS.items():
-        batch = algorithm_batch(model_dir, name, seed=23)
+        batch = algorithm_batch(single_thread_model, name, seed=23)
         cut = 2 if algorithm.needs.pairs else 3
         cases[name] = [batch.take(range(cut)), batch.take(range(cut, len(batch)))]
     torch.save(cases, tmp / "cases.pt")
     (tmp / "out").mkdir()
-    mp.spawn(dp_worker, args=(free_port(), model_dir, str(tmp / "cases.pt"), str(tmp / "out")), nprocs=2, join=True)
+    mp.spawn(dp_worker, args=(free_port(), single_thread_model, str(tmp / "cases.pt"), str(tmp / "out")), nprocs=2, join=True)
     return cases, {name: [torch.load(tmp / "out" / f"{name}-rank{r}.pt", weights_only=False) for r in range(2)]
                    for name in cases}
 
 
 @pytest.mark.parametrize("name", list(ALGORITHMS))
-def test_dp2_packed_takes_the_step_of_one_process(model_dir, dp_run, name):
+def test_dp2_packed_takes_the_step_of_one_process(single_thread_model, dp_run, name):
     cases, results = dp_run
     rank0, rank1 = results[name]
     for part in rank0:
         assert all(torch.equal(rank0[part]["params"][k], rank1[part]["params"][k]) for k in rank0[part]["params"])
-    one = train(model_dir, name, global_order(cases[name], 1), False, None)  # one process, one padded pass
+    one = train(single_thread_model, name, global_order(cases[name], 1), False, None)  # one process, one padded pass
     for part in one:
         rank0[part]["before"] = one[part]["before"]
     if "critic" in one:  # each rank reports its critic's loss per its own tokens: their token-weighted mean
@@ -328,7 +320,7 @@ def test_dp2_packed_takes_the_step_of_one_process(model_dir, dp_run, name):
 # ---------------------------------------------------------------- MoE: replayed routes stay with their tokens
 
 
-def test_moe_router_replay_packed_equals_padded(tmp_path, model_dir):
+def test_moe_router_replay_packed_equals_padded(tmp_path, single_thread_model):
     """Random routes replayed (``train.router_replay``): a route put on the wrong token of a packed lane
     would change the log-probabilities; packed and padded agree, and so do their steps and load balance."""
     from engines.demo.tiny_hub import save_tiny_hub_model

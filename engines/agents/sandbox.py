@@ -328,14 +328,16 @@ def _end(proc: subprocess.Popen, cgroup: list[Path], uid: int | None) -> None:
 
 def _kill_members(cgroup: list[Path], deadline: float) -> None:
     """SIGKILL every process in the cgroups until none is left (a fork bomb's children included)."""
-    while True:
-        pids = {int(pid) for path in cgroup for pid in _read(path / "cgroup.procs").split()}
-        if not pids or time.monotonic() > deadline:
-            return
+    _kill_until_gone(lambda: {int(pid) for path in cgroup for pid in _read(path / "cgroup.procs").split()}, deadline, 0.002)
+
+
+def _kill_until_gone(alive, deadline: float, pause: float) -> None:
+    """SIGKILL the pids ``alive()`` names, again and again, until it names none or ``deadline`` passes."""
+    while (pids := alive()) and time.monotonic() <= deadline:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        time.sleep(0.002)
+        time.sleep(pause)
 
 
 def _remove(cgroup: list[Path], deadline: float) -> None:
@@ -356,14 +358,8 @@ def _remove(cgroup: list[Path], deadline: float) -> None:
 def _reap(uid: int, deadline: float) -> None:
     """Root without a cgroup: return once no process of the call's user id is alive (unique to the
     call: see ``_take_uid``). Stragglers get SIGKILL; zombies do not count."""
-    while True:
-        alive = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _owner(p) == uid and not _dead(p)]
-        if not alive or time.monotonic() > deadline:
-            return
-        for pid in alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.01)
+    _kill_until_gone(lambda: [int(p.name) for p in Path("/proc").iterdir()
+                              if p.name.isdigit() and _owner(p) == uid and not _dead(p)], deadline, 0.01)
 
 
 def _alive(pid: int) -> bool:
