@@ -6,6 +6,7 @@ its limit is killed with everything it started, the report still written."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import psutil
@@ -41,7 +42,9 @@ def test_a_part_past_its_limit_is_killed_with_what_it_started(tmp_path, monkeypa
     """The demo starts a Prefect server and an engine host: at the part's limit all of them go,
     the part reads "timed out", and the report is written."""
     monkeypatch.setitem(gpu_check.LIMITS, "demo", 8)
-    before, start = set(psutil.pids()), time.time()
+    mark = f"{os.getpid()}-{time.time()}"  # in the environment of all the part starts: another test's processes are not its
+    monkeypatch.setenv(MARK, mark)
+    start = time.time()
     assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path), "--parts", "demo"]) == 1
     assert time.time() - start < 30
     parts = json.loads((tmp_path / "gpu-report.json").read_text())["parts"]
@@ -52,15 +55,25 @@ def test_a_part_past_its_limit_is_killed_with_what_it_started(tmp_path, monkeypa
     deadline, leaked = time.time() + 10, ["?"]
     while leaked and time.time() < deadline:
         time.sleep(0.5)
-        leaked = [c for c in _new_cmdlines(before) if not c[0].startswith("postgres")  # another test's database sessions
-                  and any("flows.cli" in a or "prefect" in a or "engines.host" in a for a in c)]
+        leaked = [c for c in _started_with(mark) if any("flows.cli" in a or "prefect" in a or "engines.host" in a for a in c)]
     assert not leaked, leaked
     assert "| demo | timed out |" in (tmp_path / "gpu-report.md").read_text()
 
 
-def _new_cmdlines(before: set[int]) -> list[list[str]]:
-    return [p.info["cmdline"] for p in psutil.process_iter(["pid", "cmdline", "status"])
-            if p.info["pid"] not in before and p.info["status"] != psutil.STATUS_ZOMBIE and p.info["cmdline"]]
+MARK = "YATTFLOW_TEST_GPU_CHECK"
+
+
+def _started_with(mark: str) -> list[list[str]]:
+    """The command lines of the live processes whose environment carries ``mark``, this process's aside."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if (p.info["pid"] != os.getpid() and p.info["status"] != psutil.STATUS_ZOMBIE and p.info["cmdline"]
+                    and p.environ().get(MARK) == mark):
+                found.append(p.info["cmdline"])
+        except psutil.Error:
+            pass
+    return found
 
 
 def test_the_gpu_wheel_list_covers_the_projects_runtime_requirements():
