@@ -60,7 +60,7 @@ async def steps(overrides: list[str], count: int, block: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    from flows.cli import _ensure_automations
+    from flows.admin import ensure_automations
     from flows.prefect_server import SERVER_SETTINGS, started_server, stop, use_api
 
     p = argparse.ArgumentParser(prog="python -m bench.events", description=__doc__.split("\n\n")[0])
@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
     proc, url = started_server(env, Path(home) / "server.log", "the benchmark's Prefect server")
     try:
         with use_api(url):
-            asyncio.run(_ensure_automations())
+            asyncio.run(ensure_automations())
             out = asyncio.run(steps(["dp=1"], args.steps, args.block))
             from prefect.logging.handlers import APILogWorker
 

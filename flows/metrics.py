@@ -96,7 +96,7 @@ class StepMetrics(BaseModel):
     staleness: dict[int, int] = {}  # trained samples by versions behind the trainer (TensorBoard's histogram)
     keep_ratio: float | None
     # the trainer's figures: loss, grad_norm and the algorithm's statistics per trained token over
-    # every group (engines.rl.base.LossStep); TensorBoard, the tables and the curves iterate over it
+    # every group (engines.rl.loss_step.LossStep); TensorBoard, the tables and the curves iterate over it
     train: dict[str, float]
     response_tokens: float  # mean response length over every sample drawn
     # multi-turn episodes: per episode drawn, turns, tool calls, tool errors, tool seconds, and the share cut short

@@ -12,19 +12,25 @@ and the field) and exits 2; the traceback goes to the command's log file only.
 ``yattflow demo`` builds the models first (prepare), so its train flow runs the pre-flight itself,
 before it starts its hosts (``before_hosts``). A run whose input passed here skips the same checks on
 its first engine host (``passed``); a run started another way (a deployment, ``train()`` called from
-Python) has them on the host as before, before any engine loads. Nothing here imports torch at module
-level: the checks import what they need when they run.
+Python) has them on the host as before, before any engine loads.
+
+The checks load torch and transformers (a model's config, its tokenizer and chat template): they run in a
+child process (``python -m flows.preflight``), so that the command's own process, the run's controller, never
+holds them. ``run`` is the checks themselves, in this process (the tests call it directly).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 
 _passed: set[str] = set()  # fingerprints of the configs whose input passed in this process
-_in_cli = False  # this process is a command's: its flows may run the pre-flight (data read here, before any host)
+_command: str | None = None  # this process is a command's (its name): its flows may run the pre-flight, before any host
 
 
 class Refused(Exception):
@@ -49,17 +55,46 @@ def passed(config) -> bool:
 def check(command: str, config, overrides: list[str] | None = None, checkpoint: str | None = None, model: str | None = None,
           config_file: str | None = None) -> None:
     """The command's pre-flight (train, evaluate: its ``--checkpoint`` or ``--model`` folder; the others have none here),
-    or ``Refused``."""
-    global _in_cli
-    _in_cli = True
-    if command not in ("train", "evaluate"):
-        return
+    in a child process, or ``Refused``."""
+    global _command
+    _command = command
+    if command in ("train", "evaluate"):
+        _in_child({"command": command, "config": config.model_dump(mode="json"), "overrides": overrides,
+                   "checkpoint": checkpoint, "model": model, "config_file": config_file})
+
+
+def _in_child(job: dict) -> None:
+    """``_check(**job)`` in a fresh ``python -m flows.preflight``; its refusal raised here, the fingerprints of
+    what passed kept here."""
+    child = subprocess.Popen([sys.executable, "-m", "flows.preflight"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        out, _ = child.communicate(json.dumps(job))
+    except KeyboardInterrupt:  # Ctrl-C while it checks (a long dataset): nothing started, nothing written
+        child.kill()
+        child.wait()
+        raise Refused(f"{job['command']} stopped while checking the input, before anything started", 130) from None
+    try:
+        answer = json.loads(out.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise Refused(f"{job['command']}: the pre-flight check of the input ended with code {child.returncode} "
+                      f"and no answer", 1) from None
+    if "refused" in answer:
+        raise Refused(answer["refused"], answer["exit_code"])
+    _passed.update(answer["passed"])
+
+
+def _check(command: str, config, overrides: list[str] | None = None, checkpoint: str | None = None, model: str | None = None,
+           config_file: str | None = None, resolved: bool = False) -> None:
+    """The pre-flight of ``check``, in this process (``resolved``: ``config`` is already the one the flow runs)."""
     from engines.config import ConfigError
     from engines.host.validation import InputError  # (imports torch: only here, when a check runs)
 
     try:
         with _into_log(command, config):  # the checks' warnings and log lines: the log file's, not the console's
-            if command == "evaluate" and model is not None:  # any model folder: the config given, as the evaluate flow loads it
+            if resolved:
+                pass
+            elif command == "evaluate" and model is not None:  # any model folder: the config given, as the evaluate flow loads it
                 from flows.evaluate import model_target
 
                 config = model_target(config_file, overrides or [], model)[0]
@@ -94,11 +129,18 @@ def run(config) -> None:
 
 
 def before_hosts(config) -> None:
-    """A flow of a command (``yattflow demo``'s train, after prepare) runs the pre-flight before it starts
-    its hosts, unless the command ran it already; in any other process (a deployment's flow run, a
-    worker's) the first engine host checks the input (the flow's process never reads sample data)."""
-    if _in_cli and config.hosts.launch == "local" and not passed(config):
-        run(config)
+    """A flow of a command (``yattflow demo``'s train, after prepare) runs the pre-flight (in a child process)
+    before it starts its hosts, unless the command ran it already; in any other process (a deployment's flow
+    run, a worker's) the first engine host checks the input (the flow's process never reads sample data)."""
+    if _command and config.hosts.launch == "local" and not passed(config):
+        from engines.config import ConfigError
+
+        try:
+            _in_child({"command": _command, "config": config.model_dump(mode="json"), "resolved": True})
+        except Refused as e:  # the flow fails on it: the command's last line names the input (flows/stops.py)
+            if e.exit_code == 130:
+                raise KeyboardInterrupt from None
+            raise (ConfigError if e.exit_code == 2 else RuntimeError)(str(e)) from None
 
 
 @contextlib.contextmanager
@@ -141,3 +183,22 @@ def _log(command: str, config, error: BaseException) -> Path | None:
         return path
     except Exception:  # noqa: BLE001 - the line on the console is what matters
         return None
+
+
+def _child() -> None:
+    """``python -m flows.preflight``: a job of ``_in_child`` on stdin; on stdout, as the last line, what passed or
+    the refusal."""
+    from engines.config import RunConfig
+
+    job = json.loads(sys.stdin.read())
+    job["config"] = RunConfig.model_validate(job["config"])
+    try:
+        _check(**job)
+    except Refused as e:
+        print(json.dumps({"refused": str(e), "exit_code": e.exit_code}), flush=True)
+        return
+    print(json.dumps({"passed": sorted(_passed)}), flush=True)
+
+
+if __name__ == "__main__":
+    _child()

@@ -17,7 +17,7 @@ import sys
 
 from flows import prefect_server
 from flows.curves import curves_text, percent
-from flows.cli import ROOT, TRAIN_DEPLOYMENT, _api_url
+from flows.admin import ROOT, TRAIN_DEPLOYMENT, api_url
 from storage import objectstore
 
 
@@ -49,10 +49,10 @@ def status(argv: list[str]) -> int:
     if "://" not in root and args.root:
         root = os.path.abspath(root)  # the user's working directory; a config's is the checkout's
     os.chdir(ROOT)  # run configs and relative storage roots are relative to the checkout, as in the worker
-    api_url = _api_url()
-    server = prefect_server.healthy(api_url)
+    url = api_url()
+    server = prefect_server.healthy(url)
     runs = run_statuses(root, args.name)
-    states = asyncio.run(_flow_run_states(api_url, [r.flow_run_id for r in runs if r.flow_run_id])) if server else {}
+    states = asyncio.run(_flow_run_states(url, [r.flow_run_id for r in runs if r.flow_run_id])) if server else {}
     print(f"runs in {root} (from storage)")
     if not runs:
         print(f"  no run{f' named {args.name!r}' if args.name else ''} there")
@@ -71,9 +71,9 @@ def status(argv: list[str]) -> int:
             print("  (yattflow status NAME: that run's learning curve)")
     code, flow_runs = 0, 0
     if server:
-        code, flow_runs = _flow_runs(api_url, args.deployment, args.name, args.limit)
+        code, flow_runs = _flow_runs(url, args.deployment, args.name, args.limit)
     else:
-        print(f"\nno Prefect server at {api_url}: flow-run states not shown (start one with `yattflow server`, "
+        print(f"\nno Prefect server at {url}: flow-run states not shown (start one with `yattflow server`, "
               "or set PREFECT_API_URL)")
     if args.name and not runs and not flow_runs:  # a run asked for by name that is nowhere: exit 1
         print(f"yattflow status: no run named {args.name!r} in {root} (a run folder runs/{args.name} with a state.json or "

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
-from torch.utils.tensorboard import SummaryWriter
+from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from engines.config import RunConfig
 from flows.metrics import TIMED, StepMetrics
@@ -42,7 +45,7 @@ class MetricsLog:
             self.local = objectstore.fs_for(self.uri)[1]
         else:  # written here, copied to the run's folder after every step
             self.local = tempfile.mkdtemp(prefix="yattflow-tensorboard-")
-        self.writer = SummaryWriter(self.local, purge_step=first_step + 1 if first_step else None)
+        self.writer = EventWriter(self.local, purge_step=first_step + 1 if first_step else None)
         self.mlflow = _mlflow_run(config) if os.environ.get("MLFLOW_TRACKING_URI") else None
         self.heldout_steps: set[int] = set()  # the figure after the last step may be eval.every's too
         self.evaluation_steps: set[int] = set()  # the same for every set's figures
@@ -54,8 +57,8 @@ class MetricsLog:
         self._log(values, metrics.step + 1)
         if metrics.staleness:  # off-policy: how many versions behind the trainer its samples were
             ages = [age for age, count in metrics.staleness.items() for _ in range(count)]
-            self.writer.add_histogram("off_policy/staleness", np.asarray(ages, dtype=np.float64), metrics.step + 1,
-                                      bins=np.arange(-0.5, max(ages) + 1.5))
+            self.writer.histogram("off_policy/staleness", np.asarray(ages, dtype=np.float64), metrics.step + 1,
+                                  edges=np.arange(-0.5, max(ages) + 1.5))
         if metrics.heldout is not None:
             self.heldout(metrics.step + 1, metrics.heldout)
         self.evaluation(metrics.step + 1, metrics.evaluation)
@@ -94,7 +97,7 @@ class MetricsLog:
 
     def _log(self, values: dict[str, float], step: int) -> None:
         for tag, value in values.items():
-            self.writer.add_scalar(tag, value, step)
+            self.writer.scalar(tag, value, step)
         if self.mlflow is not None:
             self.mlflow.log_metrics({tag.replace(" ", "_").replace("'", ""): float(v) for tag, v in values.items()}, step=step)
 
@@ -103,6 +106,40 @@ class MetricsLog:
         if self.local != objectstore.fs_for(self.uri)[1]:
             for path in Path(self.local).iterdir():
                 objectstore.write_bytes(objectstore.join(self.uri, path.name), path.read_bytes())
+
+
+class EventWriter:
+    """TensorBoard event files written with the ``tensorboard`` package's own writer and records (what
+    torch's ``SummaryWriter`` wraps): the controller writes the curves without loading torch. As torch's,
+    a write after ``close`` opens a new file."""
+
+    def __init__(self, folder: str, purge_step: int | None):
+        self.folder, self.file = folder, EventFileWriter(folder)
+        if purge_step is not None:  # TensorBoard drops what an earlier writer wrote from this step on
+            self.file.add_event(Event(wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        self._add(Summary.Value(tag=tag, simple_value=float(value)), step)
+
+    def histogram(self, tag: str, values: np.ndarray, step: int, edges: np.ndarray) -> None:
+        counts, edges = np.histogram(values, bins=edges)
+        self._add(Summary.Value(tag=tag, histo=HistogramProto(
+            min=float(values.min()), max=float(values.max()), num=float(values.size), sum=float(values.sum()),
+            sum_squares=float((values * values).sum()), bucket_limit=edges[1:].tolist(), bucket=counts.tolist())), step)
+
+    def flush(self) -> None:
+        if self.file is not None:
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+    def _add(self, value: Summary.Value, step: int) -> None:
+        if self.file is None:
+            self.file = EventFileWriter(self.folder)
+        self.file.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=[value])))
 
 
 def _mlflow_run(config: RunConfig):

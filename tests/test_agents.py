@@ -30,7 +30,7 @@ from engines.backends.torch.trainer import TorchTrainer
 from engines.config import load_config
 from engines.config.sections import RolloutConfig
 from engines.host import validation
-from engines.rl.base import LossStep
+from engines.rl.loss_step import LossStep
 from engines.rl.grpo import GRPOConfig
 from engines.rl.off_policy import correction_weights
 from storage import datasets

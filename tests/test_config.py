@@ -283,3 +283,18 @@ def test_every_field_is_described_and_listed_by_each_commands_help():
         assert out.returncode == 0 and f"usage: yattflow {command}" in out.stdout and listed in out.stdout
     for key, _ in leaves(RunConfig):
         assert f"\n  {key} = " in "\n" + listed, key
+
+
+def test_the_controller_loads_no_engine_library():
+    """The controller's modules (the command line, the flows, the configs and algorithms they read) import no
+    torch, transformers, vLLM or Megatron-Core: those load in the engine hosts, and `yattflow train` starts in a
+    fraction of a second (a torch imported by an algorithm's config cost 1.5 s per command)."""
+    import subprocess
+    import sys
+
+    heavy = ("torch", "transformers", "vllm", "megatron")
+    code = ("import sys, flows.cli, flows.training, flows.admin, flows.status, engines.config, engines.rl.registry; "
+            f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=helpers.ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

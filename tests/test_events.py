@@ -20,7 +20,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
 from engines.config import ConfigError, load_config
 from flows import events
-from flows.cli import AUTOMATIONS_FILE, _ensure_automations
+from flows.admin import AUTOMATIONS_FILE, ensure_automations
 from flows.metrics import StepMetrics
 from tests.helpers import TINY, children
 from tests.prefect_cli import (
@@ -187,7 +187,7 @@ def hook(prefect_server):
 def automations(hook):
     """The automations of deployments/automations.yaml, as `yattflow deploy --notify` makes them
     (notifying the test's webhook); deleted after."""
-    names = asyncio.run(_ensure_automations("custom-webhook/yattflow-test-hook"))
+    names = asyncio.run(ensure_automations("custom-webhook/yattflow-test-hook"))
     yield names
     for name in names:
         for automation in client_call(lambda c, n=name: c.read_automations_by_name(n)):

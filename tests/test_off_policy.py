@@ -134,7 +134,7 @@ def test_bypass_leaves_the_batch_alone():
 
 
 def test_loss_step_weights_scale_the_per_token_loss():
-    from engines.rl.base import LossStep
+    from engines.rl.loss_step import LossStep
 
     torch.manual_seed(0)
     lp, old = torch.randn(3, 4), torch.randn(3, 4)

@@ -18,7 +18,7 @@ import torch
 
 from engines.backends.torch.trainer import TorchTrainer
 from engines.config import ConfigError, load_config
-from engines.rl.base import LossStep
+from engines.rl.loss_step import LossStep
 from engines.rl.cispo import cispo_loss
 from engines.rl.grpo import GRPOConfig
 from engines.rl.gspo import gspo_loss

@@ -14,7 +14,7 @@ from tests.helpers import ROOT, free_port
 @pytest.fixture
 def no_server(monkeypatch):
     monkeypatch.chdir(ROOT)  # (status() moves to the checkout, as the worker does)
-    monkeypatch.setattr(status_module, "_api_url", lambda: f"http://127.0.0.1:{free_port()}/api")
+    monkeypatch.setattr(status_module, "api_url", lambda: f"http://127.0.0.1:{free_port()}/api")
 
 
 def test_a_run_that_is_nowhere_exits_1_and_says_so(tmp_path, no_server, capsys):
@@ -37,7 +37,7 @@ def test_a_run_folder_in_storage_exits_0(tmp_path, no_server, capsys):
 def test_a_run_only_the_server_knows_exits_0_and_one_neither_knows_1(tmp_path, monkeypatch, capsys, flow_runs, code):
     """No folder (another root, or storage cleaned up) but a flow run of it on the server: it is there."""
     monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(status_module, "_api_url", lambda: "http://127.0.0.1:1/api")
+    monkeypatch.setattr(status_module, "api_url", lambda: "http://127.0.0.1:1/api")
     monkeypatch.setattr(status_module.prefect_server, "healthy", lambda url: True)
     asked = []
     monkeypatch.setattr(status_module, "_flow_runs", lambda url, deployment, name, limit: asked.append(name) or (0, flow_runs))

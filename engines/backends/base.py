@@ -251,7 +251,7 @@ class Trainer(Protocol):
                    micro_batch_tokens: int | None = None) -> dict[str, float]:
         """One rollout batch → ``minibatches`` optimizer steps with ``algorithm``'s loss (an
         ``engines.rl.base.AlgorithmConfig``; None: the default); ``loss``, ``grad_norm``, ``tokens``
-        and the algorithm's statistics per trained token (``engines.rl.base.LossStep``). Batches are
+        and the algorithm's statistics per trained token (``engines.rl.loss_step.LossStep``). Batches are
         cut (minibatches, micro-batches) only between ``LossStep.unit`` rows: a pair's two together."""
 
     def export_weights(self) -> Iterator[tuple[str, Any]]:

@@ -3,15 +3,18 @@ the k3 KL, the loss weights, the step's statistics, the overlong penalty. Each a
 maths is in ``engines/rl/<name>.py`` (``engines/rl/registry.py`` lists them).
 
 Nothing here knows about engines, storage or Prefect, so every formula is unit-tested
-against the same formula written out by hand in ``tests/test_algorithms.py``.
+against the same formula written out by hand in ``tests/test_algorithms.py``. torch is imported inside
+the functions that call it: the algorithms' config classes import this module, and the controller reads
+those configs without loading torch (``tests/test_config.py``).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def group_advantages(
@@ -23,6 +26,7 @@ def group_advantages(
     ``scale="none"`` does not (Dr. GRPO, which argues the division biases towards
     easy and hard prompts).
     """
+    import torch
     by_group: dict[int, list[float]] = defaultdict(list)
     for r, g in zip(rewards, group_ids):
         by_group[g].append(float(r))
@@ -63,6 +67,7 @@ def policy_loss_terms(
     Shapes: ``[batch, tokens]`` for log-probabilities, ``[batch]`` or ``[batch, tokens]`` for
     advantages (see :func:`by_token`). Returns (per-token loss, per-token clipped indicator).
     """
+    import torch
     adv = by_token(advantages)
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * adv
@@ -82,6 +87,7 @@ def by_token(advantages: torch.Tensor) -> torch.Tensor:
 def kl_k3(logprobs: torch.Tensor, other_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(p || other) from tokens sampled from p (``logprobs`` are p's):
     r - log r - 1 with r = other / p; unbiased, never negative."""
+    import torch
     log_ratio = other_logprobs - logprobs
     return torch.exp(log_ratio) - log_ratio - 1.0
 
@@ -92,6 +98,7 @@ def step_statistics(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: to
     rollout policy, KL to the reference]. Entropy is the sampled-token estimate (-log p of the tokens
     the rollout policy drew, at its temperature); the KLs are k3 estimates, KL(rollout || current)
     and KL(current || reference) (0 without a reference)."""
+    import torch
     new = logprobs.detach()
     kl_reference = (kl_k3(new, ref_logprobs) * mask).sum() if ref_logprobs is not None else new.new_zeros(())
     return torch.stack([-(old_logprobs * mask).sum(), (kl_k3(old_logprobs, new) * mask).sum(), kl_reference])

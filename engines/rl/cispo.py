@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from pydantic import Field
 
 from engines.rl.algorithms import by_token, group_advantages
@@ -22,6 +21,8 @@ from engines.rl.base import AlgorithmConfig
 
 def cispo_loss(logprobs, old_logprobs, advantages, mask, clip_low: float, clip_high: float):
     """Per-token loss and the per-token clipped-weight indicator."""
+    import torch  # here: the controller reads this config without torch
+
     ratio = torch.exp(logprobs.detach() - old_logprobs)
     weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     return -weight * by_token(advantages) * logprobs, (weight != ratio).float()

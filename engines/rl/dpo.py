@@ -26,13 +26,14 @@ pairs the policy samples every step.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field
 
 from engines.rl.base import AlgorithmConfig, Needs
+
+if TYPE_CHECKING:  # torch is imported where a loss is computed: the controller reads this config without it
+    import torch
 
 
 def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
@@ -41,6 +42,8 @@ def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Ten
     """Per-pair DPO loss from sequence log-probabilities [pairs], and per-pair statistics; with
     ``rpo_alpha`` > 0, plus alpha times the chosen response's NLL per token (``chosen_tokens``: its
     response token counts [pairs])."""
+    import torch.nn.functional as F
+
     chosen_reward, rejected_reward = beta * (chosen - ref_chosen), beta * (rejected - ref_rejected)
     margin = chosen_reward - rejected_reward
     stats = {"chosen_reward": chosen_reward.detach(), "rejected_reward": rejected_reward.detach(),

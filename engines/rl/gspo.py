@@ -15,19 +15,23 @@ ratio's (3e-4 / 4e-4), since a geometric mean of ratios stays close to 1.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import Field
 
 from engines.rl.algorithms import by_token, group_advantages
 from engines.rl.base import AlgorithmConfig
+
+if TYPE_CHECKING:  # torch is imported where a loss is computed: the controller reads this config without it
+    import torch
 
 
 def sequence_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """s_i,t: the value of the sequence's length-normalised ratio s_i on every token, the gradient
     of each token's own log-probability; [batch, tokens]."""
     lengths = mask.sum(-1).clamp(min=1.0)
+    import torch
+
     log_s = ((logprobs - old_logprobs) * mask).sum(-1) / lengths  # [batch]
     return torch.exp(log_s.detach().unsqueeze(-1) + logprobs - logprobs.detach())
 
@@ -35,6 +39,8 @@ def sequence_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: tor
 def gspo_loss(logprobs, old_logprobs, advantages, mask, clip_low: float, clip_high: float):
     """Per-token loss -min(s_i,t A_i, clip(s_i,t) A_i) and the per-token clipped indicator (a
     sequence's tokens all together)."""
+    import torch
+
     ratio = sequence_ratio(logprobs, old_logprobs, mask)
     adv = by_token(advantages)
     unclipped = ratio * adv

@@ -26,13 +26,15 @@ value coefficient c1 (a shared network's loss weight) has no role here. The KL t
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Sequence
+from typing import TYPE_CHECKING, ClassVar, Literal, Sequence
 
-import torch
 from pydantic import Field
 
 from engines.rl.algorithms import policy_loss_terms
 from engines.rl.base import AlgorithmConfig, Needs
+
+if TYPE_CHECKING:  # torch is imported where a loss is computed: the controller reads this config without it
+    import torch
 
 
 def gae(rewards: Sequence[float], values: Sequence[Sequence[float]], gamma: float, lam: float
@@ -59,6 +61,8 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token clipped value loss 0.5 * max((V - R)^2, (clip(V, V_old ± clip) - R)^2) and the
     per-token indicator of the clipped branch being the larger (its gradient is 0 there)."""
+    import torch
+
     clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
     unclipped = (values - returns) ** 2
     clipped = (clipped_values - returns) ** 2

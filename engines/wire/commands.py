@@ -210,7 +210,7 @@ class DynamicFilter(Request):
 
 class TrainStepResult(Result):
     # the trainer's figures: loss and grad_norm (the step's, equal on every group) and the algorithm's
-    # statistics per trained token of this group (engines.rl.base.LossStep); the stub computes none
+    # statistics per trained token of this group (engines.rl.loss_step.LossStep); the stub computes none
     statistics: dict[str, float]
     tokens: float  # response tokens this rank trained on
     seconds: float

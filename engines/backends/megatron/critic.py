@@ -41,7 +41,7 @@ from engines.backends.megatron.mapping import HFState, _param_to_hf
 from engines.backends.megatron.model import RecomputeGranularity, _init_distributed, build_gpt, transformer_config
 from engines.backends.megatron.offload import Offload, Sleeps, trainer_tensors
 from engines.backends.torch.critic import explained_variance, variance_sums
-from engines.rl.base import on_response_tokens
+from engines.rl.loss_step import on_response_tokens
 
 HEAD = "output_layer"  # the GPTModel attribute the value head takes
 

@@ -8,7 +8,7 @@ of ``torch.distributed``'s world, wrapped in Megatron's ``DistributedDataParalle
 Megatron's schedules (``pipeline.py``) and stepped by ``get_megatron_optimizer``.
 Everything — model, reference model, gradient buffers, optimizer state — lives on the device
 of the process (the current CUDA device, else the CPU).
-The loss is the one ``TorchTrainer`` uses (the algorithm's, through ``engines.rl.base.LossStep``), normalised by *global*
+The loss is the one ``TorchTrainer`` uses (the algorithm's, through ``engines.rl.loss_step.LossStep``), normalised by *global*
 token or sequence counts, so a DP step equals one process stepping on the concatenated batch.
 
 The ranks of one DP replica (its TP ranks and stages) must be given the same batch. Methods
@@ -49,7 +49,8 @@ from engines.backends.megatron.mapping import HFState, _param_to_hf, fuse_expert
 from engines.backends.megatron.model import RecomputeGranularity, _init_distributed, build_gpt, transformer_config
 from engines.backends.megatron.offload import Offload, Sleeps, trainer_tensors
 from engines.rl import registry
-from engines.rl.base import AlgorithmConfig, LossStep
+from engines.rl.base import AlgorithmConfig
+from engines.rl.loss_step import LossStep
 
 
 class MegatronTrainer(Sleeps):

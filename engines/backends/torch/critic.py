@@ -29,7 +29,7 @@ from engines.backends.batching import Packed, pad_batch
 from engines.backends.torch import fsdp
 from engines.backends.torch.model import forward_precision, packing_refusal, resolve_device
 from engines.backends.torch.trainer import all_reduce_grads, copy_state
-from engines.rl.base import on_response_tokens
+from engines.rl.loss_step import on_response_tokens
 
 CHECKPOINT_FILE = "critic.pt"
 

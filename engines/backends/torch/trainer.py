@@ -26,7 +26,8 @@ from engines.backends.torch import fsdp, lora as lora_adapter, routing
 from engines.backends.torch.model import (forward_precision, is_vision_tower, load_model, packed_logprobs, packing_refusal,
                                           resolve_device, sequence_logprobs)
 from engines.rl import registry
-from engines.rl.base import AlgorithmConfig, LossStep
+from engines.rl.base import AlgorithmConfig
+from engines.rl.loss_step import LossStep
 
 SHARDED_RECORD = "trainer.json"  # beside a sharded checkpoint's files: its version (and LoRA base), written by rank 0
 
