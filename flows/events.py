@@ -119,7 +119,7 @@ def guard_trips(config: RunConfig, history: list[StepMetrics]) -> list[str]:
 
 def check_guard(config: RunConfig) -> None:
     """Every name in ``guard.max`` is a figure a step of this run reports (before any engine loads)."""
-    from engines.rl.loss_step import statistic_names
+    from engines.rl.base import statistic_names
 
     known = [*STEP_FIELDS, *(name for name, f in StepMetrics.model_fields.items() if f.annotation in (int, float)),
              "loss", "grad_norm", "tokens", *statistic_names(config.train.algorithm)]

@@ -20,6 +20,7 @@ from engines.backends.torch.trainer import TorchTrainer
 from engines.config import ConfigError, load_config
 from engines.rl.loss_step import LossStep
 from engines.rl.cispo import cispo_loss
+from engines.rl.dpo import DPOConfig
 from engines.rl.grpo import GRPOConfig
 from engines.rl.gspo import gspo_loss
 from engines.rl.ppo import gae, value_loss
@@ -280,3 +281,14 @@ def test_trainer_gradient_matches_hand_written_loss(tiny_model, name):
     for n, p in trainer.model.named_parameters():
         assert torch.allclose(p.grad, grads[n], rtol=1e-4, atol=1e-6 * norm), n
     assert set(stats) >= {"loss", "grad_norm", "tokens", "clip_fraction", "entropy", "kl_rollout", "kl_reference"}
+
+
+@pytest.mark.parametrize("algorithm", [*(c() for c in ALGORITHMS), DPOConfig(rpo_alpha=0.0)], ids=lambda a: f"{a.name}-{a.statistics()[-1]}")
+def test_each_algorithm_names_the_statistics_its_loss_returns(algorithm):
+    """``statistics()`` (what the controller checks ``guard.max`` against, without torch) is what a pass returns."""
+    empty = torch.zeros(0, 0, dtype=torch.float64)
+    if algorithm.needs.pairs:
+        returned = algorithm.pair_loss(*[torch.zeros(0, dtype=torch.float64)] * 5)[1]
+    else:
+        returned = algorithm.loss(empty, empty, torch.zeros(0, dtype=torch.float64), empty)[1]
+    assert list(algorithm.statistics()) == list(returned)

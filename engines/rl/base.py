@@ -77,6 +77,11 @@ class AlgorithmConfig(BaseModel):
 
     # -- pair algorithms (Needs.pairs) ---------------------------------------------------
 
+    def statistics(self) -> tuple[str, ...]:
+        """The names of the statistics ``loss`` returns (``pair_loss``, for a pair algorithm), in its order: what a
+        step reports of this algorithm, known without torch (tests/test_rl_algorithms.py checks them against a pass)."""
+        return ("clip_fraction",)  # the clipped ratio's (or weight's): every algorithm here but the pair ones
+
     def pairs(self, rewards: Sequence[float], groups: Sequence[Hashable]) -> list[tuple[int, int]]:
         """(chosen, rejected) indices of one step's samples of one DP group."""
         raise NotImplementedError
@@ -87,3 +92,12 @@ class AlgorithmConfig(BaseModel):
         the policy and the reference (``chosen_tokens``: the chosen responses' token counts), and
         per-pair statistics of the same shape (averaged over the step's pairs)."""
         raise NotImplementedError
+
+
+SHARED_STATISTICS = ("entropy", "kl_rollout", "kl_reference")  # every algorithm's (algorithms.step_statistics)
+
+
+def statistic_names(algorithm: AlgorithmConfig) -> list[str]:
+    """The statistics a train step of ``algorithm`` reports besides loss, grad_norm and tokens: its loss's own,
+    then ``SHARED_STATISTICS``."""
+    return [*algorithm.statistics(), *SHARED_STATISTICS]

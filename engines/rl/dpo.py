@@ -89,6 +89,9 @@ class DPOConfig(AlgorithmConfig):
     def needs(self) -> Needs:
         return Needs(reference=True, pairs=True, preferences=True)
 
+    def statistics(self) -> tuple[str, ...]:
+        return ("chosen_reward", "rejected_reward", "pair_margin", "pair_accuracy", *(("chosen_nll",) if self.rpo_alpha > 0 else ()))
+
     def pairs(self, rewards, groups):
         # a preference row's two samples: chosen scored 1, rejected 0 (engines/host/preferences.py)
         return best_and_worst(rewards, groups)

@@ -10,9 +10,8 @@ from typing import Callable, Sequence
 import torch
 
 from engines.rl import algorithms
-from engines.rl.base import AlgorithmConfig
+from engines.rl.base import SHARED_STATISTICS, AlgorithmConfig, statistic_names
 
-SHARED_STATISTICS = ("entropy", "kl_rollout", "kl_reference")  # every algorithm's (algorithms.step_statistics)
 DPSum = Callable[[list[float]], list[float]]  # the trainer's all-reduce: these numbers summed over the DP groups
 
 
@@ -24,17 +23,6 @@ def on_response_tokens(advantages: Sequence[float | Sequence[float]], mask: torc
     out = torch.zeros(mask.shape, dtype=torch.float64)
     out[mask.cpu().bool()] = torch.tensor(flat, dtype=torch.float64)
     return out.to(mask.device)
-
-
-def statistic_names(algorithm: AlgorithmConfig) -> list[str]:
-    """The statistics a train step of ``algorithm`` reports besides loss, grad_norm and tokens: its
-    loss's own (names from a pass over no tokens), then ``SHARED_STATISTICS``."""
-    empty = torch.zeros(0, 0, dtype=torch.float64)
-    if algorithm.needs.pairs:  # per-pair statistics: averaged over pairs rather than tokens
-        names = list(algorithm.pair_loss(*[torch.zeros(0, dtype=torch.float64)] * 5)[1])
-    else:
-        names = list(algorithm.loss(empty, empty, torch.zeros(0, dtype=torch.float64), empty)[1])
-    return names + list(SHARED_STATISTICS)
 
 
 class LossStep:
@@ -49,7 +37,7 @@ class LossStep:
         self.algorithm = algorithm
         self.unit = algorithm.needs.unit  # rows per loss term: the trainers cut their batches between units
         # per-token statistics summed over this rank's tokens (on the device once added to); their
-        # names from a pass over no tokens, so that a rank given no rows reports them too (as 0)
+        # names as the algorithm declares them, so that a rank given no rows reports them too (as 0)
         names = statistic_names(algorithm)
         self.pair_statistics = set(names) - set(SHARED_STATISTICS) if algorithm.needs.pairs else set()
         self.sums = {name: torch.zeros((), dtype=torch.float64) for name in names}
