@@ -12,6 +12,7 @@ event files are written locally and copied to the run's folder after every step.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -82,30 +83,39 @@ class MetricsLog:
 
     def close(self, failed: bool = False) -> None:
         """The last curves to storage. ``failed``: on the way out of a run that failed or was stopped (perhaps on
-        storage): a short wait for the store, then a warning, never an error over the run's own."""
-        self.writer.close()
-        if not failed:
-            self._publish()
-        else:
-            try:
-                with objectstore.retry_at_most(objectstore.ON_THE_WAY_OUT_S):
-                    self._publish()
-            except objectstore.StorageError as e:
-                objectstore.log.warning("%s: TensorBoard's last lines not written (%s)", self.uri, " ".join(str(e).split()))
-        if self.mlflow is not None:
-            self.mlflow.end_run()
+        storage): a short wait for the store, then a warning, never an error over the run's own. The MLflow run
+        ends either way (FAILED when the run did), so that the next run of this process starts its own."""
+        try:
+            self.writer.close()
+            if not failed:
+                self._publish()
+            else:
+                try:
+                    with objectstore.retry_at_most(objectstore.ON_THE_WAY_OUT_S):
+                        self._publish()
+                except objectstore.StorageError as e:
+                    objectstore.log.warning("%s: TensorBoard's last lines not written (%s)", self.uri, " ".join(str(e).split()))
+        finally:
+            if self.mlflow is not None:
+                self.mlflow.end_run(status="FAILED" if failed else "FINISHED")
 
     def _log(self, values: dict[str, float], step: int) -> None:
         for tag, value in values.items():
             self.writer.scalar(tag, value, step)
         if self.mlflow is not None:
-            self.mlflow.log_metrics({tag.replace(" ", "_").replace("'", ""): float(v) for tag, v in values.items()}, step=step)
+            self.mlflow.log_metrics({mlflow_name(tag): float(v) for tag, v in values.items()}, step=step)
 
     def _publish(self) -> None:
         self.writer.flush()
         if self.local != objectstore.fs_for(self.uri)[1]:
             for path in Path(self.local).iterdir():
                 objectstore.write_bytes(objectstore.join(self.uri, path.name), path.read_bytes())
+
+
+def mlflow_name(tag: str) -> str:
+    """``tag`` as an MLflow metric name (alphanumerics and ``_ - . : /`` and spaces): ``eval/heldout/mean@4`` →
+    ``eval/heldout/mean_at_4``."""
+    return re.sub(r"[^\w\-.:/ ]", "_", tag.replace("@", "_at_").replace("'", ""))
 
 
 class EventWriter:

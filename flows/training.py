@@ -433,10 +433,10 @@ async def _train_on(hosts, config: RunConfig, state: RunState | None, first: int
     tracking = MetricsLog(config, first, metric)  # TensorBoard (and MLflow) curves
     logger.info("run %s: %d of %d steps done%s", config.name, first, config.steps, "; continuing" if first else "",
                 extra=shown("start", name="train", run=config.name, done=first, total=config.steps, say=first > 0))
-    if first == 0:
-        tracking.heldout(0, state.heldout_before)
-        tracking.evaluation(0, record.before)
     try:
+        if first == 0:
+            tracking.heldout(0, state.heldout_before)
+            tracking.evaluation(0, record.before)
         after = await _steps(config, state, first, end, history, run_progress, curves, tracking, record)
     except BaseException:
         tracking.close(failed=True)

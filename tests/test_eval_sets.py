@@ -200,3 +200,15 @@ def test_evaluate_scores_any_model_folder_without_a_run(prepared):
     assert result["score"] == figures["greedy"]
     written = json.loads((Path(prepared) / "evaluations" / "baseline" / "policy-sft.json").read_text())
     assert written["evaluation"] == result["evaluation"] and not (Path(prepared) / "runs" / "baseline").exists()
+
+
+def test_every_figure_reaches_mlflow_under_a_name_it_takes():
+    """MLflow refuses '@' in a metric name: ``eval/<set>/mean@k`` and ``pass@j`` go as ``mean_at_k``, ``pass_at_j``
+    (a run with MLFLOW_TRACKING_URI set and ``eval.samples`` failed on it at step 0)."""
+    from mlflow.utils.validation import _validate_metric_name
+
+    from flows.tracking import mlflow_name
+
+    for tag in ("eval/heldout/mean@4", "eval/sums/pass@2", "eval/sums/maj@4", "heldout/mean docs/own-task/rules.py:reversed_word reward"):
+        _validate_metric_name(mlflow_name(tag))
+    assert mlflow_name("eval/heldout/pass@2") == "eval/heldout/pass_at_2"

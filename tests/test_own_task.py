@@ -62,9 +62,10 @@ def test_your_own_task_from_scratch_as_the_docs_say(prefect_server, tmp_path):
 
     import mlflow
 
-    mlflow.set_tracking_uri(tracking)
-    (run,) = mlflow.search_runs(experiment_names=["yattflow"], filter_string="tags.mlflow.runName = 'reverse'", output_format="list")
-    rewards = mlflow.MlflowClient(tracking).get_metric_history(run.info.run_id, "rollout/reward")
+    client = mlflow.MlflowClient(tracking)  # (not mlflow.set_tracking_uri: it sets MLFLOW_TRACKING_URI for the whole process)
+    (run,) = client.search_runs([client.get_experiment_by_name("yattflow").experiment_id],
+                                filter_string="tags.mlflow.runName = 'reverse'")
+    rewards = client.get_metric_history(run.info.run_id, "rollout/reward")
     assert sorted(m.step for m in rewards) == list(range(1, 21))
     assert run.data.params["reward.rule"] == "docs/own-task/rules.py:reversed_word"
 
