@@ -92,16 +92,13 @@ def _check(command: str, config, overrides: list[str] | None = None, checkpoint:
 
     try:
         with _into_log(command, config):  # the checks' warnings and log lines: the log file's, not the console's
-            if resolved:
-                pass
-            elif command == "evaluate" and model is not None:  # any model folder: the config given, as the evaluate flow loads it
-                from flows.evaluate import model_target
+            if command == "evaluate" and not resolved:  # the config the evaluate flow will load
+                from flows.evaluate import evaluation_target, model_target, pick_checkpoint
 
-                config = model_target(config_file, overrides or [], model)[0]
-            elif command == "evaluate":  # the run's stored config, with the overrides, as the evaluate flow loads it
-                from flows.evaluate import evaluation_target, pick_checkpoint
-
-                config = evaluation_target(pick_checkpoint(config, checkpoint), overrides or [])[0]
+                if model is not None:  # any model folder: the config given
+                    config = model_target(config_file, overrides or [], model)[0]
+                else:  # the run's stored config, with the overrides
+                    config = evaluation_target(pick_checkpoint(config, checkpoint), overrides or [])[0]
             run(config)
     except (InputError, ConfigError) as e:
         _log(command, config, e)

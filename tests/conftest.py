@@ -211,12 +211,13 @@ def pytest_collection_modifyitems(config, items):
         if left:
             config.hook.pytest_deselected(items=left)
             items[:] = [item for item in items if item.get_closest_marker("integration") is None]
-    items[:] = _longest_modules_first(items)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # on workers (make check): the long modules first
+        items[:] = _longest_modules_first(items)
 
 
 def _longest_modules_first(items: list) -> list:
     """The modules with the most ``slow`` tests, then the most ``integration`` tests, first; the order inside a
-    module kept. `make test` hands whole modules to its workers in this order (``--dist loadfile
+    module kept. `make check` hands whole modules to its workers in this order (``--dist loadfile
     --no-loadscope-reorder``), so the long ones start early and the short ones fill in at the end."""
     modules: dict[str, list] = {}
     for item in items:

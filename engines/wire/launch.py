@@ -81,6 +81,16 @@ class HostProcess:
         return self.proc.wait()
 
 
+def gpu_count() -> int:
+    """The GPUs this process may use: 0 where no NVIDIA driver is loaded (a CPU machine's controller imports
+    no torch to learn it), else torch's count (CUDA_VISIBLE_DEVICES applied)."""
+    if not Path("/proc/driver/nvidia").exists():
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def local_devices(world: int, devices: list[str] | None, gpus: int, visible: str | None) -> list[str | None]:
     """CUDA_VISIBLE_DEVICES of each of ``world`` local hosts on a machine with ``gpus`` GPUs
     (``visible``: the parent's CUDA_VISIBLE_DEVICES). ``devices`` (``hosts.devices``) when given;
@@ -117,12 +127,10 @@ class LocalHosts:
 
     def __init__(self, run: str, layout: Layout | int, threads: int, timeout_s: float, devices: list[str] | None = None,
                  stage_s: float | None = None, fork: bool = False):
-        import torch
-
         self.layout = layout if isinstance(layout, Layout) else Layout(layout)
         self.run, self.world, self.threads = run, self.layout.world, threads
         self.timeout_s, self.stage_s = timeout_s, stage_s or timeout_s  # stage_s: the progress watchdog (channel.py)
-        self.devices = with_replica_devices(self.layout, local_devices(self.world, devices, torch.cuda.device_count(),
+        self.devices = with_replica_devices(self.layout, local_devices(self.world, devices, gpu_count(),
                                                                        os.environ.get("CUDA_VISIBLE_DEVICES")))
         self.hosts: list[HostProcess] = []
         self.master: str | None = None  # rank 0's torch.distributed rendezvous, "host:port"
