@@ -193,8 +193,9 @@ def rows_per_group(table: pa.Table) -> int:
     return max(1, min(MAX_ROW_GROUP_ROWS, ROW_GROUP_BYTES * table.num_rows // table.nbytes))
 
 
-def write_table(uri: str, table: pa.Table, schema: pa.Schema, row_group_rows: int | None = None) -> None:
-    """Validate against ``schema`` and write one Parquet object atomically.
+def write_table(uri: str, table: pa.Table, schema: pa.Schema, row_group_rows: int | None = None) -> pa.Table:
+    """Validate against ``schema`` and write one Parquet object atomically; the table as written
+    (the schema's types: what ``read_table`` returns of it).
 
     Row groups hold ``row_group_rows`` rows each (default: ``rows_per_group``, about
     ``ROW_GROUP_BYTES`` of data): a ``PromptReader``'s memory is bounded by the row-group size."""
@@ -204,11 +205,12 @@ def write_table(uri: str, table: pa.Table, schema: pa.Schema, row_group_rows: in
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd", row_group_size=row_group_rows or rows_per_group(table))
     objectstore.write_bytes(uri, buf.getvalue())
+    return table
 
 
-def write_rows(uri: str, rows: list[dict], schema: pa.Schema) -> None:
-    """``rows`` (dicts with the schema's fields) as one Parquet object, atomically."""
-    write_table(uri, pa.Table.from_pylist(rows, schema=schema), schema)
+def write_rows(uri: str, rows: list[dict], schema: pa.Schema) -> pa.Table:
+    """``rows`` (dicts with the schema's fields) as one Parquet object, atomically; the table written."""
+    return write_table(uri, pa.Table.from_pylist(rows, schema=schema), schema)
 
 
 def read_table(uri: str, schema: pa.Schema) -> pa.Table:

@@ -197,6 +197,30 @@ def test_filter_drops_groups_too_old_for_the_next_step(tmp_path):
     assert r["carry"] is None and r["carried_out"] == 0 and not objectstore.exists(store.uri(1, "carry"))
 
 
+def test_a_host_takes_its_own_outputs_as_storage_returns_them_without_reading_them_back(tmp_path, monkeypatch):
+    """Issue 68: the filter's scored waves, its carry in the next step: what this host wrote is not read
+    back, and it is given what Parquet returns (float32 log-probs), so a host that reads them from storage
+    (resumed, healed) filters the same rows; two steps on, they come from storage again."""
+    host, store, read_table = filter_host(), Store(tmp_path), datasets.read_table
+    reads = []
+    monkeypatch.setattr(datasets, "read_table", lambda uri, schema: reads.append(uri) or read_table(uri, schema))
+    rows = [r | {"logprobs": [-0.1, -1 / 3]} for r in scored_table(0, {1: MIXED, 2: MIXED, 3: MIXED}, version=0).to_pylist()]
+    s0 = store.uri(0, "scored", 0)
+    host.written.write(0, s0, rows, datasets.SCORED)
+    assert host.written.rows(s0, datasets.SCORED) == read_table(s0, datasets.SCORED).to_pylist() != rows  # float32
+    r0 = run_filter(host, store, 0, [s0], 1, None)
+    s1 = store.uri(1, "scored", 0)
+    host.written.write(1, s1, scored_table(0, {4: MIXED}, version=1).to_pylist(), datasets.SCORED)
+    r1 = run_filter(host, store, 1, [s1], 2, r0["carry"])  # the carry of step 0 comes first
+    assert reads == [] and store.ids(store.uri(1, "experience")) == [2, 3]
+    reads.clear()
+    again = run_filter(filter_host(), store, 1, [s1], 2, r0["carry"])  # another host: from storage, the same answer
+    assert reads == [r0["carry"], s1] and again == r1
+    reads.clear()
+    host.written.write(3, store.uri(3, "scored", 0), rows, datasets.SCORED)  # step 3: steps 0 and 1 are let go
+    assert host.written.rows(s1, datasets.SCORED) and reads == [s1]
+
+
 def test_filter_without_carry_over_drops_the_surplus(tmp_path):
     host, store = filter_host(max_carry_age=0), Store(tmp_path)
     s0 = store.scored(0, 0, {1: MIXED, 2: MIXED, 3: MIXED}, version=0)

@@ -9,6 +9,7 @@ layout every batching step keeps together (``Needs.unit``)."""
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable
 
 from engines.rl.base import AlgorithmConfig
 from storage import datasets
@@ -23,14 +24,17 @@ def training_rows(algorithm: AlgorithmConfig, rows: list[dict]) -> list[dict]:
     return [row | {"advantage": a} for row, a in zip(rows, algorithm.advantages(rewards, groups))]
 
 
-def kept_groups(scored: list[str], step: int, filter_equal_rewards: bool) -> tuple[list[list[dict]], int, int]:
-    """DAPO's dynamic filter over this step's scored waves (``scored``: their URIs, in order): the
-    prompt groups (one prompt's samples of one wave, rows tagged with ``step``) whose rewards
-    differ, in order; how many had equal rewards; how many kept ones the last wave added."""
+def kept_groups(scored: list[str], step: int, filter_equal_rewards: bool,
+                read: Callable[[str], list[dict]] | None = None) -> tuple[list[list[dict]], int, int]:
+    """DAPO's dynamic filter over this step's scored waves (``scored``: their URIs, in order; ``read``:
+    a URI's rows, from storage unless given): the prompt groups (one prompt's samples of one wave, rows
+    tagged with ``step``) whose rewards differ, in order; how many had equal rewards; how many kept
+    ones the last wave added."""
+    read = read or (lambda uri: datasets.read_table(uri, datasets.SCORED).to_pylist())
     kept, equal, new_kept = [], 0, 0
     for i, uri in enumerate(scored):
         groups: dict[tuple[int, int], list[dict]] = defaultdict(list)
-        for row in datasets.read_table(uri, datasets.SCORED).to_pylist():
+        for row in read(uri):
             groups[(row["wave"], row["prompt_id"])].append(row | {"step": step})
         for rows in groups.values():
             if filter_equal_rewards and len({row["reward"] for row in rows}) == 1:

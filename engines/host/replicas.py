@@ -15,7 +15,7 @@ between stages, and nothing is unpickled from the network.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TypeVar
+from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
@@ -44,12 +44,14 @@ class Replicas:
         """The chunks this replica does: ``(k, chunk)`` for k = index, index + count, ..."""
         return [(k, chunk) for k, chunk in enumerate(chunks) if k % self.count == self.index]
 
-    def join(self, out: str, schema, done: dict[int, list[dict]], chunks: int) -> list[dict]:
-        """The stage's output ``out``: every chunk's rows in order, written by the leader and answered
-        (``done``: this replica's chunks by k); the other replicas answer their own rows."""
+    def join(self, out: str, schema, done: dict[int, list[dict]], chunks: int,
+             write: Callable[[str, list[dict], object], object] = datasets.write_rows) -> list[dict]:
+        """The stage's output ``out``: every chunk's rows in order, written by the leader (with ``write``:
+        the host's ``Written.write`` for its step) and answered (``done``: this replica's chunks by k);
+        the other replicas answer their own rows."""
         if self.count == 1:
             rows = [row for k in range(chunks) for row in done[k]]
-            datasets.write_rows(out, rows, schema)
+            write(out, rows, schema)
             return rows
         folder = f"{out}.chunks"
         if self.index:  # a follower's chunks go beside the output, for the leader
@@ -60,7 +62,7 @@ class Replicas:
             return [row for rows in done.values() for row in rows]
         rows = [row for k in range(chunks) for row in (done[k] if k in done else
                                                        datasets.read_table(f"{folder}/chunk-{k:05d}.parquet", schema).to_pylist())]
-        datasets.write_rows(out, rows, schema)
+        write(out, rows, schema)
         objectstore.remove(folder)
         return rows
 

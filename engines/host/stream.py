@@ -214,19 +214,21 @@ class StreamLane:
                    cfg.rollout, slots=cfg.placement.stream_chunk * cfg.rollout.samples_per_prompt,
                    room=-(-2 * cfg.sampling.target_groups // role.count), seed=seed, episodes=worker.episodes, role=role)
 
-    def answer(self, r: RolloutAndScore, judge, rollout_result: Callable[..., object]) -> RolloutAndScoreResult:
+    def answer(self, r: RolloutAndScore, judge, rollout_result: Callable[..., object],
+               write: Callable[[str, list[dict], object], object] = datasets.write_rows) -> RolloutAndScoreResult:
         """``rollout_and_score``'s outputs from ``take``'s groups: the rollout and scored rows written
-        where the request says, their figures (``rollout_result``: the worker's; ``judge``: judge's config)."""
+        (by ``write``) where the request says, their figures (``rollout_result``: the worker's; ``judge``:
+        judge's config)."""
         start = time.perf_counter()
         mine = len(range(self.index, r.count, self.count))  # this replica's share of the groups
         rows, scored, cursor, ahead, dropped = self.take(r.cursor, r.ahead, mine, r.step, r.wave)
         if self.role is not None:  # every replica's takes: the group's cursor and the prompts beyond it (the leader's answer)
             cursor, ahead, dropped = self.taken_by_all(dropped)
-            rows = self.role.join(r.rollouts_out, datasets.ROLLOUTS, {self.index: rows}, self.count)
-            scored = self.role.join(r.scored_out, datasets.SCORED, {self.index: scored}, self.count)
+            rows = self.role.join(r.rollouts_out, datasets.ROLLOUTS, {self.index: rows}, self.count, write)
+            scored = self.role.join(r.scored_out, datasets.SCORED, {self.index: scored}, self.count, write)
         else:
-            datasets.write_rows(r.rollouts_out, rows, datasets.ROLLOUTS)
-            datasets.write_rows(r.scored_out, scored, datasets.SCORED)
+            write(r.rollouts_out, rows, datasets.ROLLOUTS)
+            write(r.scored_out, scored, datasets.SCORED)
         seconds = time.perf_counter() - start
         rolled = rollout_result(Rollout(step=r.step, wave=r.wave, cursor=r.cursor, count=r.count, out=r.rollouts_out),
                                 rows, seconds, 0.0)

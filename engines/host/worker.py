@@ -35,6 +35,7 @@ from engines.host import balance, critic as critic_host, experience, offpolicy, 
 from engines.host.preferences import PreferenceRows
 from engines.host.prompts import Frames, PromptStream
 from engines.host.stream import StreamLane
+from engines.host.written import Written
 
 from engines.backends import chat, distributed, build, multimodal
 from engines.wire.channel import progress
@@ -91,6 +92,7 @@ class Worker:
         self.stream: StreamLane | None = None  # rollout.mode=stream: the lane generating all along (engines/host/stream.py)
         self.judge_lock = threading.Lock()  # one judge call at a time (a streaming lane's scoring thread and an evaluation)
         self.replicas = {role: replicas.Replicas(self.layout, rank, role) for role in replicas.ROLES}  # one of each
+        self.written = Written()  # the stage outputs this host wrote lately: its next stages take them from here
 
     group = property(lambda self: self.layout.group(self.rank))  # this rank's DP group
     leader = property(lambda self: self.layout.local(self.rank) == 0)  # it holds the group's rollout engine and judge
@@ -203,7 +205,7 @@ class Worker:
         switch = self.take("policy")
         chunks, role = self._chunks(self._wave_prompts(request.cursor, request.count)), self.replicas["rollout"]
         done = {k: self._generate_chunk(request.step, request.wave, k, chunk) for k, chunk in role.mine(chunks)}
-        rows = role.join(request.out, datasets.ROLLOUTS, done, len(chunks))  # the leader's: every replica's chunks
+        rows = role.join(request.out, datasets.ROLLOUTS, done, len(chunks), self._writer(request.step))  # every replica's chunks
         return self._rollout_result(request, rows, time.perf_counter() - start, switch)
 
     @handle.register
@@ -215,11 +217,11 @@ class Worker:
         ``rollout_and_score``, so its batched greedy verdicts are the same in both placement modes)."""
         start = time.perf_counter()
         switch = self.take("judge")  # full colocation: the rollout engine sleeps, the judge takes the devices
-        rows = datasets.read_table(request.rollouts, datasets.ROLLOUTS).to_pylist()
+        rows = self.written.rows(request.rollouts, datasets.ROLLOUTS)
         samples = self._chunks(rows, self.config.placement.stream_chunk * self.config.rollout.samples_per_prompt)
         role = self.replicas["judge"]
         scored = role.join(request.out, datasets.SCORED, {k: self._score_chunk(chunk) for k, chunk in role.mine(samples)},
-                           len(samples))
+                           len(samples), self._writer(None))  # (the request names no step: the rollout's)
         return rewards.score_result(self.config.judge, request.out, scored, time.perf_counter() - start, switch)
 
     @handle.register
@@ -235,7 +237,7 @@ class Worker:
         cfg, r = self.config, request
         start = time.perf_counter()
         if self.stream is not None:  # rollout.mode=stream: the groups the lane has generated and scored
-            return self.stream.answer(r, self.config.judge, self._rollout_result)
+            return self.stream.answer(r, self.config.judge, self._rollout_result, self._writer(r.step))
         switch = self.take("policy", "judge")
         finished: queue.Queue = queue.Queue(maxsize=cfg.placement.queue_size)
         scored: dict[int, list[dict]] = {}  # by chunk
@@ -274,11 +276,11 @@ class Worker:
             torch.set_num_threads(self.threads)
         generate_s = time.perf_counter() - start
         if complete:  # while the judge scores the tail
-            rows = role.join(r.rollouts_out, datasets.ROLLOUTS, done, len(chunks))
+            rows = role.join(r.rollouts_out, datasets.ROLLOUTS, done, len(chunks), self._writer(r.step))
         thread.join()
         if judge["error"] is not None:
             raise RuntimeError(f"{self.name}: the GenRM judge failed in wave {r.wave}") from judge["error"]
-        flat = role.join(r.scored_out, datasets.SCORED, scored, len(chunks))
+        flat = role.join(r.scored_out, datasets.SCORED, scored, len(chunks), self._writer(r.step))
         seconds = time.perf_counter() - start
         log.info("%s rollout_and_score wave %d: %.2fs (generating %.2fs, judge busy %.2fs, judge after the last chunk "
                  "%.2fs, generator waited on the queue %.2fs)", self.name, r.wave, seconds, generate_s, judge["busy_s"],
@@ -306,13 +308,14 @@ class Worker:
         max_age = cfg.sampling.max_carry_age
         carried: dict[tuple[int, int, int], list[dict]] = defaultdict(list)  # (step, wave, prompt_id): rows
         if r.carry_in:
-            for row in datasets.read_table(r.carry_in, datasets.CARRY).to_pylist():
+            for row in self.written.rows(r.carry_in, datasets.CARRY):
                 carried[(row["step"], row["wave"], row["prompt_id"])].append(row)
         too_old = [key for key in carried if r.step - key[0] > max_age]  # only if max_carry_age was lowered
         too_old += (stale := [key for key in carried if key not in too_old and offpolicy.too_stale(cfg, r.step, carried[key])])
         for key in too_old:
             del carried[key]
-        kept, equal, new_kept = experience.kept_groups(r.scored, r.step, cfg.sampling.filter_equal_rewards)
+        kept, equal, new_kept = experience.kept_groups(r.scored, r.step, cfg.sampling.filter_equal_rewards,
+                                                       lambda uri: self.written.rows(uri, datasets.SCORED))
         candidates = list(carried.values()) + kept
         train, rest = candidates[: r.target_groups], candidates[r.target_groups :]
         young = [rows for rows in rest if r.step + 1 - rows[0]["step"] <= max_age] if r.carry_out is not None else []
@@ -324,11 +327,11 @@ class Worker:
         else:
             trained = experience.training_rows(cfg.train.algorithm, flat)
         if self.leader:  # with a critic every rank of the group computed its values (a collective over TP)
-            datasets.write_rows(r.out, trained, datasets.EXPERIENCE)
+            self.written.write(r.step, r.out, trained, datasets.EXPERIENCE)
             if carry:
-                datasets.write_rows(r.carry_out, [row for rows in carry for row in rows], datasets.CARRY)
+                self.written.write(r.step, r.carry_out, [row for rows in carry for row in rows], datasets.CARRY)
             elif r.carry_out is not None:
-                objectstore.remove(r.carry_out)
+                self.written.remove(r.carry_out)
         used = min(len(carried), r.target_groups)
         enough = len(train) >= r.target_groups
         reason = "target reached" if enough else f"{len(train)}/{r.target_groups} groups kept, {equal} had equal rewards"
@@ -349,7 +352,7 @@ class Worker:
         t = self.config.train
         start = time.perf_counter()
         switch = self.take("trainer", "critic")  # training takes the group's devices (both placement modes)
-        rows = datasets.read_table(request.experience, datasets.EXPERIENCE).to_pylist()
+        rows = self.written.rows(request.experience, datasets.EXPERIENCE)
         unit = t.algorithm.needs.unit  # a pair's rows stay together
         batch, balanced = balance.balanced_batch(self.group, self.layout, request.experience, rows, t.minibatches,
                                                  t.balance_tokens, unit)
@@ -533,6 +536,10 @@ class Worker:
         if self.leader and (cursor + count - 1) // len(self.prompts) > cursor // len(self.prompts):
             log.warning("%s: all %d prompts of this group's stream trained; starting it again (another epoch)", self.name, len(self.prompts))
         return batch
+
+    def _writer(self, step: int | None):
+        """How step ``step``'s stage outputs are written: kept for this host's next stages (``Written``)."""
+        return functools.partial(self.written.write, step)
 
     def _chunks(self, batch: list, size: int | None = None) -> list[list]:
         """``batch`` in pieces of ``size`` (default ``placement.stream_chunk``: prompts per chunk)."""
