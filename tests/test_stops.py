@@ -88,8 +88,8 @@ def test_a_stop_ends_within_30s_under_a_cpu_hog_at_any_moment_and_the_same_comma
     checkpoint's background write. Each time: status 130 within 30 s, nothing it started left running
     (its temporary Prefect server, its engine hosts), no traceback or "Crashed" line on the console
     (they are in the log file), the stop line last. Each next run resumes the run, and the last
-    finishes it, every prompt trained once. (SIGTERM before a run's first checkpoint, as hosts start
-    and mid-step: tests/test_recovery.py, on a worker's run.)"""
+    finishes it, every prompt trained once. (SIGTERM as the hosts start and inside a step, before a
+    checkpoint is committed: tests/test_recovery.py, against the session's Prefect server.)"""
     name, home, fired, mark = "stops", tmp_path / "prefect-home", tmp_path / "fired", uuid.uuid4().hex
     fired.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
