@@ -18,7 +18,6 @@ Prints the CPU, a table and the ratios (this checkout / baseline).
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import subprocess
@@ -27,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import cpu_model
+from bench import against, cpu_model
 from tests.helpers import TINY  # the demo at test size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,21 +71,12 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--dp", type=int, default=2)
     args = p.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="yattflow-bench-controller-"))
-    baseline = work / "baseline"
-    subprocess.run(["git", "worktree", "add", "--detach", "-q", str(baseline), args.baseline], cwd=ROOT, check=True)
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(work / "home")}
-    store = f"storage.root={work / 'store'}"
-    subprocess.run([sys.executable, "-m", "flows.cli", "prepare", *TINY, store], cwd=ROOT, env=env, capture_output=True,
-                   check=True)
     results = {}
-    try:
+    with against(args.baseline, "yattflow-bench-controller-") as (_, baseline, env, store):
         for name, checkout in (("baseline", baseline), ("yattflow", ROOT)):
             results[name] = {"import_s": _import_s(checkout), "first_line_s": _first_line_s(checkout),
                              **_watched_train(checkout, [*TINY, store, f"dp={args.dp}", f"steps={args.steps}",
                                                          f"name=weight-{name}"], env)}
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=ROOT, check=False)
     print(f"\n### The controller: `yattflow train`, dp={args.dp}, {args.steps} steps, tiny models ({cpu_model()})\n")
     print(f"| figure | this checkout | baseline ({args.baseline}) | ratio |")
     print("|---|---:|---:|---:|")

@@ -16,10 +16,9 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from bench import cpu_model
+from bench import against, cpu_model
 from tests.helpers import TINY  # the demo at test size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,25 +54,16 @@ def main(argv=None) -> dict:
     p.add_argument("--short", type=int, default=2)
     p.add_argument("--long", type=int, default=6)
     args = p.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="yattflow-bench-reads-"))
-    baseline = work / "baseline"
-    subprocess.run(["git", "worktree", "add", "--detach", "-q", str(baseline), args.baseline], cwd=ROOT, check=True)
-    (work / "site").mkdir()
-    (work / "site" / "sitecustomize.py").write_text(COUNTER)
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
-        "PREFECT_HOME": str(work / "home"), "PYTHONPATH": os.pathsep.join(filter(None, [str(work / "site"), os.environ.get("PYTHONPATH")]))}
-    store = f"storage.root={work / 'store'}"
-    subprocess.run([sys.executable, "-m", "flows.cli", "prepare", *TINY, store], cwd=ROOT, env=env, capture_output=True,
-                   check=True)
     results = {}
-    try:
+    with against(args.baseline, "yattflow-bench-reads-") as (work, baseline, env, store):
+        (work / "site").mkdir()
+        (work / "site" / "sitecustomize.py").write_text(COUNTER)  # counts in the engine hosts of the runs below
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(work / "site"), os.environ.get("PYTHONPATH")]))
         for name, checkout in (("baseline", baseline), ("yattflow", ROOT)):
             runs = {steps: _host_bytes(checkout, [*TINY, store, f"dp={args.dp}", f"steps={steps}", "data.heldout=null",
                                                   f"name=reads-{name}-{steps}"], env, work / f"{name}-{steps}")
                     for steps in (args.short, args.long)}
             results[name] = {"runs": runs, "step_kb": (runs[args.long] - runs[args.short]) / (args.long - args.short) / 1024}
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=ROOT, check=False)
     y, b = results["yattflow"]["step_kb"], results["baseline"]["step_kb"]
     print(f"\n### What a step's engine hosts read from storage: dp={args.dp}, tiny models ({cpu_model()})\n")
     print(f"| figure | this checkout | baseline ({args.baseline}) | ratio |")
