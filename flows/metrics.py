@@ -125,12 +125,8 @@ class StepMetrics(BaseModel):
     switch_sync_weights_s: float
     placement: str
     checkpoint_stall_s: float  # on the hosts: what training waited for
-    cursors: list[int]
-    sampling: list[dict]
     policy_version: int
     params_sha: str  # the trained weights' fingerprint (equal on every replica)
-    checkpoint_files: dict[str, dict]  # each file of this step's checkpoint -> its size and SHA-256
-    pending_checkpoint: dict | None = None  # an asynchronous checkpoint still being written (committed next step)
     # eval.every: the held-out metric of this step's policy (policy_version), and the checkpoint
     # that holds those weights (None: not a checkpoint step)
     heldout: float | None = None
@@ -176,11 +172,8 @@ class StepMetrics(BaseModel):
             rollout_busy_s=max(sum(w.rollout.busy_s for w in g.waves) for g in groups),
             placement=config.placement.mode,
             checkpoint_stall_s=max(g.checkpoint.stall_s if g.checkpoint else 0.0 for g in groups),
-            cursors=[g.waves[-1].rollout.cursor for g in groups],
-            sampling=[g.sampling for g in groups],
             policy_version=first.policy_version,
             params_sha=first.params_sha,
-            checkpoint_files={f: r for g in groups if g.checkpoint for f, r in (g.checkpoint.files or {}).items()},
         )
 
 

@@ -22,7 +22,10 @@ what step m's generation hands on, and the turns.
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+if TYPE_CHECKING:
+    from flows.ledger import Checkpoint
 
 
 class _Run:
@@ -41,7 +44,7 @@ class _Run:
 _runs: dict[str, _Run] = {}
 
 
-async def generated_then_turn(run: str, step: int, group: int, cursor: int, sampling: dict) -> dict | None:
+async def generated_then_turn(run: str, step: int, group: int, cursor: int, sampling: dict) -> Checkpoint | None:
     """A DP group of step ``step`` has generated its batch (its data cursor and dynamic-sampling
     state after it: where the next step's generation starts); wait for the step's turn to train.
     Returns the asynchronous checkpoint the hosts are still writing (committed by this step)."""
@@ -67,22 +70,23 @@ async def generation_start(run: str, step: int, group: int) -> tuple[int, dict]:
     return await asyncio.shield(r.future(r.generated, (step - 1, group)))
 
 
-def turn_given(run: str, step: int) -> dict | None:
+def turn_given(run: str, step: int) -> Checkpoint | None:
     """What ``generated_then_turn`` answered step ``step``'s groups (the iteration commits it)."""
     return _runs[run].turns[step].result()
 
 
 async def overlapped(run: str, k: int, first: int, end: int, cursors: list[int], sampling: list[dict] | None,
                      iteration: Callable[[int, list[int], list[dict] | None], Awaitable],
-                     record: Callable[[object], Awaitable[dict | None]]) -> dict | None:
+                     record: Callable[[object], Awaitable[object]]) -> None:
     """Steps ``first`` to ``end - 1``, up to ``k`` generations ahead of training: ``iteration(step,
-    cursors, sampling)`` runs one step's flow, ``record(metrics)`` books a finished step in order and
-    returns its pending asynchronous checkpoint. Returns the last one (for the run to commit).
+    cursors, sampling)`` runs one step's flow, ``record(ended)`` books a finished step in order (its
+    ``StepEnd``, in the run's ledger: flows/ledger.py) and returns its pending asynchronous checkpoint,
+    which the next step's groups wait for and its iteration commits.
 
     A failed iteration fails the run at once (the others are cancelled: the run's restart or
     resume must not meet them in the hosts), even while an earlier step is still training."""
     if first >= end:
-        return None
+        return
     r = _runs[run] = _Run(first, k)
     tasks = {first: asyncio.ensure_future(iteration(first, cursors, sampling))}
     launched, written = first, None
@@ -92,10 +96,9 @@ async def overlapped(run: str, k: int, first: int, end: int, cursors: list[int],
             while launched + 1 < min(end, step + k + 2):  # launched+1 generates once its groups synced step launched-k
                 launched += 1  # its groups start where launched-1's end, after their sync (generation_start)
                 tasks[launched] = asyncio.ensure_future(iteration(launched, None, None))
-            metrics = await _watch(tasks[step], tasks)
+            ended = await _watch(tasks[step], tasks)
             del tasks[step]
-            written = await record(metrics)
-        return written
+            written = await record(ended)
     except BaseException:
         for t in tasks.values():
             t.cancel()

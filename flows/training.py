@@ -23,9 +23,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 from prefect.runtime import flow_run
 
-from engines.wire import channel
 from engines.wire.channel import HostLost
-from engines.wire.commands import REQUESTS, CheckpointWaitResult
 from engines.config import RunConfig, load_config
 from flows import events, pipeline, preflight
 from flows.sampling import GroupSampling, plan_wave
@@ -37,12 +35,13 @@ from flows.evaluations import lines as evaluation_lines
 from engines.evaluation import HELDOUT, headline, set_metric, sets_of
 from flows.console import shown, step_figures
 from flows.hosts import engine_hosts
+from flows.ledger import Checkpoint, Ledger, StepEnd, close_step, is_checkpoint_step, keep_pending
 from flows.metrics import GroupStep, StageClock, StepMetrics, Wave
 from flows.nodes import node_controllers, run_on_nodes
 from flows.tracking import MetricsLog
 from storage import objectstore
-from storage.lease import Lease, verify_held
-from storage.runstate import (RunState, checkpoint_uri, commit_checkpoint, config_uri, discard_uncommitted, resume_point,
+from storage.lease import Lease
+from storage.runstate import (RunState, checkpoint_uri, config_uri, discard_uncommitted, resume_point,
                               set_aside)
 from tasks import stages
 
@@ -88,7 +87,7 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int | None,
                           state.keep_ratio or 0.0)
     if config.rollout.overlapped:  # overlapping steps: train in step order, when the run gives the turn (flows/pipeline.py)
         turn = await pipeline.generated_then_turn(config.name, step, group, cursor, state.to_dict())
-        written = turn["step"] if turn else None
+        written = turn.step if turn else None
     trained = await clock("train_step", stages.train_step(config, step, group))
     synced = await clock("sync_weights", stages.sync_weights(config, group))
     if config.rollout.overlapped:  # this group's generation of step + k may start (flows/pipeline.py)
@@ -107,27 +106,17 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int | None,
                      sampling=state.to_dict(), stage_s=dict(clock.seconds), engine_s=clock.engine_s)
 
 
-def is_checkpoint_step(config: RunConfig, step: int, end: int | None = None) -> bool:
-    """Every ``checkpoint.every`` steps, and at the last step of this run (so the next run resumes there)."""
-    return (step + 1) % config.checkpoint.every == 0 or step == (config.steps if end is None else end) - 1
-
-
 @flow(name="iteration", flow_run_name="iteration-{step:04d}")
-async def iteration(config: RunConfig, step: int, cursors: list[int] | None, end: int | None = None, written: dict | None = None,
-                    sampling: list[dict] | None = None) -> StepMetrics:
-    """One RL step: every DP group concurrently, then commit the checkpoints that are written.
+async def iteration(config: RunConfig, step: int, cursors: list[int] | None, end: int | None = None,
+                    written: Checkpoint | None = None, sampling: list[dict] | None = None) -> StepEnd:
+    """One RL step: every DP group concurrently, then the commits (flows/ledger.py).
 
-    ``sampling``: each group's dynamic-sampling state after the previous step (carried-over groups,
-    keep-ratio estimate; None: a fresh start); this step's is returned as ``sampling`` and goes
-    into this step's checkpoint with the cursors.
-
-    ``written``: an earlier step's asynchronous checkpoint (``pending_checkpoint`` of that
-    iteration's metrics) that the hosts are still writing; this step's groups wait for it at
-    their end and it is committed here. A checkpoint written asynchronously in this step is
-    returned as ``pending_checkpoint`` for the next iteration (or ``finish_checkpoint``); a
-    synchronous one is committed here."""
+    ``cursors``, ``sampling``: where each group's data and dynamic-sampling state (carried-over groups,
+    keep-ratio estimate; None: a fresh start) stand after the previous step; ``written``: an earlier
+    step's asynchronous checkpoint that the hosts are still writing (this step's groups wait for it at
+    their end, and it is committed here). Returns the step's metrics and where it leaves the run."""
     start = time.perf_counter()
-    waiting = written["step"] if written else None
+    waiting = written.step if written else None
     if config.controllers.groups_per_node:  # the same sub-flows, in node controllers' processes (flows/nodes.py)
         groups = await run_on_nodes(config, step, cursors, end, waiting, sampling)
     else:
@@ -147,91 +136,14 @@ async def iteration(config: RunConfig, step: int, cursors: list[int] | None, end
     if config.rollout.overlapped:
         written = pipeline.turn_given(config.name, step)  # the checkpoint its groups waited for
     metrics = StepMetrics.of(config, step, groups, time.perf_counter() - start)
-    if written is not None:
-        commit(config, written, waited_files(written, [g.checkpoint_waited for g in groups]))
-    if is_checkpoint_step(config, step, end):
-        checkpoint = {"step": step, "uri": checkpoint_uri(config.run_uri, step), "cursors": metrics.cursors,
-                      "sampling": metrics.sampling, "policy_version": metrics.policy_version}
-        if config.checkpoint.asynchronous:
-            metrics.pending_checkpoint = checkpoint
-        else:
-            commit(config, checkpoint, metrics.checkpoint_files)
-    shown = metrics.model_dump(exclude={"cursors", "sampling", "checkpoint_files", "pending_checkpoint", "step_s", "train",
-                                        "evaluation"})
+    ended = close_step(config, step, end, groups, metrics, written)
+    shown = metrics.model_dump(exclude={"step_s", "train", "evaluation"})
     shown |= metrics.train  # one column per trainer figure
     await acreate_table_artifact(
         key=f"{config.name}-iteration", table=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in shown.items()}],
         description=f"{config.name} step {step}: reward {metrics.reward:.3f}, kept {metrics.kept_groups} groups",
     )
-    return metrics
-
-
-def commit(config: RunConfig, checkpoint: dict, files: dict[str, dict]) -> None:
-    """Commit a checkpoint whose files are all written: manifest, then state.json (its step,
-    data cursors, dynamic-sampling state and policy version), then retention.
-
-    The sampling state is the one of the checkpoint's own step (carried with it from that step's
-    iteration to the one that commits it), so a resume takes exactly the groups that step carried
-    over: never lost, never trained twice, their prompts behind the cursors."""
-    verify_held(config.run_uri)  # never commit for a run whose lease another run has taken
-    state = RunState.load(config.run_uri)
-    state.step, state.cursors, state.policy_version = checkpoint["step"], checkpoint["cursors"], checkpoint["policy_version"]
-    state.sampling = checkpoint["sampling"]
-    state.checkpoint = checkpoint["uri"]
-    commit_checkpoint(config.run_uri, state, files, config.checkpoint.keep_last, config.checkpoint.keep_every)
-    events.emit(config, events.CHECKPOINT_COMMITTED,
-                {"step": state.step, "uri": state.checkpoint, "policy_version": state.policy_version})
-
-
-def waited_files(checkpoint: dict, waited: list[CheckpointWaitResult | None]) -> dict[str, dict]:
-    """Every group's files of ``checkpoint`` (each with its size and SHA-256), from their ``checkpoint_wait`` results."""
-    for group, w in enumerate(waited):
-        if w is None or w.uri != checkpoint["uri"] or w.files is None:
-            raise RuntimeError(f"dp-{group}: waited for the write of {checkpoint['uri']}, the host reports {w}")
-    return {f: record for w in waited for f, record in w.files.items()}
-
-
-async def finish_checkpoint(config: RunConfig, checkpoint: dict | None) -> None:
-    """Wait for every group's background write of ``checkpoint`` and commit it: the end of a run."""
-    if checkpoint is None:
-        return
-    waited = await asyncio.gather(*(stages.checkpoint_wait(config, g, checkpoint["step"]) for g in range(config.dp)))
-    commit(config, checkpoint, waited_files(checkpoint, list(waited)))
-
-
-PENDING_WAIT_S = 60.0  # how long a failed run waits for its hosts to finish the checkpoint write it has not committed
-
-
-async def keep_pending_checkpoint(config: RunConfig, checkpoint: dict) -> None:
-    """A step failed while the hosts, alive (its input, a reward rule's bug, no prompt group kept; not a lost
-    host), were still writing an earlier step's checkpoint in the background, which the failed iteration
-    would have committed: commit it once every host has written it (``PENDING_WAIT_S`` at most), so that the
-    same command continues from that step and not from the checkpoint before it (the next attempt discards an
-    uncommitted write). Not while a host is in a stage that needs the other groups (a train step's all-reduce)
-    and some group is not in it: that host answers nothing more. Never raises: the step's own error is what
-    stops the run."""
-    logger, done = get_run_logger(), checkpoint["step"] + 1  # steps 1-based, as the console counts them
-    why = None
-    try:
-        state = RunState.load(config.run_uri)
-        if state is not None and state.step >= checkpoint["step"]:
-            return  # the failed iteration committed it before it failed
-        busy = channel.in_flight(config.name, config.dp)  # the failed step's commands: their tasks are cancelled, they go on
-        shared = {g: stage for g, stage in busy.items() if not REQUESTS[stage].alone}
-        if config.controllers.groups_per_node:
-            why = "the node controllers hold the groups' commands, which this process cannot see"
-        elif shared and (len(shared) < config.dp or len(set(shared.values())) > 1):
-            why = "dp-{} is still in its '{}', which waits for a group that will not come".format(*next(iter(shared.items())))
-        else:
-            await asyncio.wait_for(finish_checkpoint(config, checkpoint), PENDING_WAIT_S)
-    except Exception as e:  # noqa: BLE001 - a host gone or slow: the resume discards the write
-        why = (f"its hosts did not finish it within {PENDING_WAIT_S:g}s" if isinstance(e, TimeoutError)
-               else f"{type(e).__name__}: {e}".splitlines()[0])
-    if why:
-        logger.warning("the checkpoint of step %d (%s) is not committed (%s); the same command resumes from the last "
-                       "committed one", done, checkpoint["uri"], why)
-    else:
-        logger.info("committed the checkpoint of step %d (%s), written while the failed step ran", done, checkpoint["uri"])
+    return ended
 
 
 class NothingToLearn(RuntimeError):
@@ -372,7 +284,7 @@ async def _attempt(config: RunConfig, history: list[StepMetrics]) -> dict:
     before = (RunState.load(run_uri) or state).heldout_before
     summary = {"run": config.name, "steps": config.steps, "heldout_metric": metric, "heldout_before": before, "heldout_after": after,
                "final_model": final_uri, "evaluation": read_evaluations(run_uri),  # every set: before, every eval.every, after
-               "history": [m.model_dump(exclude={"checkpoint_files", "pending_checkpoint"}) for m in history]}
+               "history": [m.model_dump() for m in history]}
     await acreate_markdown_artifact(key=f"{config.name}-summary", markdown=summary_markdown(summary),
                                     description=f"{config.name}: held-out {metric or 'evaluation off'}: {percent(before)} → {percent(after)}")
     events.emit(config, events.RUN_FINISHED, {"steps_done": max(first, end), "steps": config.steps,
@@ -454,18 +366,15 @@ async def _steps(config: RunConfig, state: RunState, first: int, end: int, histo
     """Steps ``first`` to ``end - 1`` from the committed ``state``, then the commit of their last
     checkpoint; returns the held-out metric after them."""
     logger, run_uri, metric = get_run_logger(), config.run_uri, heldout_metric(config)
-    cursors, sampling = state.cursors, state.sampling or None
-    written = None  # the last asynchronous checkpoint, still being written (committed by the next iteration)
-    pending = None  # the same, as the last recorded step left it: what a failed step has not committed
+    ledger = Ledger.resumed(state)  # where the run stands between two steps (flows/ledger.py)
     empty_steps = 0  # steps in a row that kept no prompt group
     began = time.perf_counter()  # since the last step was recorded: with overlapping steps, the pace of the run
 
-    async def record(metrics: StepMetrics) -> dict | None:
+    async def record(ended: StepEnd) -> Checkpoint | None:
         """Book a finished step (in step order); returns its checkpoint still being written."""
-        nonlocal began, empty_steps, pending
-        step = metrics.step
-        written = pending = metrics.pending_checkpoint
-        metrics.pending_checkpoint = None
+        nonlocal began, empty_steps
+        metrics, step = ended.metrics, ended.metrics.step
+        written = ledger.advance(ended)
         if metric and config.eval.every and (step + 1) % config.eval.every == 0:
             metrics.evaluation = await evaluate_sets(config, f"step {step}")
             metrics.heldout = headline(metrics.evaluation)
@@ -498,20 +407,18 @@ async def _steps(config: RunConfig, state: RunState, first: int, end: int, histo
 
     try:
         if config.rollout.overlapped:  # step n+1's generation overlaps step n's training (flows/pipeline.py)
-            written = await pipeline.overlapped(
-                config.name, config.rollout.max_staleness, first, end, cursors, sampling,
+            await pipeline.overlapped(
+                config.name, config.rollout.max_staleness, first, end, ledger.cursors, ledger.sampling,
                 lambda step, cursors, sampling: iteration(config, step, cursors, end, None, sampling), record)
         else:
             for step in range(first, end):
                 began = time.perf_counter()
-                metrics = await iteration(config, step, cursors, end, written, sampling)
-                cursors, sampling = metrics.cursors, metrics.sampling
-                written = await record(metrics)
+                await record(await iteration(config, step, ledger.cursors, end, ledger.pending, ledger.sampling))
     except Exception as e:
-        if pending is not None and not _host_lost(e):  # the hosts are alive: keep what they were writing
-            await keep_pending_checkpoint(config, pending)
+        if ledger.pending is not None and not _host_lost(e):  # the hosts are alive: keep what they were writing
+            await keep_pending(config, ledger.pending)
         raise
-    await finish_checkpoint(config, written)  # this run's last checkpoint: the next run resumes there
+    await ledger.finish(config)  # this run's last checkpoint: the next run resumes there
     last = history[-1] if history and history[-1].step == end - 1 else None
     if last is not None and last.evaluation:  # eval.every evaluated these very weights after the last step
         evaluation = last.evaluation

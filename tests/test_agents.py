@@ -505,7 +505,7 @@ def test_a_run_trains_on_episodes_and_heals_from_a_host_killed_mid_episode(agent
     streamed = ["name=agents", "steps=2", "rollout.mode=stream", "rollout.max_staleness=2", "train.old_policy=decoupled",
                 "train.off_policy_correction=tis"]
     summary = asyncio.run(train(overrides=overrides + streamed))
-    history = [StepMetrics(**m, checkpoint_files={}) for m in summary["history"]]
+    history = [StepMetrics(**m) for m in summary["history"]]
     for m in history:
         print(step_figures(m))
         assert m.episodes["turns"] >= 1 and m.episodes["tool_calls"] > 0 and 0 <= m.episodes["truncated"] <= 1

@@ -70,7 +70,7 @@ def test_two_iterations_dp2_on_the_prefect_api(prepared):
     resumed = run_train(prepared, "name=flowtest", "steps=3", "dp=2", "checkpoint.every=1")
     assert [m["step"] for m in resumed["history"]] == [2]
     assert resumed["history"][0]["engine_loads"] == 1  # the resumed run's new hosts: one load each
-    assert resumed["history"][0]["cursors"][0] > state["cursors"][0]
+    assert json.loads((run_dir / "state.json").read_text())["cursors"][0] > state["cursors"][0]  # step 2's checkpoint
     tree = asyncio.run(read_run_tree("flowtest"))
     assert [n for n in tree if n.startswith("iteration-") and "-dp-" not in n] == ["iteration-0002"]
 

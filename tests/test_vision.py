@@ -310,7 +310,7 @@ def test_a_bad_image_found_in_a_later_step_stops_the_run_before_that_step_trains
     import time
     from pathlib import Path
 
-    from flows import training
+    from flows import ledger, training
     from flows.stops import failed_line
     from tests.helpers import no_engine_hosts_left, read_run_tree
 
@@ -329,7 +329,7 @@ def test_a_bad_image_found_in_a_later_step_stops_the_run_before_that_step_trains
                  "sampling.prompts_per_wave=2", "sampling.target_groups=2", "sampling.max_waves=1",
                  "sampling.filter_equal_rewards=false"]
     config = load_config(None, overrides)
-    monkeypatch.setattr(training, "PENDING_WAIT_S", 300.0)  # waiting on a host stuck in an all-reduce would show
+    monkeypatch.setattr(ledger, "PENDING_WAIT_S", 300.0)  # waiting on a host stuck in an all-reduce would show
 
     started = time.monotonic()
     with pytest.raises(Exception) as failed:
