@@ -53,7 +53,6 @@ class Sampler:
             self.sample()
 
 
-
 @contextlib.contextmanager
 def against(commit: str, prefix: str, **env: str):
     """A benchmark of this checkout against an earlier ``commit``, with ``yattflow`` commands of its own:
