@@ -185,14 +185,19 @@ def s3_root(s3_server, s3_env) -> str:
 # `make check` (YATTFLOW_TEST_TIER=check): the unit and contract tier, for the edit loop. Tests that
 # need a Prefect server or engine hosts are marked ``integration`` (by hand, or for asking for a fixture
 # that starts them) and left out; the guard below fails a test that starts one anyway, naming the mark.
-CHECK_TIER = os.environ.get("YATTFLOW_TEST_TIER") == "check"
+# YATTFLOW_TEST_TIER=integration: the rest, and only the rest (`make test` runs the check tier on two workers,
+# then this one in one process). Unset: every test, in one process.
+TIER = os.environ.get("YATTFLOW_TEST_TIER")
+if TIER not in (None, "", "check", "integration"):
+    raise ValueError(f"YATTFLOW_TEST_TIER={TIER!r}: check, integration, or unset for every test")
+CHECK_TIER = TIER == "check"
 SERVER_FIXTURES = {"prefect_server", "prepared"}  # fixtures that start the session's Prefect server
 
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need CUDA, tests marked ``s3`` SeaweedFS's ``weed``; without it they are
     skipped, with the reason shown. Tests that ask for the session's Prefect server are ``integration``;
-    the check tier deselects every ``integration`` test."""
+    the check tier deselects every ``integration`` test, the integration tier every other."""
     import torch
 
     skips = {}
@@ -206,11 +211,10 @@ def pytest_collection_modifyitems(config, items):
         for marker, skip in skips.items():
             if item.get_closest_marker(marker) is not None:
                 item.add_marker(skip)
-    if CHECK_TIER:
-        left = [item for item in items if item.get_closest_marker("integration") is not None]
-        if left:
-            config.hook.pytest_deselected(items=left)
-            items[:] = [item for item in items if item.get_closest_marker("integration") is None]
+    if TIER:  # the tier's tests kept, the other tier's deselected
+        keep = [(item.get_closest_marker("integration") is not None) == (TIER == "integration") for item in items]
+        config.hook.pytest_deselected(items=[item for item, kept in zip(items, keep) if not kept])
+        items[:] = [item for item, kept in zip(items, keep) if kept]
     if os.environ.get("PYTEST_XDIST_WORKER"):  # on workers (make check): the long modules first
         items[:] = _longest_modules_first(items)
 

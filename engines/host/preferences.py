@@ -16,8 +16,6 @@ DPO's loss never reads; the step's ``entropy`` and ``kl_rollout`` statistics mea
 
 from __future__ import annotations
 
-from transformers import AutoTokenizer
-
 from engines.backends import chat
 from engines.host.validation import InputError
 
@@ -30,6 +28,8 @@ class PreferenceRows:
     def __init__(self, policy_dir: str, config, vision: bool):
         if vision:
             raise InputError("data.preferences: offline DPO takes text prompts; model.policy is a vision-language model")
+        from transformers import AutoTokenizer  # here: a host without preference rows (a stub's) never imports it
+
         self.tokenizer = AutoTokenizer.from_pretrained(policy_dir)
         self.renderer = chat.Renderer(self.tokenizer, chat.PromptFormat.policy(config))
 
