@@ -120,7 +120,8 @@ def part_tests(args) -> dict:
     # s3fs, which do not travel) must not stop the collection of the others
     files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in f.read_text())
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu and not slow", "-q", "-rfEs", "-p", "no:cacheprovider", *files]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "YATTFLOW_TEST_TIER"}  # every GPU test, whichever tier runs this
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     print(proc.stdout[-20000:], proc.stderr[-5000:], sep="\n")
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}

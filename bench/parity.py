@@ -42,6 +42,7 @@ def run_path(name: str, files: list[str]) -> dict:
         log = f.name
     env = dict(os.environ, YATTFLOW_PARITY_LOG=log, OMP_NUM_THREADS=str(threads))
     env.pop("ATEN_CPU_CAPABILITY", None)
+    env.pop("YATTFLOW_TEST_TIER", None)  # every test of the files, whichever tier runs this
     if capability:
         env["ATEN_CPU_CAPABILITY"] = capability
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], cwd=ROOT, env=env,
