@@ -91,10 +91,9 @@ def test_copy_state_is_independent_keeps_ties_and_reuses_buffers():
 def host(tmp_path):
     """An engine host's worker with a torch trainer on a tiny model, without the rest of ``setup_engines``."""
     torch.set_num_threads(1)
-    h = Worker(rank=0, world=1, threads=1)
-    h.config = RunConfig.model_validate({"dp": 1})
-    h.trainer = TorchTrainer(save_tiny_model(tmp_path / "model"), lr=1e-2)
-    h.checkpoints = Checkpoints(0, "torch", [["part-00000.parquet", 8]])
+    h = Worker(rank=0, world=1, threads=1, config=RunConfig.model_validate({"dp": 1}),
+               trainer=TorchTrainer(save_tiny_model(tmp_path / "model"), lr=1e-2),
+               checkpoints=Checkpoints(0, "torch", [["part-00000.parquet", 8]]))
     train_once(h.trainer, seed=1)  # Adam moments exist
     return h
 
@@ -270,10 +269,8 @@ from engines.host.worker import Worker
 model_dir, out = sys.argv[1], sys.argv[2]
 
 def host():
-    h = Worker(rank=0, world=1, threads=1)
-    h.config = RunConfig.model_validate({"dp": 1, "train": {"backend": "megatron"}})
-    h.trainer, h.checkpoints = MegatronTrainer(model_dir, lr=1e-2), Checkpoints(0, "megatron", [["part-00000.parquet", 8]])
-    return h
+    return Worker(rank=0, world=1, threads=1, config=RunConfig.model_validate({"dp": 1, "train": {"backend": "megatron"}}),
+                  trainer=MegatronTrainer(model_dir, lr=1e-2), checkpoints=Checkpoints(0, "megatron", [["part-00000.parquet", 8]]))
 
 def step(h, seed):
     b = random_batch(6, seed=seed)

@@ -127,10 +127,8 @@ def test_kl_reference_is_the_base_with_the_adapter_disabled(policy):
 def host(policy, tmp_path):
     """An engine host's worker with a LoRA torch trainer, without the rest of ``setup_engines``."""
     torch.set_num_threads(1)
-    h = Worker(rank=0, world=1, threads=1)
-    h.config = RunConfig.model_validate({"dp": 1, "train": {"lora": LORA | {"export_merged": True}}})
-    h.trainer = make_trainer(policy)
-    h.checkpoints = Checkpoints(0, "torch", [["part-00000.parquet", 8]])
+    h = Worker(rank=0, world=1, threads=1, config=RunConfig.model_validate({"dp": 1, "train": {"lora": LORA | {"export_merged": True}}}),
+               trainer=make_trainer(policy), checkpoints=Checkpoints(0, "torch", [["part-00000.parquet", 8]]))
     train_once(h.trainer, seed=1)  # Adam moments exist
     return h
 

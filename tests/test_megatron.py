@@ -463,12 +463,9 @@ def test_host_stages_read_a_sleeping_trainer_or_wake_it(tmp_path, megatron_model
     from engines.host.worker import Worker
 
     def host() -> Worker:
-        h = Worker(rank=0, world=1, threads=1)
-        h.config = RunConfig.model_validate({"dp": 1, "train": {"backend": "megatron"}, "checkpoint": {"asynchronous": False}})
-        h.trainer, h.policy = MegatronTrainer(megatron_model, **HYPER), TorchGenerator(megatron_model)
-        h.checkpoints = Checkpoints(0, "megatron", [["part-00000.parquet", 8]])
-        h.awake = {"policy", "trainer"}  # as after setup
-        return h
+        config = RunConfig.model_validate({"dp": 1, "train": {"backend": "megatron"}, "checkpoint": {"asynchronous": False}})
+        return Worker(rank=0, world=1, threads=1, config=config, trainer=MegatronTrainer(megatron_model, **HYPER),
+                      policy=TorchGenerator(megatron_model), checkpoints=Checkpoints(0, "megatron", [["part-00000.parquet", 8]]))
 
     h = host()
     h.trainer.train_step(batch_near(h.trainer, 6, seed=16))

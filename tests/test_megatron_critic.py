@@ -265,13 +265,9 @@ def test_qwen2_tied_critic_matches_torch(tmp_path):
 
 
 def megatron_ppo_host(megatron_model: str, seed: int = 0) -> Worker:
-    h = Worker(rank=0, world=1, threads=1)
-    h.config = RunConfig.model_validate(PPO)
-    h.trainer = MegatronTrainer(megatron_model, lr=1e-2)
-    h.critic = with_head(MegatronCritic(megatron_model, lr=1e-2), seed=seed)
-    h.checkpoints = Checkpoints(0, "megatron", [["part-00000.parquet", 8]])
-    h.awake = {"trainer", "critic"}
-    return h
+    return Worker(rank=0, world=1, threads=1, config=RunConfig.model_validate(PPO), trainer=MegatronTrainer(megatron_model, lr=1e-2),
+                  critic=with_head(MegatronCritic(megatron_model, lr=1e-2), seed=seed),
+                  checkpoints=Checkpoints(0, "megatron", [["part-00000.parquet", 8]]))
 
 
 def ppo_step(h: Worker, tmp, step: int) -> dict:

@@ -80,13 +80,8 @@ def test_critic_step_matches_hand_written_value_loss(tiny_model):
 
 
 def ppo_host(model_dir: str, seed: int = 0) -> Worker:
-    h = Worker(rank=0, world=1, threads=1)
-    h.config = RunConfig.model_validate(PPO)
-    h.trainer = TorchTrainer(model_dir, lr=1e-2)
-    h.critic = critic_of(model_dir, seed=seed)
-    h.checkpoints = Checkpoints(0, "torch", [["part-00000.parquet", 8]])
-    h.awake = {"trainer", "critic"}
-    return h
+    return Worker(rank=0, world=1, threads=1, config=RunConfig.model_validate(PPO), trainer=TorchTrainer(model_dir, lr=1e-2),
+                  critic=critic_of(model_dir, seed=seed), checkpoints=Checkpoints(0, "torch", [["part-00000.parquet", 8]]))
 
 
 def ppo_step(h: Worker, tmp, step: int) -> tuple[list[dict], dict]:

@@ -139,9 +139,7 @@ class Store:
 
 
 def filter_host(**sampling) -> Worker:
-    host = Worker(rank=0, world=1, threads=1)
-    host.config = RunConfig.model_validate({"dp": 1, "sampling": sampling})
-    return host
+    return Worker(rank=0, world=1, threads=1, config=RunConfig.model_validate({"dp": 1, "sampling": sampling}))
 
 
 def run_filter(host: Worker, store: Store, step: int, scored: list[str], target: int, carry_in: str | None) -> dict:

@@ -210,9 +210,10 @@ class StreamLane:
         room for a step's groups (``sampling.target_groups``) and as many again, split between the
         group's rollout replicas; ``seed``: segment n's."""
         cfg, role = worker.config, worker.replicas["rollout"]
-        return cls(worker.policy, worker.rollout_weights, lambda i: worker._wave_prompts(i, 1)[0], worker._score_chunk,
+        return cls(worker.policy, worker.rollout_weights, lambda i: worker.prompts_at(i, 1)[0], worker.score_chunk,
                    cfg.rollout, slots=cfg.placement.stream_chunk * cfg.rollout.samples_per_prompt,
-                   room=-(-2 * cfg.sampling.target_groups // role.count), seed=seed, episodes=worker.episodes, role=role)
+                   room=-(-2 * cfg.sampling.target_groups // role.count), seed=seed,
+                   episodes=getattr(worker.samples, "episodes", None), role=role)
 
     def answer(self, r: RolloutAndScore, judge, rollout_result: Callable[..., object],
                write: Callable[[str, list[dict], object], object] = datasets.write_rows) -> RolloutAndScoreResult:

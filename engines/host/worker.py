@@ -10,7 +10,6 @@ atomically; requests and results carry URIs and metrics, never sample data.
 
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
 import logging
@@ -31,7 +30,7 @@ from engines.agents.episodes import Episodes
 from engines import evaluation
 from engines.config import dotted
 from engines.evaluation import SetSums
-from engines.host import balance, critic as critic_host, experience, offpolicy, replicas, rewards, validation
+from engines.host import balance, critic as critic_host, experience, offpolicy, replicas, rewards, samples, validation
 from engines.host.preferences import PreferenceRows
 from engines.host.prompts import Frames, PromptStream
 from engines.host.stream import StreamLane
@@ -41,7 +40,7 @@ from engines.backends import chat, distributed, build, multimodal
 from engines.wire.channel import progress
 from engines.host.checkpointing import CheckpointDamaged, Checkpoints
 from engines.host import replica_check
-from engines.wire.commands import (EPISODE_FIGURES, Checkpoint, CheckpointResult, CheckpointWait, CheckpointWaitResult,
+from engines.wire.commands import (Checkpoint, CheckpointResult, CheckpointWait, CheckpointWaitResult,
                               DynamicFilter, DynamicFilterResult, Evaluate, EvaluateResult, ExportPolicy, ExportPolicyResult,
                               GenRMScore, GenRMScoreResult, Ping, PingResult, Request, Result, Rollout, RolloutAndScore,
                               RolloutAndScoreResult, RolloutResult, SetupEngines, SetupEnginesResult, SyncWeights,
@@ -67,30 +66,30 @@ class Worker:
     ``rollout.replicas`` / ``judge.replicas`` the next ranks hold more of them, which split a wave's
     chunks (engines/host/replicas.py; ``Request.ranks`` names who answers a stage)."""
 
-    def __init__(self, rank: int, world: int, threads: int, rendezvous: socket.socket | None = None):
+    def __init__(self, rank: int, world: int, threads: int, rendezvous: socket.socket | None = None, *,
+                 config: RunConfig | None = None, policy: Generator | None = None, trainer: Trainer | None = None,
+                 critic=None, checkpoints: Checkpoints | None = None):
+        """``config`` and the engines: what ``setup_engines`` would load, given instead (a test's stages
+        on engines of its own, without loading a run)."""
         self.rank, self.world, self.threads = rank, world, threads
         self.layout = Layout(world)  # one rank per group until the run's config says more
         self.rendezvous = rendezvous  # rank 0 of a DP run: the listening socket its rendezvous store serves on
-        self.config: RunConfig | None = None
-        self.policy: Generator | None = None  # the rollout engine
+        self.config = config
+        self.policy = policy  # the rollout engine
         self.judge: Generator | None = None  # the GenRM (None: no judge)
         self.reward_model = None  # the scalar reward model (model.reward_model; None: none), on the judge's side
-        self.trainer: Trainer | None = None
-        self.critic = None  # an algorithm with a critic (Needs.critic): its value model (engines/host/critic.py)
-        self.rule: rewards.Rule | None = None  # ``reward.rule``, imported
-        self.format_rule: rewards.Rule | None = None  # ``reward.format_rule``, imported
+        self.trainer = trainer
+        self.critic = critic  # an algorithm with a critic (Needs.critic): its value model (engines/host/critic.py)
+        self.scorers: samples.Scorers | None = None  # the judge, the reward model and the rules, as a sample is scored
+        self.samples: samples.Responses | None = None  # what a sample is: a response, an episode, a preference pair
         self.prompts: PromptStream | None = None  # this group's stream of prompts (rows rank, rank+world, ...)
-        self.preferences: PreferenceRows | None = None  # data.preferences: its rows are the samples (offline DPO)
-        self.episodes: Episodes | None = None  # rollout.env / rollout.tools: multi-turn episodes
         self.vision = False  # the policy is a vision-language model: prompts come with images
-        self.judge_sees_images = False  # the judge is a vision-language model too
-        self.placeholders: tuple[str, ...] = ()  # an image in the policy's prompts (taken out of a text judge's)
-        self.checkpoints: Checkpoints | None = None
+        self.checkpoints = checkpoints
         self.engine_loads = 0  # times this host loaded its models: once per run is the point of a host
-        self.awake: set[str] = set()  # the engines holding the group's devices (see ``take``)
+        self.awake = {name for name, engine in (("policy", policy), ("trainer", trainer), ("critic", critic))
+                      if engine is not None}  # the engines holding the group's devices (see ``take``)
         self.rollout_weights = offpolicy.RolloutWeights()  # the rollout engine, between an overlapping host's two lanes
         self.stream: StreamLane | None = None  # rollout.mode=stream: the lane generating all along (engines/host/stream.py)
-        self.judge_lock = threading.Lock()  # one judge call at a time (a streaming lane's scoring thread and an evaluation)
         self.replicas = {role: replicas.Replicas(self.layout, rank, role) for role in replicas.ROLES}  # one of each
         self.written = Written()  # the stage outputs this host wrote lately: its next stages take them from here
 
@@ -152,30 +151,37 @@ class Worker:
         self.policy = (build.make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads, device,
                                             tensor_parallel=cfg.rollout.tensor_parallel,
                                             record_routes=cfg.train.router_replay) if rolls else None)
-        self.judge = None
+        self.judge, judge_sees_images = None, False
         if cfg.reward.genrm_weight > 0 and judges:
             judge_dir = objectstore.local_folder(cfg.uri(cfg.model.judge))
             self.judge = build.make_judge(cfg, judge_dir, self.threads, device)
-            self.judge_sees_images = self.vision and multimodal.is_vision_folder(judge_dir)
+            judge_sees_images = self.vision and multimodal.is_vision_folder(judge_dir)
         self.reward_model = (build.make_reward_model(cfg, objectstore.local_folder(cfg.uri(cfg.model.reward_model)), self.threads,
                                                      device) if cfg.reward.reward_model_weight > 0 and judges else None)
-        frames = None
+        frames, placeholders = None, ()
         if self.vision:
             processor = multimodal.load_processor(policy_dir)
-            self.placeholders = (multimodal.image_text(processor), multimodal.placeholder(processor))
+            if not judge_sees_images:  # an image in the policy's prompts, taken out of a text judge's
+                placeholders = (multimodal.image_text(processor), multimodal.placeholder(processor))
             frames = Frames.of(cfg.data, processor)
-        limit = rewards.timeout_of(cfg)  # each call's (reward.rule_timeout_s): a hang is the rule's error, not a lost host
-        self.rule = rewards.load_rule(cfg.reward.rule, timeout_s=limit) if cfg.reward.rule else None
-        self.format_rule = (rewards.load_rule(cfg.reward.format_rule, "reward.format_rule", limit)
-                            if cfg.reward.format_rule else None)
         self.awake = {"policy", "judge", "trainer", "critic"}  # all loaded, all on the devices
         self.engine_loads += 1
         self.prompts = PromptStream(prompts_uri, self.group, self.layout.dp, cfg.data.max_image_bytes,
                                     datasets.PREFERENCES if cfg.data.preferences else datasets.PROMPTS,
                                     extra=cfg.rollout.env is not None, frames=frames,  # an environment reads every column
                                     max_image_pixels=cfg.data.max_image_pixels)
-        self.episodes = Episodes.of(cfg, policy_dir) if cfg.rollout.episodes and rolls else None
-        self.preferences = PreferenceRows(policy_dir, cfg, self.vision) if cfg.data.preferences else None
+        limit = rewards.timeout_of(cfg)  # each call's (reward.rule_timeout_s): a hang is the rule's error, not a lost host
+        self.scorers = samples.Scorers(
+            cfg, self.judge, self.reward_model, rewards.load_rule(cfg.reward.rule, timeout_s=limit) if cfg.reward.rule else None,
+            rewards.load_rule(cfg.reward.format_rule, "reward.format_rule", limit) if cfg.reward.format_rule else None,
+            self.prompts, judge_sees_images, placeholders,
+            # one judge call at a time: a streaming lane's scoring thread and an evaluation; overlapping lanes: the
+            # held-out evaluation's judge and the rollout lane's never generate at once
+            self.rollout_weights if cfg.rollout.overlapped else threading.Lock())
+        self.samples = samples.of(cfg, self.policy, self.rollout_weights, self.scorers, vision=self.vision,
+                                  episodes=Episodes.of(cfg, policy_dir) if cfg.rollout.episodes and rolls else None,
+                                  pairs=PreferenceRows(policy_dir, cfg, self.vision) if cfg.data.preferences else None,
+                                  version=lambda: self.trainer.version)
         self.rollout_weights.reset(self.trainer.version, int(cfg.rollout.sync_bucket_mb * 2**20))  # both engines loaded the same folder
         if self.stream is not None:
             self.stream.stop()
@@ -203,7 +209,7 @@ class Worker:
         colocation) or stream to the judge in ``rollout_and_score`` (partial)."""
         start = time.perf_counter()
         switch = self.take("policy")
-        chunks, role = self._chunks(self._wave_prompts(request.cursor, request.count)), self.replicas["rollout"]
+        chunks, role = self._chunks(self.prompts_at(request.cursor, request.count)), self.replicas["rollout"]
         done = {k: self._generate_chunk(request.step, request.wave, k, chunk) for k, chunk in role.mine(chunks)}
         rows = role.join(request.out, datasets.ROLLOUTS, done, len(chunks), self._writer(request.step))  # every replica's chunks
         return self._rollout_result(request, rows, time.perf_counter() - start, switch)
@@ -220,7 +226,7 @@ class Worker:
         rows = self.written.rows(request.rollouts, datasets.ROLLOUTS)
         samples = self._chunks(rows, self.config.placement.stream_chunk * self.config.rollout.samples_per_prompt)
         role = self.replicas["judge"]
-        scored = role.join(request.out, datasets.SCORED, {k: self._score_chunk(chunk) for k, chunk in role.mine(samples)},
+        scored = role.join(request.out, datasets.SCORED, {k: self.score_chunk(chunk) for k, chunk in role.mine(samples)},
                            len(samples), self._writer(None))  # (the request names no step: the rollout's)
         return rewards.score_result(self.config.judge, request.out, scored, time.perf_counter() - start, switch)
 
@@ -251,7 +257,7 @@ class Worker:
                     continue  # keep draining: the generator never blocks on a failed judge
                 t = time.perf_counter()
                 try:
-                    scored[item[0]] = self._score_chunk(item[1])
+                    scored[item[0]] = self.score_chunk(item[1])
                 except BaseException as e:  # noqa: BLE001 - re-raised on the command's thread
                     judge["error"] = e
                 judge["busy_s"] += time.perf_counter() - t
@@ -259,7 +265,7 @@ class Worker:
         thread = threading.Thread(target=judge_loop, name=f"genrm-judge-{self.name}", daemon=True)
         thread.start()
         done, blocked, complete = {}, 0.0, False
-        chunks, role = self._chunks(self._wave_prompts(r.cursor, r.count)), self.replicas["rollout"]  # = the judge's replicas
+        chunks, role = self._chunks(self.prompts_at(r.cursor, r.count)), self.replicas["rollout"]  # = the judge's replicas
         torch.set_num_threads(max(1, self.threads - judge_threads))
         try:
             for k, chunk in role.mine(chunks):
@@ -419,62 +425,41 @@ class Worker:
                 continue
             self.take("policy")
             with self.rollout_weights:  # overlapping: the rollout lane's engines wait (the judge too: one generate at a time)
-                greedy, samples = self._eval_answers(rows, request, stable_seed(request.seed, "eval", uri, self.group))
+                greedy, sampled = self.samples.answers(rows, request.samples, request.temperature,
+                                                       stable_seed(request.seed, "eval", uri, self.group))
                 if any(s.rule is None for s in sets):
                     self.take("judge")
-                    verdicts = self._eval_verdicts(rows, greedy, samples)
+                    verdicts = self._eval_verdicts(rows, greedy, sampled)
             for s in sets:
                 if s.rule is None:
                     scores = [[float(v.startswith(self.config.judge.good)) for v in per] for per in verdicts]
                 else:
                     rule = self._eval_rule(s.rule, s.rule_field)
                     scores = [[rule(r["prompt"], answer, r["answer"], r["prompt_id"]) for answer in [g, *k]]
-                              for r, g, k in zip(rows, greedy, samples)]
+                              for r, g, k in zip(rows, greedy, sampled)]
                 vote = dotted.load(s.answer, f"eval.sets.{s.name}.answer") if s.answer else None
                 sums[s.name] = total = SetSums()
-                for per, answers in zip(scores, samples):
+                for per, answers in zip(scores, sampled):
                     majority = per[1 + evaluation.majority(answers, vote)] if answers else None
                     total.add_prompt(per[0], per[1:], request.correct_at, majority)
         first = sums.get(request.sets[0].name) if request.sets else None
         return EvaluateResult(score_sum=first.greedy if first else 0.0, total=first.prompts if first else 0, sets=sums)
 
-    def _eval_answers(self, rows: list[dict], request: Evaluate, seed: int) -> tuple[list[str], list[list[str]]]:
-        """(each row's greedy answer, its ``request.samples`` sampled answers) from the rollout engine."""
-        k = request.samples
-        if self.episodes is not None:
-            greedy = [r["response"] for r in self.episodes.answers(self.policy, rows)]
-            if not k:
-                return greedy, [[] for _ in rows]
-            sampler = copy.copy(self.episodes)  # the same tools and environment, at the evaluation's temperature
-            sampler.config = self.episodes.config.model_copy(update={"temperature": request.temperature, "top_p": 1.0})
-            played = sampler.run(self.policy, rows, k, seed)
-            tokenizer = self.episodes.renderer.tokenizer
-            return greedy, [[e.response(tokenizer) for e in played[i * k:(i + 1) * k]] for i in range(len(rows))]
-        prompts, images, budget = [chat.source(r) for r in rows], self._images_of(rows), self.config.rollout.max_new_tokens
-        greedy = [""] * len(rows)
-        for o in self.policy.generate(prompts, greedy=True, max_new_tokens=budget, images=images):
-            greedy[o.prompt_index] = o.response
-        samples: list[list[str]] = [[] for _ in rows]
-        if k:
-            for o in self.policy.generate(prompts, n=k, temperature=request.temperature, top_p=1.0, max_new_tokens=budget,
-                                          seed=seed, images=images):
-                samples[o.prompt_index].append(o.response)
-        return greedy, samples
-
-    def _eval_verdicts(self, rows: list[dict], greedy: list[str], samples: list[list[str]]) -> list[list[str]]:
+    def _eval_verdicts(self, rows: list[dict], greedy: list[str], sampled: list[list[str]]) -> list[list[str]]:
         """The judge's verdict on each row's greedy answer, then on each of its samples."""
-        answered = [r | {"response": a} for r, g, k in zip(rows, greedy, samples) for a in [g, *k]]
-        verdicts = self._verdicts(answered, [r["images"] or [] for r in answered])
+        answered = [r | {"response": a} for r, g, k in zip(rows, greedy, sampled) for a in [g, *k]]
+        verdicts = self.scorers.verdicts(answered, [r["images"] or [] for r in answered])
         out, i = [], 0
-        for k in samples:
+        for k in sampled:
             out.append(verdicts[i:i + 1 + len(k)])
             i += 1 + len(k)
         return out
 
     def _eval_rule(self, spec: str, field: str) -> rewards.Rule:
-        """An evaluation set's rule, imported once (the run's own ``reward.rule`` is ``self.rule``)."""
-        if field == "reward.rule" and self.rule is not None and self.rule.spec == spec:
-            return self.rule
+        """An evaluation set's rule, imported once (the run's own ``reward.rule`` is the scorers')."""
+        own = self.scorers.rule
+        if field == "reward.rule" and own is not None and own.spec == spec:
+            return own
         rules = self.__dict__.setdefault("_eval_rules", {})
         if spec not in rules:
             rules[spec] = rewards.load_rule(spec, field, rewards.timeout_of(self.config))
@@ -531,8 +516,9 @@ class Worker:
 
     # -- the pieces both placement modes share (same chunks, same seeds, same judge batches) --
 
-    def _wave_prompts(self, cursor: int, count: int) -> list[dict]:
-        batch = [r | {"prompt": chat.question(r)} for r in self.prompts.wave(cursor, count)]  # the rule's and judge's text
+    def prompts_at(self, cursor: int, count: int) -> list[dict]:
+        """The ``count`` prompts of this group's stream from ``cursor`` on, with the text the rule and judge read."""
+        batch = [r | {"prompt": chat.question(r)} for r in self.prompts.wave(cursor, count)]
         if self.leader and (cursor + count - 1) // len(self.prompts) > cursor // len(self.prompts):
             log.warning("%s: all %d prompts of this group's stream trained; starting it again (another epoch)", self.name, len(self.prompts))
         return batch
@@ -547,72 +533,20 @@ class Worker:
         return [batch[i : i + size] for i in range(0, len(batch), size)]
 
     def _generate_chunk(self, step: int, wave: int, k: int, chunk: list[dict]) -> list[dict]:
-        """Rollout rows of chunk ``k`` of a wave: G samples per prompt, prompt-major."""
+        """Rollout rows of chunk ``k`` of a wave (``samples``: what a sample is), seeded by its place."""
         progress()  # the host's heartbeat (engines/wire/channel.py): each chunk is a piece of work done
-        if self.preferences is not None:  # nothing to generate: the dataset's two responses are the samples
-            return self.preferences.rollout_rows(chunk, wave, self.trainer.version)
-        ro = self.config.rollout
-        seed = stable_seed(self.config.seed, step, self.group, wave, k)
+        return self.samples.generate(chunk, wave, stable_seed(self.config.seed, step, self.group, wave, k))
 
-        def sample(j: int, row: dict, version: int) -> dict:  # sample j of the chunk, of prompt ``row``
-            return {"prompt_id": row["prompt_id"], "sample_index": j % ro.samples_per_prompt, "policy_version": version,
-                    "wave": wave, "prompt": row["prompt"], "answer": row["answer"],
-                    "prompt_row": row["prompt_row"]}  # where its images are: rollouts never copy them
-
-        with self.rollout_weights as version:  # one policy version per chunk: a sync lands before or after it
-            if self.episodes is not None:  # multi-turn: an episode is a sample (engines/agents/episodes.py)
-                played = self.episodes.run(self.policy, chunk, ro.samples_per_prompt, seed)
-                return [sample(j, e.row, version) | e.columns(self.episodes.renderer.tokenizer) for j, e in enumerate(played)]
-            gens = self.policy.generate([chat.source(row) for row in chunk], n=ro.samples_per_prompt, temperature=ro.temperature,
-                                        top_p=ro.top_p, max_new_tokens=ro.max_new_tokens, seed=seed, images=self._images_of(chunk))
-        return [sample(j, chunk[g.prompt_index], version) | {
-            "prompt_ids": g.prompt_ids, "response": g.response, "response_ids": g.response_ids, "logprobs": g.logprobs,
-            "truncated": g.truncated, "routed_experts": g.routed_experts} for j, g in enumerate(gens)]
-
-    def _images_of(self, prompts: list[dict]) -> list[list[bytes]] | None:
-        """The images of a vision policy's prompts (rows read from the prompts dataset), else None."""
-        return [p["images"] or [] for p in prompts] if self.vision else None
-
-    def _verdicts(self, rows: list[dict], images: list[list[bytes]] | None = None) -> list[str]:
-        """The judge's greedy verdict on each row's response (``judge.template``). A vision-language
-        judge sees the prompt's images too (``images``; default: the training prompts' at each row's
-        ``prompt_row``); a text judge sees the prompt without its image placeholders."""
-        cfg = self.config.judge
-        if not self.judge_sees_images:
-            images = None
-        elif images is None:
-            images = self.prompts.images([r["prompt_row"] for r in rows])
-        prompts = [cfg.template.format(prompt=self._judge_text(r["prompt"]), response=r["response"], answer=r["answer"] or "")
-                   for r in rows]
-        # overlapping lanes: the held-out evaluation's judge and the rollout lane's never generate at once; a
-        # streaming lane's scoring thread and an evaluation take turns on the judge
-        with self.rollout_weights if self.config.rollout.overlapped else self.judge_lock:
-            return [o.response.strip() for o in self.judge.generate(prompts, greedy=True, max_new_tokens=cfg.max_new_tokens,
-                                                                      images=images)]
-
-    def _judge_text(self, prompt: str) -> str:
-        if self.vision and not self.judge_sees_images:  # Qwen-VL's vision start and end tokens too, where they are
-            for text in self.placeholders:
-                prompt = prompt.replace(text, "")
-        return prompt
-
-    def _score_chunk(self, rows: list[dict]) -> list[dict]:
+    def score_chunk(self, rows: list[dict]) -> list[dict]:
         """``rows`` with their verdicts and rewards (new dicts: the rollout rows are left as they are)."""
         progress()
-        cfg = self.config
-        judged = self.judge is not None and rows and self.preferences is None  # a preference's label is its reward
-        verdicts = self._verdicts(rows) if judged else [None] * len(rows)
-        scores = rewards.model_scores(self.reward_model, self.prompts, rows) if self.preferences is None else [None] * len(rows)
-        out = [rewards.scored(cfg, r, verdict, rm, self.rule, self.format_rule) for r, verdict, rm in zip(rows, verdicts, scores)]
-        if self.preferences is not None:  # a preference's label is its reward
-            out = [row | {"reward": self.preferences.reward(row)} for row in out]
-        return out
+        return self.samples.score(rows)
 
     def _rollout_result(self, r: Rollout, rows: list[dict], seconds: float, switch: float) -> RolloutResult:
         tokens = sum(len(row["response_ids"]) for row in rows)
         log.info("%s rollout wave %d: %d prompts x %d samples, %d tokens in %.2fs", self.name, r.wave, r.count,
                  self.config.rollout.samples_per_prompt, tokens, seconds)
-        episodes = {name: float(sum(row[name] for row in rows)) for name in EPISODE_FIGURES} if self.episodes else {}
+        episodes = self.samples.figures(rows)  # an episode's turns and tool calls
         return RolloutResult(uri=r.out, cursor=r.cursor + r.count, prompts=r.count, samples=len(rows), tokens=tokens, seconds=seconds,
                              busy_s=seconds, truncated=sum(row["truncated"] for row in rows), switch_s=switch, episodes=episodes)
 
