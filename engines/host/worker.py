@@ -14,7 +14,6 @@ import functools
 import hashlib
 import logging
 import os
-import queue
 import socket
 import tempfile
 import threading
@@ -31,6 +30,7 @@ from engines import evaluation
 from engines.config import dotted
 from engines.evaluation import SetSums
 from engines.host import balance, critic as critic_host, experience, offpolicy, replicas, rewards, samples, validation
+from engines.host.beside import Beside
 from engines.host.preferences import PreferenceRows
 from engines.host.prompts import Frames, PromptStream
 from engines.host.stream import StreamLane
@@ -232,71 +232,30 @@ class Worker:
 
     @handle.register
     def rollout_and_score(self, request: RolloutAndScore) -> RolloutAndScoreResult:
-        """Partial colocation: ``rollout`` and ``genrm_score`` of one wave at once, same outputs.
-
-        The rollout engine and the judge are both resident. This thread generates the wave chunk
-        by chunk and puts every finished chunk on a bounded queue (``placement.queue_size``; a full
-        queue makes the generator wait); a feeder thread hands the chunks as they come to the judge
-        (``build.JudgeProcess``: a process on its own share of the devices, so neither engine
-        waits for the other's Python) and collects the scores while the rest of the wave is still
-        generating. On a CPU the group's threads are split between the two."""
+        """Partial colocation: ``rollout`` and ``genrm_score`` of one wave at once, same outputs, the
+        judge scoring each chunk as it comes (engines/host/beside.py). With ``rollout.mode=stream``:
+        the groups the streaming lane has generated and scored (engines/host/stream.py)."""
         cfg, r = self.config, request
+        if self.stream is not None:
+            return self.stream.answer(r, cfg.judge, self._rollout_result, self._writer(r.step))
         start = time.perf_counter()
-        if self.stream is not None:  # rollout.mode=stream: the groups the lane has generated and scored
-            return self.stream.answer(r, self.config.judge, self._rollout_result, self._writer(r.step))
         switch = self.take("policy", "judge")
-        finished: queue.Queue = queue.Queue(maxsize=cfg.placement.queue_size)
-        scored: dict[int, list[dict]] = {}  # by chunk
-        judge = {"busy_s": 0.0, "error": None}
-        judge_threads = cfg.placement.judge_threads or max(1, self.threads // 2)
-
-        def judge_loop() -> None:
-            torch.set_num_threads(judge_threads)  # an in-process judge's share of the cores
-            while (item := finished.get()) is not None:
-                if judge["error"] is not None:
-                    continue  # keep draining: the generator never blocks on a failed judge
-                t = time.perf_counter()
-                try:
-                    scored[item[0]] = self.score_chunk(item[1])
-                except BaseException as e:  # noqa: BLE001 - re-raised on the command's thread
-                    judge["error"] = e
-                judge["busy_s"] += time.perf_counter() - t
-
-        thread = threading.Thread(target=judge_loop, name=f"genrm-judge-{self.name}", daemon=True)
-        thread.start()
-        done, blocked, complete = {}, 0.0, False
         chunks, role = self._chunks(self.prompts_at(r.cursor, r.count)), self.replicas["rollout"]  # = the judge's replicas
-        torch.set_num_threads(max(1, self.threads - judge_threads))
-        try:
-            for k, chunk in role.mine(chunks):
-                done[k] = self._generate_chunk(r.step, r.wave, k, chunk)
-                t = time.perf_counter()
-                finished.put((k, done[k]))
-                blocked += time.perf_counter() - t
-                if judge["error"] is not None:
-                    break  # the wave fails: stop generating
-            else:
-                complete = True
-        finally:
-            finished.put(None)
-            torch.set_num_threads(self.threads)
-        generate_s = time.perf_counter() - start
-        if complete:  # while the judge scores the tail
-            rows = role.join(r.rollouts_out, datasets.ROLLOUTS, done, len(chunks), self._writer(r.step))
-        thread.join()
-        if judge["error"] is not None:
-            raise RuntimeError(f"{self.name}: the GenRM judge failed in wave {r.wave}") from judge["error"]
-        flat = role.join(r.scored_out, datasets.SCORED, scored, len(chunks), self._writer(r.step))
+        beside = Beside(functools.partial(self._generate_chunk, r.step, r.wave), self.score_chunk, self.threads,
+                        cfg.placement.judge_threads or max(1, self.threads // 2), cfg.placement.queue_size, self.name)
+        wave = beside.run(role.mine(chunks), r.wave,
+                          lambda done: role.join(r.rollouts_out, datasets.ROLLOUTS, done, len(chunks), self._writer(r.step)))
+        flat = role.join(r.scored_out, datasets.SCORED, wave.scored, len(chunks), self._writer(r.step))
         seconds = time.perf_counter() - start
         log.info("%s rollout_and_score wave %d: %.2fs (generating %.2fs, judge busy %.2fs, judge after the last chunk "
-                 "%.2fs, generator waited on the queue %.2fs)", self.name, r.wave, seconds, generate_s, judge["busy_s"],
-                 seconds - generate_s, blocked)
+                 "%.2fs, generator waited on the queue %.2fs)", self.name, r.wave, seconds, wave.generate_s,
+                 wave.judge_busy_s, seconds - wave.generate_s, wave.queue_wait_s)
         return RolloutAndScoreResult(
             rollout=self._rollout_result(Rollout(step=r.step, wave=r.wave, cursor=r.cursor, count=r.count, out=r.rollouts_out),
-                                         rows, generate_s, switch),
-            score=rewards.score_result(self.config.judge, r.scored_out, flat, judge["busy_s"], 0.0),
-            seconds=seconds, generate_s=generate_s, judge_busy_s=judge["busy_s"], judge_tail_s=seconds - generate_s,
-            queue_wait_s=blocked, switch_s=switch)
+                                         wave.rolled, wave.generate_s, switch),
+            score=rewards.score_result(cfg.judge, r.scored_out, flat, wave.judge_busy_s, 0.0),
+            seconds=seconds, generate_s=wave.generate_s, judge_busy_s=wave.judge_busy_s,
+            judge_tail_s=seconds - wave.generate_s, queue_wait_s=wave.queue_wait_s, switch_s=switch)
 
     @handle.register
     def dynamic_filter(self, request: DynamicFilter) -> DynamicFilterResult:
