@@ -3,7 +3,7 @@ sub-flow per DP group inside it.
 
     train ─┬─ iteration-0000 ─┬─ iteration-0000-dp-0: rollout → genrm_score → dynamic_filter (→ more waves)
            │                  │                        → train_step → sync_weights (→ checkpoint)
-           │                  │    (placement.mode=partial: rollout_and_score → dynamic_filter per wave)
+           │                  │    (placement.mode=partial, rollout.mode=stream: rollout_and_score → dynamic_filter per wave)
            │                  └─ iteration-0000-dp-1: (the same, concurrently; train_step is one collective)
            ├─ iteration-0001 ...
 
@@ -55,11 +55,13 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int | None,
     ``end``: this run stops before that step; ``written``: the earlier step whose checkpoint the
     host is still writing in the background; ``sampling``: the group's dynamic-sampling state
     after the previous step (``GroupSampling``)."""
-    s, partial = config.sampling, config.placement.mode == "partial" or config.rollout.mode == "stream"  # a stream: scored groups
+    # one stage answers a wave's scored samples: partial colocation's judge beside the generator, or the streaming
+    # lane's groups (the host picked which at setup: engines/host/worker.py, ``produce``)
+    s, together = config.sampling, config.placement.mode == "partial" or config.rollout.mode == "stream"
     if cursor is None:  # overlapping steps: where this group's generation of the previous step ends (flows/pipeline.py)
         cursor, sampling = await pipeline.generation_start(config.name, step, group)
     checkpointing = is_checkpoint_step(config, step, end)
-    clock = StageClock(StepProgress(config.name, step, group, wave_stages=2 if partial else 3,
+    clock = StageClock(StepProgress(config.name, step, group, wave_stages=2 if together else 3,
                                     after_stages=2 + (written is not None) + checkpointing))  # live in the UI
     state = GroupSampling.from_dict(sampling)
     have = state.carried  # groups the previous step carried over count as kept
@@ -68,7 +70,7 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int | None,
         if wave:
             clock.progress.another_wave(wave)
         count = plan_wave(s, state, have)  # fixed, or from the keep-ratio estimate (flows/sampling.py)
-        if partial:  # rollout and judge resident at once, samples streaming to the judge
+        if together:  # rollout and judge resident at once (or the lane's groups)
             both = await clock("rollout_and_score", stages.rollout_and_score(config, step, group, wave, cursor, count, state.ahead), wave)
             rolled, scored = both.rollout, both.score
         else:  # full colocation: one engine after the other, each on all the group's devices

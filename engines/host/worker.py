@@ -6,6 +6,11 @@ sync_weights → checkpoint, then evaluate and export_policy around the run. Eac
 ``engines.wire.commands`` request and answers its result; ``Worker.handle`` dispatches a request to
 its stage by type. Every stage reads its inputs from object storage and writes its outputs there
 atomically; requests and results carry URIs and metrics, never sample data.
+
+The modes are picked once, in ``setup_engines``: what a sample is (``samples``: a response, an
+episode, a preference pair; engines/host/samples.py) and how ``rollout_and_score`` produces a wave
+(``produce``: the judge beside the generator, engines/host/beside.py, or the streaming lane,
+engines/host/stream.py). The stages ask neither again.
 """
 
 from __future__ import annotations
@@ -187,6 +192,7 @@ class Worker:
             self.stream.stop()
         self.stream = StreamLane.of(self, seed=lambda n: stable_seed(cfg.seed, "stream", self.group, self.replicas["rollout"].index, n)) \
             if cfg.rollout.mode == "stream" and rolls else None
+        self.produce = self.stream.answer if self.stream is not None else self._beside  # how rollout_and_score produces a wave
         if request.resume:
             self.checkpoints.load(self.trainer, request.resume, self.critic)
             self.sync_weights(SyncWeights())
@@ -212,7 +218,8 @@ class Worker:
         chunks, role = self._chunks(self.prompts_at(request.cursor, request.count)), self.replicas["rollout"]
         done = {k: self._generate_chunk(request.step, request.wave, k, chunk) for k, chunk in role.mine(chunks)}
         rows = role.join(request.out, datasets.ROLLOUTS, done, len(chunks), self._writer(request.step))  # every replica's chunks
-        return self._rollout_result(request, rows, time.perf_counter() - start, switch)
+        return self.rollout_result(rows, request.out, request.wave, request.cursor, request.count, time.perf_counter() - start,
+                                   switch)
 
     @handle.register
     def genrm_score(self, request: GenRMScore) -> GenRMScoreResult:
@@ -232,12 +239,14 @@ class Worker:
 
     @handle.register
     def rollout_and_score(self, request: RolloutAndScore) -> RolloutAndScoreResult:
-        """Partial colocation: ``rollout`` and ``genrm_score`` of one wave at once, same outputs, the
-        judge scoring each chunk as it comes (engines/host/beside.py). With ``rollout.mode=stream``:
-        the groups the streaming lane has generated and scored (engines/host/stream.py)."""
-        cfg, r = self.config, request
-        if self.stream is not None:
-            return self.stream.answer(r, cfg.judge, self._rollout_result, self._writer(r.step))
+        """One wave's samples, generated and scored: ``rollout`` and ``genrm_score``'s outputs in one
+        stage, produced as the host chose at setup (``produce``): beside each other (partial
+        colocation) or by the streaming lane (``rollout.mode=stream``)."""
+        return self.produce(request)
+
+    def _beside(self, r: RolloutAndScore) -> RolloutAndScoreResult:
+        """Partial colocation: the judge scores each chunk as it comes (engines/host/beside.py)."""
+        cfg = self.config
         start = time.perf_counter()
         switch = self.take("policy", "judge")
         chunks, role = self._chunks(self.prompts_at(r.cursor, r.count)), self.replicas["rollout"]  # = the judge's replicas
@@ -251,8 +260,7 @@ class Worker:
                  "%.2fs, generator waited on the queue %.2fs)", self.name, r.wave, seconds, wave.generate_s,
                  wave.judge_busy_s, seconds - wave.generate_s, wave.queue_wait_s)
         return RolloutAndScoreResult(
-            rollout=self._rollout_result(Rollout(step=r.step, wave=r.wave, cursor=r.cursor, count=r.count, out=r.rollouts_out),
-                                         wave.rolled, wave.generate_s, switch),
+            rollout=self.rollout_result(wave.rolled, r.rollouts_out, r.wave, r.cursor, r.count, wave.generate_s, switch),
             score=rewards.score_result(cfg.judge, r.scored_out, flat, wave.judge_busy_s, 0.0),
             seconds=seconds, generate_s=wave.generate_s, judge_busy_s=wave.judge_busy_s,
             judge_tail_s=seconds - wave.generate_s, queue_wait_s=wave.queue_wait_s, switch_s=switch)
@@ -501,12 +509,14 @@ class Worker:
         progress()
         return self.samples.score(rows)
 
-    def _rollout_result(self, r: Rollout, rows: list[dict], seconds: float, switch: float) -> RolloutResult:
+    def rollout_result(self, rows: list[dict], out: str, wave: int, cursor: int, count: int, seconds: float,
+                       switch: float = 0.0) -> RolloutResult:
+        """What the rollout of ``count`` prompts from ``cursor`` on, written to ``out``, answers."""
         tokens = sum(len(row["response_ids"]) for row in rows)
-        log.info("%s rollout wave %d: %d prompts x %d samples, %d tokens in %.2fs", self.name, r.wave, r.count,
+        log.info("%s rollout wave %d: %d prompts x %d samples, %d tokens in %.2fs", self.name, wave, count,
                  self.config.rollout.samples_per_prompt, tokens, seconds)
         episodes = self.samples.figures(rows)  # an episode's turns and tool calls
-        return RolloutResult(uri=r.out, cursor=r.cursor + r.count, prompts=r.count, samples=len(rows), tokens=tokens, seconds=seconds,
+        return RolloutResult(uri=out, cursor=cursor + count, prompts=count, samples=len(rows), tokens=tokens, seconds=seconds,
                              busy_s=seconds, truncated=sum(row["truncated"] for row in rows), switch_s=switch, episodes=episodes)
 
     def params_sha(self) -> str:
