@@ -39,6 +39,7 @@ class Scorers:
     sees_images: bool = False  # the judge is a vision-language model too
     placeholders: tuple[str, ...] = ()  # a vision policy's image text, taken out of a text judge's prompts
     turn: object = field(default_factory=threading.Lock)  # one judge generate at a time (a context manager)
+    set_rules: dict = field(default_factory=dict)  # evaluation sets' rules, imported once
 
     def verdicts(self, rows: list[dict], images: list[list[bytes]] | None = None) -> list[str]:
         """The judge's greedy verdict on each row's response (``judge.template``). A vision-language
@@ -62,6 +63,25 @@ class Scorers:
         verdicts = self.verdicts(rows) if self.judge is not None and rows else [None] * len(rows)
         scores = rewards.model_scores(self.reward_model, self.prompts, rows)
         return [rewards.scored(self.config, r, v, rm, self.rule, self.format_rule) for r, v, rm in zip(rows, verdicts, scores)]
+
+    def judge_answers(self, rows: list[dict], greedy: list[str], sampled: list[list[str]]) -> list[list[str]]:
+        """An evaluation's verdicts: on each row's greedy answer, then on each of its samples (the set's
+        own images)."""
+        answered = [r | {"response": a} for r, g, k in zip(rows, greedy, sampled) for a in [g, *k]]
+        verdicts = self.verdicts(answered, [r["images"] or [] for r in answered])
+        out, i = [], 0
+        for k in sampled:
+            out.append(verdicts[i:i + 1 + len(k)])
+            i += 1 + len(k)
+        return out
+
+    def rule_for(self, spec: str, field: str) -> rewards.Rule:
+        """An evaluation set's rule, imported once (the run's own ``reward.rule`` is ``rule``)."""
+        if field == "reward.rule" and self.rule is not None and self.rule.spec == spec:
+            return self.rule
+        if spec not in self.set_rules:
+            self.set_rules[spec] = rewards.load_rule(spec, field, rewards.timeout_of(self.config))
+        return self.set_rules[spec]
 
     def _text(self, prompt: str) -> str:
         for text in self.placeholders:  # Qwen-VL's vision start and end tokens too, where they are

@@ -31,10 +31,8 @@ import torch
 import torch.distributed as dist
 
 from engines.agents.episodes import Episodes
-from engines import evaluation
-from engines.config import dotted
 from engines.evaluation import SetSums
-from engines.host import balance, critic as critic_host, experience, offpolicy, replicas, rewards, samples, validation
+from engines.host import balance, critic as critic_host, experience, heldout, offpolicy, replicas, rewards, samples, validation
 from engines.host.beside import Beside
 from engines.host.preferences import PreferenceRows
 from engines.host.prompts import Frames, PromptStream
@@ -382,11 +380,7 @@ class Worker:
             by_data.setdefault((s.uri, s.limit), []).append(s)
         sums: dict[str, SetSums] = {}
         for (uri, limit), sets in by_data.items():
-            reader = datasets.PromptReader(uri)  # this rank's share only, images included
-            indices = list(range(self.group, min(limit, len(reader)), self.layout.dp))
-            frames = self.prompts.frames  # a vision policy: videos as frames
-            rows = [(frames.row(r, uri) if frames else r) | {"prompt_row": i} for r, i in zip(reader.rows(indices), indices)]
-            rows = [r | {"prompt": chat.question(r)} for r in rows]
+            rows = heldout.rows_of(uri, limit, self.group, self.layout.dp, self.prompts.frames)  # this rank's share
             if not rows:
                 sums |= {s.name: SetSums() for s in sets}
                 continue
@@ -396,41 +390,13 @@ class Worker:
                                                        stable_seed(request.seed, "eval", uri, self.group))
                 if any(s.rule is None for s in sets):
                     self.take("judge")
-                    verdicts = self._eval_verdicts(rows, greedy, sampled)
+                    verdicts = self.scorers.judge_answers(rows, greedy, sampled)
             for s in sets:
-                if s.rule is None:
-                    scores = [[float(v.startswith(self.config.judge.good)) for v in per] for per in verdicts]
-                else:
-                    rule = self._eval_rule(s.rule, s.rule_field)
-                    scores = [[rule(r["prompt"], answer, r["answer"], r["prompt_id"]) for answer in [g, *k]]
-                              for r, g, k in zip(rows, greedy, sampled)]
-                vote = dotted.load(s.answer, f"eval.sets.{s.name}.answer") if s.answer else None
-                sums[s.name] = total = SetSums()
-                for per, answers in zip(scores, sampled):
-                    majority = per[1 + evaluation.majority(answers, vote)] if answers else None
-                    total.add_prompt(per[0], per[1:], request.correct_at, majority)
+                scores = (heldout.verdict_scores(verdicts, self.config.judge.good) if s.rule is None else
+                          heldout.rule_scores(self.scorers.rule_for(s.rule, s.rule_field), rows, greedy, sampled))
+                sums[s.name] = heldout.sums_of(s, scores, sampled, request.correct_at)
         first = sums.get(request.sets[0].name) if request.sets else None
         return EvaluateResult(score_sum=first.greedy if first else 0.0, total=first.prompts if first else 0, sets=sums)
-
-    def _eval_verdicts(self, rows: list[dict], greedy: list[str], sampled: list[list[str]]) -> list[list[str]]:
-        """The judge's verdict on each row's greedy answer, then on each of its samples."""
-        answered = [r | {"response": a} for r, g, k in zip(rows, greedy, sampled) for a in [g, *k]]
-        verdicts = self.scorers.verdicts(answered, [r["images"] or [] for r in answered])
-        out, i = [], 0
-        for k in sampled:
-            out.append(verdicts[i:i + 1 + len(k)])
-            i += 1 + len(k)
-        return out
-
-    def _eval_rule(self, spec: str, field: str) -> rewards.Rule:
-        """An evaluation set's rule, imported once (the run's own ``reward.rule`` is the scorers')."""
-        own = self.scorers.rule
-        if field == "reward.rule" and own is not None and own.spec == spec:
-            return own
-        rules = self.__dict__.setdefault("_eval_rules", {})
-        if spec not in rules:
-            rules[spec] = rewards.load_rule(spec, field, rewards.timeout_of(self.config))
-        return rules[spec]
 
     @handle.register
     def export_policy(self, request: ExportPolicy) -> ExportPolicyResult:
