@@ -93,6 +93,7 @@ class Worker:
                       if engine is not None}  # the engines holding the group's devices (see ``take``)
         self.rollout_weights = offpolicy.RolloutWeights()  # the rollout engine, between an overlapping host's two lanes
         self.stream: StreamLane | None = None  # rollout.mode=stream: the lane generating all along (engines/host/stream.py)
+        self.produce = self._beside  # how rollout_and_score produces a wave: beside the judge, or the lane's (setup picks)
         self.replicas = {role: replicas.Replicas(self.layout, rank, role) for role in replicas.ROLES}  # one of each
         self.written = Written()  # the stage outputs this host wrote lately: its next stages take them from here
 
