@@ -52,8 +52,6 @@ class Scorers:
             images = self.prompts.images([r["prompt_row"] for r in rows])
         prompts = [cfg.template.format(prompt=self._text(r["prompt"]), response=r["response"], answer=r["answer"] or "")
                    for r in rows]
-        # overlapping lanes: the held-out evaluation's judge and the rollout lane's never generate at once; a
-        # streaming lane's scoring thread and an evaluation take turns on the judge
         with self.turn:
             return [o.response.strip() for o in self.judge.generate(prompts, greedy=True, max_new_tokens=cfg.max_new_tokens,
                                                                       images=images)]
@@ -91,6 +89,8 @@ class Scorers:
 
 class Responses:
     """Single-turn samples: ``rollout.samples_per_prompt`` responses to each prompt."""
+
+    episodes = None  # a multi-turn kind's (engines.agents.episodes.Episodes): the streaming lane plays them turn by turn
 
     def __init__(self, config, policy, weights, scorers: Scorers, vision: bool = False):
         self.config, self.policy, self.weights, self.scorers, self.vision = config, policy, weights, scorers, vision

@@ -32,7 +32,6 @@ pool beside the lane while the other samples generate; the episode's next turn w
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -52,16 +51,6 @@ from engines.wire.commands import RolloutAndScore, RolloutAndScoreResult
 from storage import datasets
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Report:
-    """How the lane answers a step (the worker's): ``rollout_result(rows, out, wave, cursor, count,
-    seconds)``, the judge's config for the score's figures, ``write(step, uri, rows, schema)``."""
-
-    rollout_result: Callable
-    judge: object
-    write: Callable
 
 
 @dataclass
@@ -197,10 +186,8 @@ class StreamLane:
     """One group's streaming lane: ``take`` a step's scored groups; the threads generate and score the rest."""
 
     def __init__(self, policy, weights, prompt_at: Callable[[int], dict], score: Callable[[list[dict]], list[dict]], rollout,
-                 slots: int, room: int, seed: Callable[[int], int], episodes: Episodes | None = None, role: Replicas | None = None,
-                 report=None):
+                 slots: int, room: int, seed: Callable[[int], int], episodes: Episodes | None = None, role: Replicas | None = None):
         self.policy, self.weights, self.prompt_at, self.score, self.ro = policy, weights, prompt_at, score, rollout
-        self.report = report  # the worker's: a wave's RolloutResult, the judge's config, how a step's rows are written
         # rollout.replicas: this replica's lane draws prompts index, index + count, ... of the group's stream
         self.role = role if role is not None and role.count > 1 else None
         self.index, self.count = (role.index, role.count) if self.role else (0, 1)
@@ -226,14 +213,14 @@ class StreamLane:
         return cls(worker.policy, worker.rollout_weights, lambda i: worker.prompts_at(i, 1)[0], worker.score_chunk,
                    cfg.rollout, slots=cfg.placement.stream_chunk * cfg.rollout.samples_per_prompt,
                    room=-(-2 * cfg.sampling.target_groups // role.count), seed=seed,
-                   episodes=getattr(worker.samples, "episodes", None), role=role,
-                   report=Report(worker.rollout_result, cfg.judge, worker.written.write))
+                   episodes=worker.samples.episodes, role=role)
 
-    def answer(self, r: RolloutAndScore) -> RolloutAndScoreResult:
+    def answer(self, r: RolloutAndScore, judge, rollout_result: Callable[..., object],
+               write: Callable[[str, list[dict], object], object] = datasets.write_rows) -> RolloutAndScoreResult:
         """``rollout_and_score``'s outputs from ``take``'s groups: the rollout and scored rows written
-        where the request says, with their figures (``report``)."""
+        (by ``write``) where the request says, their figures (``rollout_result``: the worker's, taking
+        ``(rows, out, wave, cursor, count, seconds)``; ``judge``: the judge's config)."""
         start = time.perf_counter()
-        write = functools.partial(self.report.write, r.step)
         mine = len(range(self.index, r.count, self.count))  # this replica's share of the groups
         rows, scored, cursor, ahead, dropped = self.take(r.cursor, r.ahead, mine, r.step, r.wave)
         if self.role is not None:  # every replica's takes: the group's cursor and the prompts beyond it (the leader's answer)
@@ -244,9 +231,9 @@ class StreamLane:
             write(r.rollouts_out, rows, datasets.ROLLOUTS)
             write(r.scored_out, scored, datasets.SCORED)
         seconds = time.perf_counter() - start
-        rolled = self.report.rollout_result(rows, r.rollouts_out, r.wave, r.cursor, r.count, seconds)
+        rolled = rollout_result(rows, r.rollouts_out, r.wave, r.cursor, r.count, seconds)
         rolled = rolled.model_copy(update={"cursor": cursor, "ahead": ahead, "stale_dropped": dropped, "busy_s": self.busy()})
-        return RolloutAndScoreResult(rollout=rolled, score=rewards.score_result(self.report.judge, r.scored_out, scored, 0.0, 0.0),
+        return RolloutAndScoreResult(rollout=rolled, score=rewards.score_result(judge, r.scored_out, scored, 0.0, 0.0),
                                      seconds=seconds, generate_s=seconds, judge_busy_s=0.0, judge_tail_s=0.0, queue_wait_s=0.0)
 
     # -- the step's side --------------------------------------------------------------------

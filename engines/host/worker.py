@@ -191,7 +191,7 @@ class Worker:
             self.stream.stop()
         self.stream = StreamLane.of(self, seed=lambda n: stable_seed(cfg.seed, "stream", self.group, self.replicas["rollout"].index, n)) \
             if cfg.rollout.mode == "stream" and rolls else None
-        self.produce = self.stream.answer if self.stream is not None else self._beside  # how rollout_and_score produces a wave
+        self.produce = self._streamed if self.stream is not None else self._beside  # how rollout_and_score produces a wave
         if request.resume:
             self.checkpoints.load(self.trainer, request.resume, self.critic)
             self.sync_weights(SyncWeights())
@@ -242,6 +242,10 @@ class Worker:
         stage, produced as the host chose at setup (``produce``): beside each other (partial
         colocation) or by the streaming lane (``rollout.mode=stream``)."""
         return self.produce(request)
+
+    def _streamed(self, r: RolloutAndScore) -> RolloutAndScoreResult:
+        """``rollout.mode=stream``: the groups the lane has generated and scored (engines/host/stream.py)."""
+        return self.stream.answer(r, self.config.judge, self.rollout_result, self._writer(r.step))
 
     def _beside(self, r: RolloutAndScore) -> RolloutAndScoreResult:
         """Partial colocation: the judge scores each chunk as it comes (engines/host/beside.py)."""
