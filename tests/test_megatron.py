@@ -471,7 +471,7 @@ def test_host_stages_read_a_sleeping_trainer_or_wake_it(tmp_path, megatron_model
     h.trainer.train_step(batch_near(h.trainer, 6, seed=16))
     weights, sha = dict(h.trainer.export_weights()), h.params_sha()
 
-    h.take("policy")  # evaluation
+    h.devices.take("policy")  # evaluation
     assert h.trainer.asleep
     assert h.params_sha() == sha and h.trainer.asleep
     h.export_policy(ExportPolicy(uri=f"file://{tmp_path / 'export'}"))
@@ -483,7 +483,7 @@ def test_host_stages_read_a_sleeping_trainer_or_wake_it(tmp_path, megatron_model
     assert not h.trainer.asleep
     assert all(torch.equal(p.detach(), weights[k]) for k, p in h.policy.model.named_parameters())
 
-    h.take("policy")
+    h.devices.take("policy")
     assert h.trainer.asleep
     assert h.checkpoint(Checkpoint(uri=f"file://{tmp_path / 'ckpt'}")).files
     assert not h.trainer.asleep

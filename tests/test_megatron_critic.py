@@ -295,7 +295,7 @@ def test_megatron_host_ppo_steps_checkpoint_export_and_resume(megatron_model, tm
     stats = ppo_step(h, tmp_path, 0)
     assert {"loss", "clip_fraction", "value_loss", "value_clip_fraction", "explained_variance", "critic_grad_norm"} <= set(stats)
     assert stats["value_loss"] > 0 and stats["critic_grad_norm"] > 0
-    h.take("policy")  # the rollout engine takes the devices: the critic sleeps like the trainer
+    h.devices.take("policy")  # the rollout engine takes the devices: the critic sleeps like the trainer
     assert h.critic.asleep and h.trainer.asleep
     h.export_policy(ExportPolicy(uri=objectstore.normalize(str(tmp_path / "final"))))
     assert h.critic.asleep  # read from its host copy

@@ -108,9 +108,9 @@ def test_host_ppo_step_and_exact_resume(tiny_model, tmp_path):
         assert row["token_advantages"] == pytest.approx([row["reward"] - x for x in v], abs=1e-6)
         assert row["returns"] == pytest.approx([row["reward"]] * len(v), abs=1e-6)
     assert {"loss", "clip_fraction", "value_loss", "value_clip_fraction", "explained_variance", "critic_grad_norm"} <= set(stats)
-    assert stats["value_loss"] > 0 and h.awake == {"trainer", "critic"}
-    h.take("policy")  # full colocation: the rollout engine takes the devices, the critic sleeps like the trainer
-    assert "critic" not in h.awake
+    assert stats["value_loss"] > 0 and h.devices.awake == {"trainer", "critic"}
+    h.devices.take("policy")  # full colocation: the rollout engine takes the devices, the critic sleeps like the trainer
+    assert "critic" not in h.devices.awake
     # a checkpoint holds the critic and its Adam moments; a run resumed from it continues exactly
     uri = objectstore.normalize(str(tmp_path / "ckpt"))
     h.checkpoint(Checkpoint(uri=uri))

@@ -5,7 +5,7 @@ updates the policy. torch (transformers), vLLM, Megatron-Core and the timing stu
 them (``engines/backends/build.py`` builds the one a config names). Weights cross between the two
 with Hugging Face parameter names; models come in and go out as Hugging Face folders.
 
-``sleep`` / ``wake`` are placement (``engines/host/worker.py``, ``Worker.take``): under full
+``sleep`` / ``wake`` are placement (``engines/host/devices.py``, ``Devices.take``): under full
 colocation each engine gives the group's devices back before the next one takes them. An
 engine with nothing to release (torch engines, vLLM on a CPU) implements them as no-ops.
 """

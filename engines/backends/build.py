@@ -99,7 +99,7 @@ def make_judge(cfg: RunConfig, model_dir: str, threads: int, device=None) -> Gen
 def make_reward_model(cfg: RunConfig, model_dir: str, threads: int, device=None):
     """The scalar reward model (``model.reward_model``), on the judge's side of placement: under
     partial colocation in a process of its own as the judge is (its share of the devices), else
-    in the host, switched with the judge (``Worker.take``)."""
+    in the host, switched with the judge (``Devices.take``)."""
     if cfg.placement.mode == "partial":
         return JudgeProcess(cfg, model_dir, cfg.placement.judge_threads or max(1, threads // 2), cfg.placement.judge_devices,
                             role="reward model")

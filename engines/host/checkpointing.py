@@ -268,6 +268,21 @@ class Checkpoints:
                              f"false): resume with {' and '.join(sizes)} (any dp)")
 
 
+def export_policy(trainer: Trainer, critic, merged: bool, uri: str, upload: bool) -> None:
+    """The trainer's policy as a Hugging Face folder at ``uri`` (MANIFEST.json last), with PPO's critic
+    in its ``critic/`` (loadable as model.critic) and, if ``merged``, a LoRA adapter's merged model in
+    its ``merged/``. Every rank of the first group calls it (they gather the weights: a collective
+    with several); the one that ``upload``s writes. A sleeping trainer is read from its host copy."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer.save_hf(tmp)
+        if critic is not None:
+            critic.save_hf(os.path.join(tmp, "critic"))
+        if merged:
+            trainer.save_merged(os.path.join(tmp, "merged"))
+        if upload:
+            objectstore.upload_folder(tmp, uri)
+
+
 class BackgroundWrite:
     """One checkpoint write on a thread of its own; ``result()`` waits for it and re-raises its error."""
 

@@ -9,9 +9,12 @@ layout every batching step keeps together (``Needs.unit``)."""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Callable
 
+from engines.host import offpolicy
 from engines.rl.base import AlgorithmConfig
+from engines.wire.commands import DynamicFilter, DynamicFilterResult
 from storage import datasets
 
 
@@ -43,3 +46,54 @@ def kept_groups(scored: list[str], step: int, filter_equal_rewards: bool,
                 kept.append(rows)
                 new_kept += i == len(scored) - 1
     return kept, equal, new_kept
+
+
+@dataclass
+class Choice:
+    """The dynamic filter's choice for a step: the groups it trains, the ones it carries to the next
+    step, and its counts (``DynamicFilterResult``'s)."""
+
+    train: list[list[dict]]
+    carry: list[list[dict]]
+    carried_in: int  # groups of earlier steps among ``train``
+    equal: int  # this step's groups with equal rewards
+    new_kept: int
+    surplus: int  # kept beyond the target
+    too_old: int  # carried groups dropped for ``sampling.max_carry_age`` or ``rollout.max_staleness``
+    stale: int  # groups dropped as too stale (carried in, or kept and not carried out)
+
+    def result(self, r: DynamicFilter) -> DynamicFilterResult:
+        enough = len(self.train) >= r.target_groups
+        reason = ("target reached" if enough else
+                  f"{len(self.train)}/{r.target_groups} groups kept, {self.equal} had equal rewards")
+        if self.carried_in:
+            reason += f" ({self.carried_in} carried over from earlier steps)"
+        return DynamicFilterResult(
+            uri=r.out, kept=len(self.train), dropped_equal=self.equal, new_kept=self.new_kept, enough=enough,
+            reason=reason, carried_in=self.carried_in, surplus=self.surplus, carried_out=len(self.carry),
+            surplus_dropped=self.surplus - len(self.carry) + self.too_old, carry=r.carry_out if self.carry else None,
+            stale_dropped=self.stale)
+
+
+def choose(config, r: DynamicFilter, carried_rows: list[dict], read: Callable[[str], list[dict]]) -> Choice:
+    """DAPO dynamic sampling for step ``r.step``: groups carried over from earlier steps
+    (``carried_rows``, the previous step's ``carry_out``) first, oldest first, then this step's
+    waves' kept groups in order (``r.scored``, read by ``read``); the first ``r.target_groups`` train.
+    The kept groups beyond the target are carried if they will be at most ``sampling.max_carry_age``
+    steps old (and, with ``rollout.max_staleness``, not too stale) in the next step, and dropped
+    otherwise; nothing is carried without ``r.carry_out``."""
+    max_age = config.sampling.max_carry_age
+    carried: dict[tuple[int, int, int], list[dict]] = defaultdict(list)  # (step, wave, prompt_id): rows
+    for row in carried_rows:
+        carried[(row["step"], row["wave"], row["prompt_id"])].append(row)
+    too_old = [key for key in carried if r.step - key[0] > max_age]  # only if max_carry_age was lowered
+    too_old += (stale := [key for key in carried if key not in too_old and offpolicy.too_stale(config, r.step, carried[key])])
+    for key in too_old:
+        del carried[key]
+    kept, equal, new_kept = kept_groups(r.scored, r.step, config.sampling.filter_equal_rewards, read)
+    candidates = list(carried.values()) + kept
+    train, rest = candidates[: r.target_groups], candidates[r.target_groups :]
+    young = [rows for rows in rest if r.step + 1 - rows[0]["step"] <= max_age] if r.carry_out is not None else []
+    carry = [rows for rows in young if not offpolicy.too_stale(config, r.step + 1, rows)]  # rollout.max_staleness
+    return Choice(train, carry, min(len(carried), r.target_groups), equal, new_kept, len(rest), len(too_old),
+                  len(stale) + len(young) - len(carry))

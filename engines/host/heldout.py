@@ -5,11 +5,45 @@ engines/evaluation.py; who answers (a response, an episode): engines/host/sample
 
 from __future__ import annotations
 
+from typing import Callable
+
 from engines import evaluation
 from engines.backends import chat
 from engines.config import dotted
 from engines.evaluation import EvalSet, SetSums
+from engines.wire.commands import Evaluate, EvaluateResult
 from storage import datasets
+
+
+def evaluate(request: Evaluate, group: int, dp: int, kind, scorers, take: Callable[..., float], weights,
+             seed: Callable[[str], int], good: str) -> EvaluateResult:
+    """Each evaluation set: DP group ``group``'s share of its first ``limit`` prompts answered greedily
+    (an episode's kind: greedy episodes, the rule reading the whole episode) and, with
+    ``request.samples``, k times at ``request.temperature`` (``kind``: the host's sample kind,
+    ``seed(uri)``: a set's seed), scored by the set's rule, or by the judge's verdict (``good``: its
+    good verdict) when it has none. Sets on the same prompts share their answers. ``take``: the host's
+    placement; ``weights``: the rollout engine's lock (an overlapping host's rollout lane waits)."""
+    by_data: dict[tuple[str, int], list] = {}
+    for s in request.sets:
+        by_data.setdefault((s.uri, s.limit), []).append(s)
+    sums: dict[str, SetSums] = {}
+    for (uri, limit), sets in by_data.items():
+        rows = rows_of(uri, limit, group, dp, scorers.prompts.frames)  # this rank's share
+        if not rows:
+            sums |= {s.name: SetSums() for s in sets}
+            continue
+        take("policy")
+        with weights:  # overlapping: the rollout lane's engines wait (the judge too: one generate at a time)
+            greedy, sampled = kind.answers(rows, request.samples, request.temperature, seed(uri))
+            if any(s.rule is None for s in sets):
+                take("judge")
+                verdicts = scorers.judge_answers(rows, greedy, sampled)
+        for s in sets:
+            scores = (verdict_scores(verdicts, good) if s.rule is None else
+                      rule_scores(scorers.rule_for(s.rule, s.rule_field), rows, greedy, sampled))
+            sums[s.name] = sums_of(s, scores, sampled, request.correct_at)
+    first = sums.get(request.sets[0].name) if request.sets else None
+    return EvaluateResult(score_sum=first.greedy if first else 0.0, total=first.prompts if first else 0, sets=sums)
 
 
 def rows_of(uri: str, limit: int, group: int, dp: int, frames=None) -> list[dict]:

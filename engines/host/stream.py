@@ -9,7 +9,7 @@ next call, so no call waits long for a straggler (a wave's chunk waits for its l
 weights the trainer synced (``offpolicy.RolloutWeights``: staged while a call runs); a sample still
 running then continues under them, each token keeping the version and the log-probability that
 produced it (``rollout.partial=continue``), or starts again (``abort``). The scoring thread hands
-each finished prompt group to the judge and rules (the worker's ``score``).
+each finished prompt group to the judge and rules (``Waves.score_chunk``).
 
 A step's ``take`` gets scored groups, the first drawn first: a straggler's group does not hold the
 step up, it is taken by a later one. The group's data cursor (every prompt before it taken) and the
@@ -204,21 +204,21 @@ class StreamLane:
         self.took: list[int] = []
 
     @classmethod
-    def of(cls, worker, seed: Callable[[int], int]) -> "StreamLane":
-        """The lane of a host whose run streams (``engines.host.worker.Worker``): its rollout engine,
-        weights, prompts, judge and rules, ``placement.stream_chunk`` prompts' samples in flight, and
-        room for a step's groups (``sampling.target_groups``) and as many again, split between the
-        group's rollout replicas; ``seed``: segment n's."""
-        cfg, role = worker.config, worker.replicas["rollout"]
-        return cls(worker.policy, worker.rollout_weights, lambda i: worker.prompts_at(i, 1)[0], worker.score_chunk,
+    def of(cls, waves, policy, weights, seed: Callable[[int], int]) -> "StreamLane":
+        """The lane of a group whose run streams (``waves``: engines/host/waves.py): its rollout engine
+        ``policy`` and its ``weights``, its prompts, judge and rules, ``placement.stream_chunk``
+        prompts' samples in flight, and room for a step's groups (``sampling.target_groups``) and as
+        many again, split between the group's rollout replicas; ``seed``: segment n's."""
+        cfg, role = waves.config, waves.replicas["rollout"]
+        return cls(policy, weights, lambda i: waves.prompts_at(i, 1)[0], waves.score_chunk,
                    cfg.rollout, slots=cfg.placement.stream_chunk * cfg.rollout.samples_per_prompt,
                    room=-(-2 * cfg.sampling.target_groups // role.count), seed=seed,
-                   episodes=worker.samples.episodes, role=role)
+                   episodes=waves.samples.episodes, role=role)
 
     def answer(self, r: RolloutAndScore, judge, rollout_result: Callable[..., object],
                write: Callable[[str, list[dict], object], object] = datasets.write_rows) -> RolloutAndScoreResult:
         """``rollout_and_score``'s outputs from ``take``'s groups: the rollout and scored rows written
-        (by ``write``) where the request says, their figures (``rollout_result``: the worker's, taking
+        (by ``write``) where the request says, their figures (``rollout_result``: ``Waves.rollout_result``, taking
         ``(rows, out, wave, cursor, count, seconds)``; ``judge``: the judge's config)."""
         start = time.perf_counter()
         mine = len(range(self.index, r.count, self.count))  # this replica's share of the groups

@@ -7,58 +7,46 @@ sync_weights → checkpoint, then evaluate and export_policy around the run. Eac
 its stage by type. Every stage reads its inputs from object storage and writes its outputs there
 atomically; requests and results carry URIs and metrics, never sample data.
 
-The modes are picked once, in ``setup_engines``: what a sample is (``samples``: a response, an
-episode, a preference pair; engines/host/samples.py) and how ``rollout_and_score`` produces a wave
-(``produce``: the judge beside the generator, engines/host/beside.py, or the streaming lane,
-engines/host/stream.py). The stages ask neither again.
+The modes are picked once, in ``setup_engines``, which loads the engines (engines/host/loading.py):
+what a sample is (``samples``: a response, an episode, a preference pair; engines/host/samples.py)
+and how a wave is produced: ``rollout`` then ``genrm_score`` (engines/host/waves.py, whose chunks
+and seeds every mode shares), or ``rollout_and_score``'s ``produce``: the judge beside the generator
+(engines/host/beside.py) or the streaming lane (engines/host/stream.py). Which engines hold the
+devices at each stage: ``devices`` (engines/host/devices.py). The stages ask none of it again.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import socket
-import tempfile
-import threading
 import time
-from collections import defaultdict
 from dataclasses import replace
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
-from engines.agents.episodes import Episodes
-from engines.evaluation import SetSums
-from engines.host import balance, critic as critic_host, experience, heldout, offpolicy, replicas, rewards, samples, validation
-from engines.host.beside import Beside
-from engines.host.preferences import PreferenceRows
-from engines.host.prompts import Frames, PromptStream
-from engines.host.stream import StreamLane
-from engines.host.written import Written
-
-from engines.backends import chat, distributed, build, multimodal
-from engines.wire.channel import progress
-from engines.host.checkpointing import CheckpointDamaged, Checkpoints
-from engines.host import replica_check
-from engines.wire.commands import (Checkpoint, CheckpointResult, CheckpointWait, CheckpointWaitResult,
-                              DynamicFilter, DynamicFilterResult, Evaluate, EvaluateResult, ExportPolicy, ExportPolicyResult,
-                              GenRMScore, GenRMScoreResult, Ping, PingResult, Request, Result, Rollout, RolloutAndScore,
-                              RolloutAndScoreResult, RolloutResult, SetupEngines, SetupEnginesResult, SyncWeights,
-                              SyncWeightsResult, TrainStep, TrainStepResult, ValidateInputs, ValidateInputsResult)
+from engines.backends.base import Generator, Trainer, fingerprint
 from engines.config import RunConfig
 from engines.config.layout import Layout
-from engines.backends.base import Generator, Trainer, fingerprint
-from storage import datasets, objectstore
+from engines.host import (balance, checkpointing, critic as critic_host, devices, experience, heldout, loading, offpolicy,
+                          replica_check, replicas, samples, validation)
+from engines.host.beside import Beside
+from engines.host.checkpointing import CheckpointDamaged, Checkpoints
+from engines.host.devices import Devices
+from engines.host.prompts import PromptStream
+from engines.host.stream import StreamLane
+from engines.host.waves import Waves, stable_seed
+from engines.host.written import Written
+from engines.wire.commands import (Checkpoint, CheckpointResult, CheckpointWait, CheckpointWaitResult, DynamicFilter,
+                                   DynamicFilterResult, Evaluate, EvaluateResult, ExportPolicy, ExportPolicyResult, GenRMScore,
+                                   GenRMScoreResult, Ping, PingResult, Request, Result, Rollout, RolloutAndScore,
+                                   RolloutAndScoreResult, RolloutResult, SetupEngines, SetupEnginesResult, SyncWeights,
+                                   SyncWeightsResult, TrainStep, TrainStepResult, ValidateInputs, ValidateInputsResult)
+from storage import datasets
 
 log = logging.getLogger("yattflow.host")
-
-
-def stable_seed(*parts) -> int:
-    """A seed derived from (run seed, step, group, wave, ...): the same on every retry or resume."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
 
 
 class Worker:
@@ -80,7 +68,6 @@ class Worker:
         self.config = config
         self.policy = policy  # the rollout engine
         self.judge: Generator | None = None  # the GenRM (None: no judge)
-        self.reward_model = None  # the scalar reward model (model.reward_model; None: none), on the judge's side
         self.trainer = trainer
         self.critic = critic  # an algorithm with a critic (Needs.critic): its value model (engines/host/critic.py)
         self.scorers: samples.Scorers | None = None  # the judge, the reward model and the rules, as a sample is scored
@@ -89,10 +76,13 @@ class Worker:
         self.vision = False  # the policy is a vision-language model: prompts come with images
         self.checkpoints = checkpoints
         self.engine_loads = 0  # times this host loaded its models: once per run is the point of a host
-        self.awake = {name for name, engine in (("policy", policy), ("trainer", trainer), ("critic", critic))
-                      if engine is not None}  # the engines holding the group's devices (see ``take``)
+        self.devices = Devices({"policy": [policy], "trainer": [trainer], "critic": [critic]},  # which hold the devices
+                               {name for name, e in (("policy", policy), ("trainer", trainer), ("critic", critic)) if e is not None},
+                               resident=bool(config and config.rollout.max_staleness))
         self.rollout_weights = offpolicy.RolloutWeights()  # the rollout engine, between an overlapping host's two lanes
         self.stream: StreamLane | None = None  # rollout.mode=stream: the lane generating all along (engines/host/stream.py)
+        self.waves: Waves | None = None  # how a wave's chunks are made, seeded and scored (engines/host/waves.py)
+        self.beside: Beside | None = None  # placement.mode=partial: the judge beside the generator (engines/host/beside.py)
         self.produce = self._beside  # how rollout_and_score produces a wave: beside the judge, or the lane's (setup picks)
         self.replicas = {role: replicas.Replicas(self.layout, rank, role) for role in replicas.ROLES}  # one of each
         self.written = Written()  # the stage outputs this host wrote lately: its next stages take them from here
@@ -113,28 +103,18 @@ class Worker:
 
     @handle.register
     def setup_engines(self, request: SetupEngines) -> SetupEnginesResult:
-        """Join the DP group, load the engines once for the whole run, resume if asked."""
+        """Join the DP group, load the engines once for the whole run (engines/host/loading.py), pick
+        how waves are produced, resume if asked."""
         start = time.perf_counter()
         cfg = self.config = request.config
         torch.set_num_threads(self.threads)
-        size = cfg.layout.size
-        if self.world % size:
-            raise ValueError(f"this host is rank {self.rank} of {self.world}: not DP groups of {size} ranks")
-        self.layout = replace(cfg.layout, dp=self.world // size)  # the hosts started: dp groups, or fewer to evaluate
-        prompts_uri = cfg.uri(cfg.data.preferences or cfg.data.prompts)  # a preference dataset is the stream instead
-        self.checkpoints = Checkpoints(self.rank, cfg.train.backend, datasets.part_files(prompts_uri), self.layout,
-                                       cfg.train.distributed_optimizer, cfg.train.reshardable_optimizer)
-        if request.resume:  # before any engine loads
-            self.checkpoints.check_prompt_files(prompts_uri, request.resume,
-                                                "data.preferences" if cfg.data.preferences else "data.prompts")
-            self.checkpoints.check_layout(request.resume)
-        # the timing stub trains nothing on a device: its one all-reduce is of a CPU tensor
-        device = torch.device("cpu") if cfg.train.backend == "stub" else distributed.default_device()
-        if self.world > 1 and not dist.is_initialized():
-            timeout = timedelta(seconds=cfg.host_timeout_s)
-            store = distributed.rendezvous_store(self.rank, self.world, request.master, timeout, self.rendezvous)
-            self.rendezvous = None  # the store's now
-            distributed.init_process_groups(device, self.rank, self.world, store, timeout)
+        if self.world % cfg.layout.size:
+            raise ValueError(f"this host is rank {self.rank} of {self.world}: not DP groups of {cfg.layout.size} ranks")
+        self.layout = replace(cfg.layout, dp=self.world // cfg.layout.size)  # the hosts started: dp groups, or fewer to evaluate
+        self.checkpoints = loading.checkpoints(cfg, self.rank, self.layout, request.resume)
+        device = loading.device_of(cfg)
+        loading.join(self.rank, self.world, request.master, cfg.host_timeout_s, device, self.rendezvous)
+        self.rendezvous = None  # the store's now
         if self.world > 1:  # the rollout engines' and judges' replicas and their groups (again on a second setup)
             self.replicas = replicas.replica_groups(self.layout, self.rank, timedelta(seconds=cfg.host_timeout_s))
         if request.resume:  # every file as its manifest recorded it, before any engine loads
@@ -142,55 +122,21 @@ class Worker:
                 self.checkpoints.verify(request.resume)
             except CheckpointDamaged as e:
                 return SetupEnginesResult(seconds=time.perf_counter() - start, policy_version=-1, stream_length=0, damaged=str(e))
-        policy_dir = objectstore.local_folder(cfg.uri(cfg.model.policy))
-        self.vision = multimodal.is_vision_folder(policy_dir)
-        if self.vision and cfg.rollout.mode == "stream":
-            raise ValueError(f"rollout.mode=stream is not wired yet for a vision-language policy (model.policy="
-                             f"{cfg.model.policy}): use rollout.mode=waves")
-        self.trainer = build.make_trainer(cfg, policy_dir, device)
-        if cfg.train.algorithm.needs.critic:
-            self.critic = build.make_critic(cfg, objectstore.local_folder(critic_host.folder(cfg)), device)
-        # the rollout engine and the scorers: the group's leader's, and its next ranks' with replicas
         rolls, judges = self.replicas["rollout"].here, self.replicas["judge"].here
-        self.policy = (build.make_generator(cfg.rollout.backend, policy_dir, cfg, self.threads, device,
-                                            tensor_parallel=cfg.rollout.tensor_parallel,
-                                            record_routes=cfg.train.router_replay) if rolls else None)
-        self.judge, judge_sees_images = None, False
-        if cfg.reward.genrm_weight > 0 and judges:
-            judge_dir = objectstore.local_folder(cfg.uri(cfg.model.judge))
-            self.judge = build.make_judge(cfg, judge_dir, self.threads, device)
-            judge_sees_images = self.vision and multimodal.is_vision_folder(judge_dir)
-        self.reward_model = (build.make_reward_model(cfg, objectstore.local_folder(cfg.uri(cfg.model.reward_model)), self.threads,
-                                                     device) if cfg.reward.reward_model_weight > 0 and judges else None)
-        frames, placeholders = None, ()
-        if self.vision:
-            processor = multimodal.load_processor(policy_dir)
-            if not judge_sees_images:  # an image in the policy's prompts, taken out of a text judge's
-                placeholders = (multimodal.image_text(processor), multimodal.placeholder(processor))
-            frames = Frames.of(cfg.data, processor)
-        self.awake = {"policy", "judge", "trainer", "critic"}  # all loaded, all on the devices
+        e = loading.load(cfg, self.layout, self.group, self.threads, device, rolls, judges, self.rollout_weights)
+        self.trainer, self.critic, self.policy, self.judge = e.trainer, e.critic, e.policy, e.judge
+        self.vision, self.prompts, self.scorers, self.samples = e.vision, e.prompts, e.scorers, e.samples
+        self.devices = Devices({"policy": [e.policy], "judge": [e.judge, e.reward_model], "trainer": [e.trainer],
+                                "critic": [e.critic]}, set(devices.NAMES), resident=bool(cfg.rollout.max_staleness))
         self.engine_loads += 1
-        self.prompts = PromptStream(prompts_uri, self.group, self.layout.dp, cfg.data.max_image_bytes,
-                                    datasets.PREFERENCES if cfg.data.preferences else datasets.PROMPTS,
-                                    extra=cfg.rollout.env is not None, frames=frames,  # an environment reads every column
-                                    max_image_pixels=cfg.data.max_image_pixels)
-        limit = rewards.timeout_of(cfg)  # each call's (reward.rule_timeout_s): a hang is the rule's error, not a lost host
-        self.scorers = samples.Scorers(
-            cfg, self.judge, self.reward_model, rewards.load_rule(cfg.reward.rule, timeout_s=limit) if cfg.reward.rule else None,
-            rewards.load_rule(cfg.reward.format_rule, "reward.format_rule", limit) if cfg.reward.format_rule else None,
-            self.prompts, judge_sees_images, placeholders,
-            # one judge call at a time: a streaming lane's scoring thread and an evaluation; overlapping lanes: the
-            # held-out evaluation's judge and the rollout lane's never generate at once
-            self.rollout_weights if cfg.rollout.overlapped else threading.Lock())
-        self.samples = samples.of(cfg, self.policy, self.rollout_weights, self.scorers, vision=self.vision,
-                                  episodes=Episodes.of(cfg, policy_dir) if cfg.rollout.episodes and rolls else None,
-                                  pairs=PreferenceRows(policy_dir, cfg, self.vision) if cfg.data.preferences else None,
-                                  version=lambda: self.trainer.version)
         self.rollout_weights.reset(self.trainer.version, int(cfg.rollout.sync_bucket_mb * 2**20))  # both engines loaded the same folder
         if self.stream is not None:
             self.stream.stop()
-        self.stream = StreamLane.of(self, seed=lambda n: stable_seed(cfg.seed, "stream", self.group, self.replicas["rollout"].index, n)) \
-            if cfg.rollout.mode == "stream" and rolls else None
+        self.waves = Waves(cfg, self.samples, self.prompts, self.replicas, self.layout, self.rank, self.written)
+        self.beside = Beside(self.waves, self.threads, cfg.placement.judge_threads or max(1, self.threads // 2),
+                             cfg.placement.queue_size)
+        self.stream = StreamLane.of(self.waves, self.policy, self.rollout_weights, seed=lambda n: stable_seed(
+            cfg.seed, "stream", self.group, self.replicas["rollout"].index, n)) if cfg.rollout.mode == "stream" and rolls else None
         self.produce = self._streamed if self.stream is not None else self._beside  # how rollout_and_score produces a wave
         if request.resume:
             self.checkpoints.load(self.trainer, request.resume, self.critic)
@@ -207,34 +153,17 @@ class Worker:
 
     @handle.register
     def rollout(self, request: Rollout) -> RolloutResult:
-        """Sample G responses for the next ``count`` prompts of this group's stream.
-
-        Generated in chunks of ``placement.stream_chunk`` prompts, chunk k seeded by (seed, step,
-        group, wave, k): the samples are the same whether the chunks run back to back here (full
-        colocation) or stream to the judge in ``rollout_and_score`` (partial)."""
+        """Sample G responses for the next ``count`` prompts of this group's stream, chunk by chunk
+        (engines/host/waves.py: the same chunks and seeds in every placement mode)."""
         start = time.perf_counter()
-        switch = self.take("policy")
-        chunks, role = self._chunks(self.prompts_at(request.cursor, request.count)), self.replicas["rollout"]
-        done = {k: self._generate_chunk(request.step, request.wave, k, chunk) for k, chunk in role.mine(chunks)}
-        rows = role.join(request.out, datasets.ROLLOUTS, done, len(chunks), self._writer(request.step))  # every replica's chunks
-        return self.rollout_result(rows, request.out, request.wave, request.cursor, request.count, time.perf_counter() - start,
-                                   switch)
+        return self.waves.rollout(request, start, self.devices.take("policy"))
 
     @handle.register
     def genrm_score(self, request: GenRMScore) -> GenRMScoreResult:
         """Reward = genrm_weight * judge verdict + rule_weight * rule + format_weight * format rule
-        + reward_model_weight * reward model score + overlong penalty.
-
-        The judge scores the rollout's chunks one by one (the same batches as in
-        ``rollout_and_score``, so its batched greedy verdicts are the same in both placement modes)."""
-        start = time.perf_counter()
-        switch = self.take("judge")  # full colocation: the rollout engine sleeps, the judge takes the devices
-        rows = self.written.rows(request.rollouts, datasets.ROLLOUTS)
-        samples = self._chunks(rows, self.config.placement.stream_chunk * self.config.rollout.samples_per_prompt)
-        role = self.replicas["judge"]
-        scored = role.join(request.out, datasets.SCORED, {k: self.score_chunk(chunk) for k, chunk in role.mine(samples)},
-                           len(samples), self._writer(None))  # (the request names no step: the rollout's)
-        return rewards.score_result(self.config.judge, request.out, scored, time.perf_counter() - start, switch)
+        + reward_model_weight * reward model score + overlong penalty, chunk by chunk (engines/host/waves.py)."""
+        start = time.perf_counter()  # full colocation: the rollout engine sleeps, the judge takes the devices
+        return self.waves.score(request, start, self.devices.take("judge"))
 
     @handle.register
     def rollout_and_score(self, request: RolloutAndScore) -> RolloutAndScoreResult:
@@ -245,78 +174,35 @@ class Worker:
 
     def _streamed(self, r: RolloutAndScore) -> RolloutAndScoreResult:
         """``rollout.mode=stream``: the groups the lane has generated and scored (engines/host/stream.py)."""
-        return self.stream.answer(r, self.config.judge, self.rollout_result, self._writer(r.step))
+        return self.stream.answer(r, self.config.judge, self.waves.rollout_result, self.waves.writer(r.step))
 
     def _beside(self, r: RolloutAndScore) -> RolloutAndScoreResult:
         """Partial colocation: the judge scores each chunk as it comes (engines/host/beside.py)."""
-        cfg = self.config
         start = time.perf_counter()
-        switch = self.take("policy", "judge")
-        chunks, role = self._chunks(self.prompts_at(r.cursor, r.count)), self.replicas["rollout"]  # = the judge's replicas
-        beside = Beside(functools.partial(self._generate_chunk, r.step, r.wave), self.score_chunk, self.threads,
-                        cfg.placement.judge_threads or max(1, self.threads // 2), cfg.placement.queue_size, self.name)
-        wave = beside.run(role.mine(chunks), r.wave,
-                          lambda done: role.join(r.rollouts_out, datasets.ROLLOUTS, done, len(chunks), self._writer(r.step)))
-        flat = role.join(r.scored_out, datasets.SCORED, wave.scored, len(chunks), self._writer(r.step))
-        seconds = time.perf_counter() - start
-        log.info("%s rollout_and_score wave %d: %.2fs (generating %.2fs, judge busy %.2fs, judge after the last chunk "
-                 "%.2fs, generator waited on the queue %.2fs)", self.name, r.wave, seconds, wave.generate_s,
-                 wave.judge_busy_s, seconds - wave.generate_s, wave.queue_wait_s)
-        return RolloutAndScoreResult(
-            rollout=self.rollout_result(wave.rolled, r.rollouts_out, r.wave, r.cursor, r.count, wave.generate_s, switch),
-            score=rewards.score_result(cfg.judge, r.scored_out, flat, wave.judge_busy_s, 0.0),
-            seconds=seconds, generate_s=wave.generate_s, judge_busy_s=wave.judge_busy_s,
-            judge_tail_s=seconds - wave.generate_s, queue_wait_s=wave.queue_wait_s, switch_s=switch)
+        return self.beside.answer(r, start, self.devices.take("policy", "judge"))
 
     @handle.register
     def dynamic_filter(self, request: DynamicFilter) -> DynamicFilterResult:
-        """DAPO dynamic sampling: keep prompt groups whose rewards differ, up to the target.
-
-        ``request.scored``: this step's waves so far. Groups carried over from earlier steps
-        (``carry_in``, the previous step's ``carry_out``) come first, oldest first, then this
-        step's waves in order; the first ``target_groups`` are written to ``out`` with their
-        advantages. The kept groups beyond the target are written to ``carry_out`` (schema
-        ``CARRY``: with the step that generated them) if they will be at most
-        ``sampling.max_carry_age`` steps old in the next step, and dropped otherwise;
-        ``carry_out`` is removed when nothing is carried, so a retried or resumed filter leaves
-        exactly its own answer."""
+        """DAPO dynamic sampling: keep prompt groups whose rewards differ, up to the target, carried-over
+        groups first (``experience.choose``). The chosen are written to ``out`` with their advantages, the
+        carried to ``carry_out`` (schema ``CARRY``), which is removed when nothing is carried, so a
+        retried or resumed filter leaves exactly its own answer."""
         cfg, r = self.config, request
-        max_age = cfg.sampling.max_carry_age
-        carried: dict[tuple[int, int, int], list[dict]] = defaultdict(list)  # (step, wave, prompt_id): rows
-        if r.carry_in:
-            for row in self.written.rows(r.carry_in, datasets.CARRY):
-                carried[(row["step"], row["wave"], row["prompt_id"])].append(row)
-        too_old = [key for key in carried if r.step - key[0] > max_age]  # only if max_carry_age was lowered
-        too_old += (stale := [key for key in carried if key not in too_old and offpolicy.too_stale(cfg, r.step, carried[key])])
-        for key in too_old:
-            del carried[key]
-        kept, equal, new_kept = experience.kept_groups(r.scored, r.step, cfg.sampling.filter_equal_rewards,
-                                                       lambda uri: self.written.rows(uri, datasets.SCORED))
-        candidates = list(carried.values()) + kept
-        train, rest = candidates[: r.target_groups], candidates[r.target_groups :]
-        young = [rows for rows in rest if r.step + 1 - rows[0]["step"] <= max_age] if r.carry_out is not None else []
-        carry = [rows for rows in young if not offpolicy.too_stale(cfg, r.step + 1, rows)]  # rollout.max_staleness
-        flat = [row for rows in train for row in rows]
+        choice = experience.choose(cfg, r, self.written.rows(r.carry_in, datasets.CARRY) if r.carry_in else [],
+                                   lambda uri: self.written.rows(uri, datasets.SCORED))
+        flat = [row for rows in choice.train for row in rows]
         if cfg.train.algorithm.needs.critic:  # per-token advantages from the critic's values (full colocation: it wakes)
-            self.take("critic")
+            self.devices.take("critic")
             trained = critic_host.with_token_advantages(cfg.train.algorithm, self.critic, flat, cfg.train.micro_batch_tokens)
         else:
             trained = experience.training_rows(cfg.train.algorithm, flat)
         if self.leader:  # with a critic every rank of the group computed its values (a collective over TP)
             self.written.write(r.step, r.out, trained, datasets.EXPERIENCE)
-            if carry:
-                self.written.write(r.step, r.carry_out, [row for rows in carry for row in rows], datasets.CARRY)
+            if choice.carry:
+                self.written.write(r.step, r.carry_out, [row for rows in choice.carry for row in rows], datasets.CARRY)
             elif r.carry_out is not None:
                 self.written.remove(r.carry_out)
-        used = min(len(carried), r.target_groups)
-        enough = len(train) >= r.target_groups
-        reason = "target reached" if enough else f"{len(train)}/{r.target_groups} groups kept, {equal} had equal rewards"
-        if used:
-            reason += f" ({used} carried over from earlier steps)"
-        return DynamicFilterResult(
-            uri=r.out, kept=len(train), dropped_equal=equal, new_kept=new_kept, enough=enough, reason=reason, carried_in=used,
-            surplus=len(rest), carried_out=len(carry), surplus_dropped=len(rest) - len(carry) + len(too_old),
-            carry=r.carry_out if carry else None, stale_dropped=len(stale) + len(young) - len(carry))
+        return choice.result(r)
 
     @handle.register
     def train_step(self, request: TrainStep) -> TrainStepResult:
@@ -327,7 +213,7 @@ class Worker:
         summation order."""
         t = self.config.train
         start = time.perf_counter()
-        switch = self.take("trainer", "critic")  # training takes the group's devices (both placement modes)
+        switch = self.devices.take("trainer", "critic")  # training takes the group's devices (both placement modes)
         rows = self.written.rows(request.experience, datasets.EXPERIENCE)
         unit = t.algorithm.needs.unit  # a pair's rows stay together
         batch, balanced = balance.balanced_batch(self.group, self.layout, request.experience, rows, t.minibatches,
@@ -353,7 +239,7 @@ class Worker:
     def sync_weights(self, request: SyncWeights) -> SyncWeightsResult:
         """Trainer → rollout engine, by Hugging Face parameter name."""
         start = time.perf_counter()
-        switch = self.take("policy", "trainer")  # a sleeping vLLM engine cannot load weights
+        switch = self.devices.take("policy", "trainer")  # a sleeping vLLM engine cannot load weights
         # overlapping: never waits for the rollout lane's chunk (staged for its next one instead)
         weights = self.trainer.export_weights()
         if self.policy is None:  # a rank that only trains: its shards go into the leader's gathered tensors (a collective)
@@ -365,7 +251,7 @@ class Worker:
     def checkpoint(self, request: Checkpoint) -> CheckpointResult:
         """This rank's share of a checkpoint (``engines/host/checkpointing.py``), written in the
         background with ``checkpoint.asynchronous``; the controller commits the manifest."""
-        self.take(*self.awake | {"trainer", "critic"})  # a sleeping trainer (or Megatron critic) is never read
+        self.devices.take(*self.devices.awake | {"trainer", "critic"})  # a sleeping trainer (or Megatron critic) is never read
         return self.checkpoints.save(self.trainer, request.uri, self.config.checkpoint.asynchronous, self.critic)
 
     @handle.register
@@ -380,115 +266,22 @@ class Worker:
         answered greedily (with ``rollout.env`` or ``rollout.tools``: greedy episodes, the rule reading the
         whole episode) and, with ``request.samples``, k times at ``request.temperature``, scored by the set's
         rule, or by the judge's verdict when it has none. Sets on the same prompts share their answers."""
-        by_data: dict[tuple[str, int], list] = {}
-        for s in request.sets:
-            by_data.setdefault((s.uri, s.limit), []).append(s)
-        sums: dict[str, SetSums] = {}
-        for (uri, limit), sets in by_data.items():
-            rows = heldout.rows_of(uri, limit, self.group, self.layout.dp, self.prompts.frames)  # this rank's share
-            if not rows:
-                sums |= {s.name: SetSums() for s in sets}
-                continue
-            self.take("policy")
-            with self.rollout_weights:  # overlapping: the rollout lane's engines wait (the judge too: one generate at a time)
-                greedy, sampled = self.samples.answers(rows, request.samples, request.temperature,
-                                                       stable_seed(request.seed, "eval", uri, self.group))
-                if any(s.rule is None for s in sets):
-                    self.take("judge")
-                    verdicts = self.scorers.judge_answers(rows, greedy, sampled)
-            for s in sets:
-                scores = (heldout.verdict_scores(verdicts, self.config.judge.good) if s.rule is None else
-                          heldout.rule_scores(self.scorers.rule_for(s.rule, s.rule_field), rows, greedy, sampled))
-                sums[s.name] = heldout.sums_of(s, scores, sampled, request.correct_at)
-        first = sums.get(request.sets[0].name) if request.sets else None
-        return EvaluateResult(score_sum=first.greedy if first else 0.0, total=first.prompts if first else 0, sets=sums)
+        return heldout.evaluate(request, self.group, self.layout.dp, self.samples, self.scorers, self.devices.take,
+                                self.rollout_weights, lambda uri: stable_seed(request.seed, "eval", uri, self.group),
+                                self.config.judge.good)
 
     @handle.register
     def export_policy(self, request: ExportPolicy) -> ExportPolicyResult:
-        """The current policy as a Hugging Face folder (MANIFEST.json last). A sleeping trainer
-        is not woken: its weights are read from its host copy. With ``train.lora`` the folder is the
-        adapter's, and with ``train.lora.export_merged`` the merged model is in its ``merged/``."""
+        """The current policy as a Hugging Face folder (engines/host/checkpointing.py: ``export_policy``)."""
         if self.group == 0:  # its ranks gather the weights (a collective with several), its leader writes
-            with tempfile.TemporaryDirectory() as tmp:
-                self.trainer.save_hf(tmp)
-                if self.critic is not None:  # PPO's critic beside it, loadable as model.critic (value_head.py)
-                    self.critic.save_hf(os.path.join(tmp, "critic"))
-                lora = self.config.train.lora
-                if lora is not None and lora.export_merged:
-                    self.trainer.save_merged(os.path.join(tmp, "merged"))
-                if self.rank == 0:
-                    objectstore.upload_folder(tmp, request.uri)
+            lora = self.config.train.lora
+            checkpointing.export_policy(self.trainer, self.critic, lora is not None and lora.export_merged, request.uri,
+                                        upload=self.rank == 0)
         return ExportPolicyResult(uri=request.uri)
 
     @handle.register
     def ping(self, request: Ping) -> PingResult:
         return PingResult(pid=os.getpid(), rank=self.rank)
-
-    # -- placement -----------------------------------------------------------------------
-
-    def take(self, *engines: str) -> float:
-        """Make ``engines`` (of "policy", "judge", "trainer", "critic") the ones holding the group's devices:
-        the others release them first (``sleep``: vLLM offloads its weights and drops its KV
-        cache; the Megatron trainer moves weights, gradients and optimizer state to host memory,
-        ``engines/backends/megatron/offload.py``), then these wake. Answers the seconds the switch took.
-
-        Full colocation switches at every stage (rollout → score → train → sync); partial keeps
-        policy and judge resident together through ``rollout_and_score``, and training still
-        takes the devices alone. Stages that only read the trainer's weights (``export_policy``,
-        ``params_sha``) read a sleeping trainer's host copy."""
-        if self.config.rollout.max_staleness:
-            return 0.0  # overlapping lanes: every engine stays resident (docs/off-policy.md)
-        start = time.perf_counter()
-        # "judge": the scorers, GenRM and scalar reward model (either may be None)
-        engines_by_name = {"policy": [self.policy], "judge": [self.judge, self.reward_model], "trainer": [self.trainer],
-                           "critic": [self.critic]}
-        for name in sorted(self.awake - set(engines)):
-            for engine in (e for e in engines_by_name[name] if e is not None):
-                engine.sleep()
-            self.awake.discard(name)
-        for name in engines:
-            for engine in (e for e in engines_by_name[name] if e is not None and name not in self.awake):
-                engine.wake()
-            self.awake.add(name)
-        return time.perf_counter() - start
-
-    # -- the pieces both placement modes share (same chunks, same seeds, same judge batches) --
-
-    def prompts_at(self, cursor: int, count: int) -> list[dict]:
-        """The ``count`` prompts of this group's stream from ``cursor`` on, with the text the rule and judge read."""
-        batch = [r | {"prompt": chat.question(r)} for r in self.prompts.wave(cursor, count)]
-        if self.leader and (cursor + count - 1) // len(self.prompts) > cursor // len(self.prompts):
-            log.warning("%s: all %d prompts of this group's stream trained; starting it again (another epoch)", self.name, len(self.prompts))
-        return batch
-
-    def _writer(self, step: int | None):
-        """How step ``step``'s stage outputs are written: kept for this host's next stages (``Written``)."""
-        return functools.partial(self.written.write, step)
-
-    def _chunks(self, batch: list, size: int | None = None) -> list[list]:
-        """``batch`` in pieces of ``size`` (default ``placement.stream_chunk``: prompts per chunk)."""
-        size = size or self.config.placement.stream_chunk
-        return [batch[i : i + size] for i in range(0, len(batch), size)]
-
-    def _generate_chunk(self, step: int, wave: int, k: int, chunk: list[dict]) -> list[dict]:
-        """Rollout rows of chunk ``k`` of a wave (``samples``: what a sample is), seeded by its place."""
-        progress()  # the host's heartbeat (engines/wire/channel.py): each chunk is a piece of work done
-        return self.samples.generate(chunk, wave, stable_seed(self.config.seed, step, self.group, wave, k))
-
-    def score_chunk(self, rows: list[dict]) -> list[dict]:
-        """``rows`` with their verdicts and rewards (new dicts: the rollout rows are left as they are)."""
-        progress()
-        return self.samples.score(rows)
-
-    def rollout_result(self, rows: list[dict], out: str, wave: int, cursor: int, count: int, seconds: float,
-                       switch: float = 0.0) -> RolloutResult:
-        """What the rollout of ``count`` prompts from ``cursor`` on, written to ``out``, answers."""
-        tokens = sum(len(row["response_ids"]) for row in rows)
-        log.info("%s rollout wave %d: %d prompts x %d samples, %d tokens in %.2fs", self.name, wave, count,
-                 self.config.rollout.samples_per_prompt, tokens, seconds)
-        episodes = self.samples.figures(rows)  # an episode's turns and tool calls
-        return RolloutResult(uri=out, cursor=cursor + count, prompts=count, samples=len(rows), tokens=tokens, seconds=seconds,
-                             busy_s=seconds, truncated=sum(row["truncated"] for row in rows), switch_s=switch, episodes=episodes)
 
     def params_sha(self) -> str:
         """Fingerprint of the trainer's parameters this rank holds, where they are (no collective; a
