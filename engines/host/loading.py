@@ -9,7 +9,7 @@ rollout engine and the scorers (``rolls``, ``judges``). Here the sample kind is 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -31,6 +31,13 @@ from storage import datasets, objectstore
 def prompts_uri(cfg: RunConfig) -> str:
     """The run's stream of prompts: ``data.prompts``, or a preference dataset instead."""
     return cfg.uri(cfg.data.preferences or cfg.data.prompts)
+
+
+def layout_of(cfg: RunConfig, rank: int, world: int) -> Layout:
+    """The run's layout over the ``world`` hosts started: its DP groups, or fewer of them to evaluate."""
+    if world % cfg.layout.size:
+        raise ValueError(f"this host is rank {rank} of {world}: not DP groups of {cfg.layout.size} ranks")
+    return replace(cfg.layout, dp=world // cfg.layout.size)
 
 
 def checkpoints(cfg: RunConfig, rank: int, layout: Layout, resume: str | None) -> Checkpoints:

@@ -186,8 +186,10 @@ class StreamLane:
     """One group's streaming lane: ``take`` a step's scored groups; the threads generate and score the rest."""
 
     def __init__(self, policy, weights, prompt_at: Callable[[int], dict], score: Callable[[list[dict]], list[dict]], rollout,
-                 slots: int, room: int, seed: Callable[[int], int], episodes: Episodes | None = None, role: Replicas | None = None):
+                 slots: int, room: int, seed: Callable[[int], int], episodes: Episodes | None = None, role: Replicas | None = None,
+                 waves=None):
         self.policy, self.weights, self.prompt_at, self.score, self.ro = policy, weights, prompt_at, score, rollout
+        self.waves = waves  # a host's lane (``of``): where ``answer`` writes its rows and how it reports them
         # rollout.replicas: this replica's lane draws prompts index, index + count, ... of the group's stream
         self.role = role if role is not None and role.count > 1 else None
         self.index, self.count = (role.index, role.count) if self.role else (0, 1)
@@ -213,14 +215,14 @@ class StreamLane:
         return cls(policy, weights, lambda i: waves.prompts_at(i, 1)[0], waves.score_chunk,
                    cfg.rollout, slots=cfg.placement.stream_chunk * cfg.rollout.samples_per_prompt,
                    room=-(-2 * cfg.sampling.target_groups // role.count), seed=seed,
-                   episodes=waves.samples.episodes, role=role)
+                   episodes=waves.samples.episodes, role=role, waves=waves)
 
-    def answer(self, r: RolloutAndScore, judge, rollout_result: Callable[..., object],
-               write: Callable[[str, list[dict], object], object] = datasets.write_rows) -> RolloutAndScoreResult:
-        """``rollout_and_score``'s outputs from ``take``'s groups: the rollout and scored rows written
-        (by ``write``) where the request says, their figures (``rollout_result``: ``Waves.rollout_result``, taking
-        ``(rows, out, wave, cursor, count, seconds)``; ``judge``: the judge's config)."""
-        start = time.perf_counter()
+    def answer(self, r: RolloutAndScore, start: float, switch: float = 0.0) -> RolloutAndScoreResult:
+        """``rollout_and_score``'s outputs from ``take``'s groups: the rollout and scored rows written where
+        the request says (kept for the host's next stages: ``Waves.writer``), their figures
+        (``Waves.rollout_result``). ``start``: when the stage began; ``switch``: none, every engine of a
+        streaming run stays resident."""
+        write = self.waves.writer(r.step)
         mine = len(range(self.index, r.count, self.count))  # this replica's share of the groups
         rows, scored, cursor, ahead, dropped = self.take(r.cursor, r.ahead, mine, r.step, r.wave)
         if self.role is not None:  # every replica's takes: the group's cursor and the prompts beyond it (the leader's answer)
@@ -231,9 +233,9 @@ class StreamLane:
             write(r.rollouts_out, rows, datasets.ROLLOUTS)
             write(r.scored_out, scored, datasets.SCORED)
         seconds = time.perf_counter() - start
-        rolled = rollout_result(rows, r.rollouts_out, r.wave, r.cursor, r.count, seconds)
+        rolled = self.waves.rollout_result(rows, r.rollouts_out, r.wave, r.cursor, r.count, seconds, switch)
         rolled = rolled.model_copy(update={"cursor": cursor, "ahead": ahead, "stale_dropped": dropped, "busy_s": self.busy()})
-        return RolloutAndScoreResult(rollout=rolled, score=rewards.score_result(judge, r.scored_out, scored, 0.0, 0.0),
+        return RolloutAndScoreResult(rollout=rolled, score=rewards.score_result(self.waves.config.judge, r.scored_out, scored, 0.0, 0.0),
                                      seconds=seconds, generate_s=seconds, judge_busy_s=0.0, judge_tail_s=0.0, queue_wait_s=0.0)
 
     # -- the step's side --------------------------------------------------------------------

@@ -12,7 +12,8 @@ what a sample is (``samples``: a response, an episode, a preference pair; engine
 and how a wave is produced: ``rollout`` then ``genrm_score`` (engines/host/waves.py, whose chunks
 and seeds every mode shares), or ``rollout_and_score``'s ``produce``: the judge beside the generator
 (engines/host/beside.py) or the streaming lane (engines/host/stream.py). Which engines hold the
-devices at each stage: ``devices`` (engines/host/devices.py). The stages ask none of it again.
+devices at each stage: ``devices`` (engines/host/devices.py); an update's work: engines/host/update.py.
+The stages ask none of it again.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import logging
 import os
 import socket
 import time
-from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -30,8 +30,8 @@ import torch
 from engines.backends.base import Generator, Trainer, fingerprint
 from engines.config import RunConfig
 from engines.config.layout import Layout
-from engines.host import (balance, checkpointing, critic as critic_host, devices, experience, heldout, loading, offpolicy,
-                          replica_check, replicas, samples, validation)
+from engines.host import (checkpointing, critic as critic_host, devices, experience, heldout, loading, offpolicy, replicas,
+                          samples, update, validation)
 from engines.host.beside import Beside
 from engines.host.checkpointing import CheckpointDamaged, Checkpoints
 from engines.host.devices import Devices
@@ -83,7 +83,7 @@ class Worker:
         self.stream: StreamLane | None = None  # rollout.mode=stream: the lane generating all along (engines/host/stream.py)
         self.waves: Waves | None = None  # how a wave's chunks are made, seeded and scored (engines/host/waves.py)
         self.beside: Beside | None = None  # placement.mode=partial: the judge beside the generator (engines/host/beside.py)
-        self.produce = self._beside  # how rollout_and_score produces a wave: beside the judge, or the lane's (setup picks)
+        self.produce: Beside | StreamLane | None = None  # how rollout_and_score produces a wave (setup picks)
         self.replicas = {role: replicas.Replicas(self.layout, rank, role) for role in replicas.ROLES}  # one of each
         self.written = Written()  # the stage outputs this host wrote lately: its next stages take them from here
 
@@ -108,9 +108,7 @@ class Worker:
         start = time.perf_counter()
         cfg = self.config = request.config
         torch.set_num_threads(self.threads)
-        if self.world % cfg.layout.size:
-            raise ValueError(f"this host is rank {self.rank} of {self.world}: not DP groups of {cfg.layout.size} ranks")
-        self.layout = replace(cfg.layout, dp=self.world // cfg.layout.size)  # the hosts started: dp groups, or fewer to evaluate
+        self.layout = loading.layout_of(cfg, self.rank, self.world)
         self.checkpoints = loading.checkpoints(cfg, self.rank, self.layout, request.resume)
         device = loading.device_of(cfg)
         loading.join(self.rank, self.world, request.master, cfg.host_timeout_s, device, self.rendezvous)
@@ -137,7 +135,7 @@ class Worker:
                              cfg.placement.queue_size)
         self.stream = StreamLane.of(self.waves, self.policy, self.rollout_weights, seed=lambda n: stable_seed(
             cfg.seed, "stream", self.group, self.replicas["rollout"].index, n)) if cfg.rollout.mode == "stream" and rolls else None
-        self.produce = self._streamed if self.stream is not None else self._beside  # how rollout_and_score produces a wave
+        self.produce = self.beside if self.stream is None else self.stream  # how rollout_and_score produces a wave
         if request.resume:
             self.checkpoints.load(self.trainer, request.resume, self.critic)
             self.sync_weights(SyncWeights())
@@ -168,18 +166,11 @@ class Worker:
     @handle.register
     def rollout_and_score(self, request: RolloutAndScore) -> RolloutAndScoreResult:
         """One wave's samples, generated and scored: ``rollout`` and ``genrm_score``'s outputs in one
-        stage, produced as the host chose at setup (``produce``): beside each other (partial
-        colocation) or by the streaming lane (``rollout.mode=stream``)."""
-        return self.produce(request)
-
-    def _streamed(self, r: RolloutAndScore) -> RolloutAndScoreResult:
-        """``rollout.mode=stream``: the groups the lane has generated and scored (engines/host/stream.py)."""
-        return self.stream.answer(r, self.config.judge, self.waves.rollout_result, self.waves.writer(r.step))
-
-    def _beside(self, r: RolloutAndScore) -> RolloutAndScoreResult:
-        """Partial colocation: the judge scores each chunk as it comes (engines/host/beside.py)."""
+        stage, produced as the host chose at setup (``produce``): the judge scoring each chunk as it
+        comes (partial colocation, engines/host/beside.py) or the streaming lane's groups
+        (``rollout.mode=stream``, engines/host/stream.py)."""
         start = time.perf_counter()
-        return self.beside.answer(r, start, self.devices.take("policy", "judge"))
+        return self.produce.answer(request, start, self.devices.take("policy", "judge"))
 
     @handle.register
     def dynamic_filter(self, request: DynamicFilter) -> DynamicFilterResult:
@@ -206,34 +197,14 @@ class Worker:
 
     @handle.register
     def train_step(self, request: TrainStep) -> TrainStepResult:
-        """One update with ``train.algorithm``'s loss; gradients are all-reduced across every DP group.
-
-        With ``train.balance_tokens`` the groups first even out their work
-        (``engines.host.balance.balanced_batch``); the update is the same without it, up to float
-        summation order."""
-        t = self.config.train
+        """One update with ``train.algorithm``'s loss, gradients all-reduced across every DP group
+        (engines/host/update.py)."""
         start = time.perf_counter()
         switch = self.devices.take("trainer", "critic")  # training takes the group's devices (both placement modes)
         rows = self.written.rows(request.experience, datasets.EXPERIENCE)
-        unit = t.algorithm.needs.unit  # a pair's rows stay together
-        batch, balanced = balance.balanced_batch(self.group, self.layout, request.experience, rows, t.minibatches,
-                                                 t.balance_tokens, unit)
-        if self.vision:  # the rows reference their prompts' images: read them here, on the host that trains them
-            parts = batch.split(t.minibatches, unit)
-            batch = balance.presplit([replace(p, images=self.prompts.images(p.prompt_rows)) for p in parts])
-        batch, correction = offpolicy.correct(self.trainer, batch, t)  # train.old_policy=decoupled: old log-probs, IS weights
-        stale, staleness = offpolicy.staleness(self.trainer.version, rows)
-        statistics = self.trainer.train_step(batch, t.algorithm, minibatches=t.minibatches, micro_batch_tokens=t.micro_batch_tokens)
-        if self.critic is not None:  # the same rows and minibatches; its statistics join the step's one dict
-            statistics |= self.critic.train_step(batch, t.algorithm, minibatches=t.minibatches, micro_batch_tokens=t.micro_batch_tokens)
-        statistics |= correction | staleness
-        tokens = statistics.pop("tokens")
-        seconds = time.perf_counter() - start
-        return TrainStepResult(statistics=statistics, tokens=tokens, **balanced, seconds=seconds,
-                               tokens_per_s=tokens / seconds if seconds else 0.0,
-                               sequences=len(batch), policy_version=self.trainer.version, staleness=stale,
-                               params_sha=replica_check.check(self.trainer.local_parameters(), self.layout, self.rank),
-                               switch_s=switch, engine_loads=self.engine_loads)
+        return update.train_step(self.trainer, self.critic, rows, request.experience, self.config.train, self.group,
+                                 self.layout, self.rank, self.prompts.images if self.vision else None, start,
+                                 switch_s=switch, engine_loads=self.engine_loads)
 
     @handle.register
     def sync_weights(self, request: SyncWeights) -> SyncWeightsResult:
