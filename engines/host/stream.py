@@ -46,6 +46,7 @@ from engines.agents.episodes import Episode, Episodes
 from engines.backends import chat
 from engines.host import rewards
 from engines.host.replicas import Replicas
+from engines.host.waves import Waves
 from engines.wire.channel import progress
 from engines.wire.commands import RolloutAndScore, RolloutAndScoreResult
 from storage import datasets
@@ -187,7 +188,7 @@ class StreamLane:
 
     def __init__(self, policy, weights, prompt_at: Callable[[int], dict], score: Callable[[list[dict]], list[dict]], rollout,
                  slots: int, room: int, seed: Callable[[int], int], episodes: Episodes | None = None, role: Replicas | None = None,
-                 waves=None):
+                 waves: Waves | None = None):
         self.policy, self.weights, self.prompt_at, self.score, self.ro = policy, weights, prompt_at, score, rollout
         self.waves = waves  # a host's lane (``of``): where ``answer`` writes its rows and how it reports them
         # rollout.replicas: this replica's lane draws prompts index, index + count, ... of the group's stream
@@ -206,7 +207,7 @@ class StreamLane:
         self.took: list[int] = []
 
     @classmethod
-    def of(cls, waves, policy, weights, seed: Callable[[int], int]) -> "StreamLane":
+    def of(cls, waves: Waves, policy, weights, seed: Callable[[int], int]) -> "StreamLane":
         """The lane of a group whose run streams (``waves``: engines/host/waves.py): its rollout engine
         ``policy`` and its ``weights``, its prompts, judge and rules, ``placement.stream_chunk``
         prompts' samples in flight, and room for a step's groups (``sampling.target_groups``) and as

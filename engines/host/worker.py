@@ -233,10 +233,8 @@ class Worker:
 
     @handle.register
     def evaluate(self, request: Evaluate) -> EvaluateResult:
-        """Each evaluation set (``engines/evaluation.py``): this rank's share of its first ``limit`` prompts
-        answered greedily (with ``rollout.env`` or ``rollout.tools``: greedy episodes, the rule reading the
-        whole episode) and, with ``request.samples``, k times at ``request.temperature``, scored by the set's
-        rule, or by the judge's verdict when it has none. Sets on the same prompts share their answers."""
+        """Each evaluation set (``engines/evaluation.py``): this rank's share of its prompts answered and
+        scored (engines/host/heldout.py)."""
         return heldout.evaluate(request, self.group, self.layout.dp, self.samples, self.scorers, self.devices.take,
                                 self.rollout_weights, lambda uri: stable_seed(request.seed, "eval", uri, self.group),
                                 self.config.judge.good)
