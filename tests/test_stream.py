@@ -191,11 +191,9 @@ def test_a_streaming_run_killed_resumes_with_no_prompt_trained_twice_or_skipped(
     kill -9 of the run as step 3 trains, then of a host as step 4 generates (the run heals itself). The same command run again finishes; each
     group's rollouts took every prompt before its cursor, and those its checkpoint lists beyond it,
     exactly once (a straggler's group taken after later ones), no prompt was trained in two steps,
-    staleness stayed within k, and some samples mixed versions (continued across a weight update)."""
+    and staleness stayed within k."""
     import signal
     from pathlib import Path
-
-    import pyarrow.parquet as pq
 
     from storage.runstate import RunState
 
@@ -224,8 +222,8 @@ def test_a_streaming_run_killed_resumes_with_no_prompt_trained_twice_or_skipped(
     trained_once(steps, (0, 1))
     for m in history:
         assert max(map(int, m["staleness"])) <= 8 and m["stale_dropped"] == 0, m["staleness"]
-    rolled = [r for s in steps for r in pq.read_table(s / "rollouts", columns=["token_versions"]).to_pylist()]
-    assert any(len(set(r["token_versions"])) > 1 for r in rolled)  # some samples continued across a weight update
+    # Whether a sample here continues across a weight update is the CPU's timing (a lane that ran ahead
+    # and filled its room has nothing in flight at a sync): the lane tests above check that it does.
 
 
 def test_the_config_refuses_a_stream_without_staleness_or_where_it_is_not_wired(tmp_path):

@@ -68,6 +68,9 @@ class Beside:
             seconds=seconds, generate_s=wave.generate_s, judge_busy_s=wave.judge_busy_s,
             judge_tail_s=seconds - wave.generate_s, queue_wait_s=wave.queue_wait_s, switch_s=switch)
 
+    def stop(self) -> None:
+        """Nothing runs between waves (a wave's threads end with it): what the streaming lane's ``stop`` is."""
+
     def run(self, step: int, chunks: list[tuple[int, list[dict]]], wave: int,
             generated: Callable[[dict[int, list[dict]]], list[dict]]) -> Wave:
         """Every chunk ``(k, prompts)`` of ``wave`` (of ``step``) generated here and scored on the judge thread;

@@ -12,7 +12,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from engines.host import offpolicy
+from engines.config.train import TrainConfig
+from engines.host import critic as critic_host, offpolicy
 from engines.rl.base import AlgorithmConfig
 from engines.wire.commands import DynamicFilter, DynamicFilterResult
 from storage import datasets
@@ -25,6 +26,16 @@ def training_rows(algorithm: AlgorithmConfig, rows: list[dict]) -> list[dict]:
     if algorithm.needs.pairs:
         return [rows[i] | {"advantage": mark} for pair in algorithm.pairs(rewards, groups) for i, mark in zip(pair, (1.0, -1.0))]
     return [row | {"advantage": a} for row, a in zip(rows, algorithm.advantages(rewards, groups))]
+
+
+def advantaged(train: TrainConfig, critic, rows: list[dict], take: Callable[..., float]) -> list[dict]:
+    """The filter's chosen ``rows`` as the update reads them: with per-token advantages from the
+    ``critic``'s values (``Needs.critic``; ``take`` wakes it under full colocation; every rank of a
+    group computes them, a collective over TP), else ``training_rows``."""
+    if train.algorithm.needs.critic:
+        take("critic")
+        return critic_host.with_token_advantages(train.algorithm, critic, rows, train.micro_batch_tokens)
+    return training_rows(train.algorithm, rows)
 
 
 def kept_groups(scored: list[str], step: int, filter_equal_rewards: bool,

@@ -3,7 +3,8 @@
 Every rank of a group loads its share of the trainer (and a critic, with ``Needs.critic``); the
 group's leader, and with ``rollout.replicas`` / ``judge.replicas`` its next ranks, also load the
 rollout engine and the scorers (``rolls``, ``judges``). Here the sample kind is picked too
-(engines/host/samples.py): a response, an episode, a preference pair; images inside it.
+(engines/host/samples.py): a response, an episode, a preference pair; images inside it; and how
+``rollout_and_score`` produces a wave (``producer``): the judge beside the generator or the streaming lane.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from engines.backends.base import Generator, Trainer
 from engines.config import RunConfig
 from engines.config.layout import Layout
 from engines.host import critic as critic_host, rewards, samples
+from engines.host.beside import Beside
 from engines.host.checkpointing import Checkpoints
 from engines.host.offpolicy import RolloutWeights
 from engines.host.preferences import PreferenceRows
 from engines.host.prompts import Frames, PromptStream
+from engines.host.stream import StreamLane
+from engines.host.waves import Waves, stable_seed
 from storage import datasets, objectstore
 
 
@@ -127,3 +131,14 @@ def load(cfg: RunConfig, layout: Layout, group: int, threads: int, device: torch
                       pairs=PreferenceRows(policy_dir, cfg, vision) if cfg.data.preferences else None,
                       version=lambda: trainer.version)
     return Loaded(trainer, critic, policy, judge, reward_model, vision, prompts, scorers, kind)
+
+
+def producer(cfg: RunConfig, waves: Waves, policy: Generator | None, weights: RolloutWeights, threads: int,
+             group: int) -> Beside | StreamLane:
+    """How ``rollout_and_score`` produces this rank's share of a wave (``answer``; ``stop`` when the
+    run's setup comes again): the streaming lane of a replica that rolls out with ``rollout.mode=stream``
+    (engines/host/stream.py), else the judge beside the generator (engines/host/beside.py)."""
+    role = waves.replicas["rollout"]
+    if cfg.rollout.mode == "stream" and role.here:
+        return StreamLane.of(waves, policy, weights, seed=lambda n: stable_seed(cfg.seed, "stream", group, role.index, n))
+    return Beside(waves, threads, cfg.placement.judge_threads or max(1, threads // 2), cfg.placement.queue_size)

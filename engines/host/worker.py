@@ -30,7 +30,7 @@ import torch
 from engines.backends.base import Generator, Trainer, fingerprint
 from engines.config import RunConfig
 from engines.config.layout import Layout
-from engines.host import (checkpointing, critic as critic_host, devices, experience, heldout, loading, offpolicy, replicas,
+from engines.host import (checkpointing, devices, experience, heldout, loading, offpolicy, replicas,
                           samples, update, validation)
 from engines.host.beside import Beside
 from engines.host.checkpointing import CheckpointDamaged, Checkpoints
@@ -80,10 +80,8 @@ class Worker:
                                {name for name, e in (("policy", policy), ("trainer", trainer), ("critic", critic)) if e is not None},
                                resident=bool(config and config.rollout.max_staleness))
         self.rollout_weights = offpolicy.RolloutWeights()  # the rollout engine, between an overlapping host's two lanes
-        self.stream: StreamLane | None = None  # rollout.mode=stream: the lane generating all along (engines/host/stream.py)
         self.waves: Waves | None = None  # how a wave's chunks are made, seeded and scored (engines/host/waves.py)
-        self.beside: Beside | None = None  # placement.mode=partial: the judge beside the generator (engines/host/beside.py)
-        self.produce: Beside | StreamLane | None = None  # how rollout_and_score produces a wave (setup picks)
+        self.produce: Beside | StreamLane | None = None  # how rollout_and_score produces a wave (loading.producer)
         self.replicas = {role: replicas.Replicas(self.layout, rank, role) for role in replicas.ROLES}  # one of each
         self.written = Written()  # the stage outputs this host wrote lately: its next stages take them from here
 
@@ -128,14 +126,10 @@ class Worker:
                                 "critic": [e.critic]}, set(devices.NAMES), resident=bool(cfg.rollout.max_staleness))
         self.engine_loads += 1
         self.rollout_weights.reset(self.trainer.version, int(cfg.rollout.sync_bucket_mb * 2**20))  # both engines loaded the same folder
-        if self.stream is not None:
-            self.stream.stop()
+        if self.produce is not None:  # a second setup: the last one's lane stops
+            self.produce.stop()
         self.waves = Waves(cfg, self.samples, self.prompts, self.replicas, self.layout, self.rank, self.written)
-        self.beside = Beside(self.waves, self.threads, cfg.placement.judge_threads or max(1, self.threads // 2),
-                             cfg.placement.queue_size)
-        self.stream = StreamLane.of(self.waves, self.policy, self.rollout_weights, seed=lambda n: stable_seed(
-            cfg.seed, "stream", self.group, self.replicas["rollout"].index, n)) if cfg.rollout.mode == "stream" and rolls else None
-        self.produce = self.beside if self.stream is None else self.stream  # how rollout_and_score produces a wave
+        self.produce = loading.producer(cfg, self.waves, self.policy, self.rollout_weights, self.threads, self.group)
         if request.resume:
             self.checkpoints.load(self.trainer, request.resume, self.critic)
             self.sync_weights(SyncWeights())
@@ -181,13 +175,8 @@ class Worker:
         cfg, r = self.config, request
         choice = experience.choose(cfg, r, self.written.rows(r.carry_in, datasets.CARRY) if r.carry_in else [],
                                    lambda uri: self.written.rows(uri, datasets.SCORED))
-        flat = [row for rows in choice.train for row in rows]
-        if cfg.train.algorithm.needs.critic:  # per-token advantages from the critic's values (full colocation: it wakes)
-            self.devices.take("critic")
-            trained = critic_host.with_token_advantages(cfg.train.algorithm, self.critic, flat, cfg.train.micro_batch_tokens)
-        else:
-            trained = experience.training_rows(cfg.train.algorithm, flat)
-        if self.leader:  # with a critic every rank of the group computed its values (a collective over TP)
+        trained = experience.advantaged(cfg.train, self.critic, [row for rows in choice.train for row in rows], self.devices.take)
+        if self.leader:
             self.written.write(r.step, r.out, trained, datasets.EXPERIENCE)
             if choice.carry:
                 self.written.write(r.step, r.carry_out, [row for rows in choice.carry for row in rows], datasets.CARRY)
