@@ -57,6 +57,7 @@ QUICK = {
     "sampling": "--steps 8",
     "placement": "--repeats 1 --full-threads 1",
     "controller": "--steps 2",
+    "host_start": "--repeats 1",
     "embedded": "--steps 10",
     "overhead": "--scaling '' --steps 4",
     "floor": "--dps 4 --repeats 1",

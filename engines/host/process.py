@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib
 import os
 import signal
 import socket
@@ -26,6 +27,13 @@ from engines.wire.channel import Door, HostError, answer, progress
 
 
 EVERY_INTERFACE = ("0.0.0.0", "::", "")
+
+# What every rank's first request reaches for (rank 0's input check, the other ranks' engine loading):
+# transformers' Auto classes, 2.5-3 s to import on a 2-core CPU. Imported before READY, a run's hosts import
+# them side by side; left to the first request, the other ranks' imports came after rank 0's check
+# (a dp=2 run on the torch engines started in 8.6-10.1 s instead of 11.5-12.9 s: docs/benchmarks.md).
+ENGINE_LIBRARIES = ("transformers.models.auto.configuration_auto", "transformers.models.auto.tokenization_auto",
+                    "transformers.models.auto.modeling_auto")
 
 
 def advertised_address(bind: str) -> str:
@@ -64,6 +72,9 @@ def serve(rank: int, world: int, threads: int, bind: str = "127.0.0.1") -> None:
     """
     from engines.backends.base import on_progress
     from engines.host.worker import Worker  # torch and the engines' imports: after the parent watch is up
+
+    for module in ENGINE_LIBRARIES:
+        importlib.import_module(module)
 
     secret = bytes.fromhex(os.environ.pop("YATTFLOW_HOST_SECRET"))
     on_progress(progress)  # the engines' progress beats the channel's heartbeat

@@ -52,7 +52,7 @@ def check_model_folder(field: str, uri: str, backend: str = "torch", devices: bo
     config field, the URI and the offending config.json field. ``devices``: this machine's devices are
     the engines' (vLLM's CPU limits apply without CUDA here); ``weights``: a remote folder is downloaded
     whole (the engines on this machine load it from the same cache), else without its weights."""
-    from transformers import AutoConfig  # here: every host imports this module, only rank 0 validates
+    from transformers import AutoConfig
 
     try:
         path = objectstore.local_folder(uri) if weights or objectstore.is_local(uri) else folder_without_weights(uri)

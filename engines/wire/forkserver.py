@@ -171,6 +171,10 @@ def main() -> None:
 
     for module in PRELOAD:
         importlib.import_module(module)
+    from engines.host.process import ENGINE_LIBRARIES  # what a host imports before READY (transformers' Auto classes)
+
+    for module in ENGINE_LIBRARIES:
+        importlib.import_module(module)
     try:  # set up here, while the environment is this process's own: a child that clears it first cannot set its title
         import setproctitle
 
