@@ -31,7 +31,7 @@ EVERY_INTERFACE = ("0.0.0.0", "::", "")
 # What every rank's first request reaches for (rank 0's input check, the other ranks' engine loading):
 # transformers' Auto classes, 2.5-3 s to import on a 2-core CPU. Imported before READY, a run's hosts import
 # them side by side; left to the first request, the other ranks' imports came after rank 0's check
-# (a dp=2 run on the torch engines started in 8.6-10.1 s instead of 11.5-12.9 s: docs/benchmarks.md).
+# (a deployment's dp=2 run on the torch engines reached its first step in 7.3 s instead of 11.4 s: docs/benchmarks.md).
 ENGINE_LIBRARIES = ("transformers.models.auto.configuration_auto", "transformers.models.auto.tokenization_auto",
                     "transformers.models.auto.modeling_auto")
 
