@@ -250,7 +250,7 @@ def _single_controller_flows():
 
     @flow(name="single-controller-iteration", flow_run_name="sc-iteration-{step:04d}")
     async def sc_iteration(config, step, cursors, sampling):  # no annotations: this flow is local (RunConfig)
-        s, dp = config.sampling, config.dp
+        s, dp, run = config.sampling, config.dp, tasks.Run.of(config)
         driver = Driver(METER)
         start = time.perf_counter()
         states = [GroupSampling.from_dict(x) for x in sampling]
@@ -259,16 +259,16 @@ def _single_controller_flows():
         for wave in range(s.max_waves):
             waves += 1
             counts = {g: plan_wave(s, states[g], have[g]) for g in active}
-            rolled = await asyncio.gather(*(tasks.rollout(config, step, g, wave, cursors[g], counts[g]) for g in active))
+            rolled = await asyncio.gather(*(tasks.rollout(run, step, g, wave, cursors[g], counts[g]) for g in active))
             for g, r in zip(active, rolled):
                 cursors[g] = r.cursor
                 samples += r.samples
             driver.gather_scatter([r.uri for r in rolled], datasets.ROLLOUTS)
             driver.gather_images(config)  # and, as a vision driver does, the batch's images and pixel tensors
-            scored = await asyncio.gather(*(tasks.genrm_score(config, step, g, wave) for g in active))
+            scored = await asyncio.gather(*(tasks.genrm_score(run, step, g, wave) for g in active))
             rewards += sum(x.reward_mean * r.samples for x, r in zip(scored, rolled))
             driver.gather_scatter([x.uri for x in scored], datasets.SCORED)
-            kept = await asyncio.gather(*(tasks.dynamic_filter(config, step, g, wave, carry_in[g]) for g in active))
+            kept = await asyncio.gather(*(tasks.dynamic_filter(run, step, g, wave, s.target_groups, config.train.algorithm.needs.critic, carry_in[g]) for g in active))
             driver.gather_scatter([k.uri for k in kept], datasets.EXPERIENCE)
             driver.gather_scatter([k.carry for k in kept if k.carry], datasets.CARRY)
             for g, k in zip(active, kept):
@@ -279,8 +279,8 @@ def _single_controller_flows():
                 break
         for g in range(dp):
             states[g].carry, states[g].carried = last[g].carry, last[g].carried_out
-        trained = await asyncio.gather(*(tasks.train_step(config, step, g) for g in range(dp)))
-        await asyncio.gather(*(tasks.sync_weights(config, g) for g in range(dp)))
+        trained = await asyncio.gather(*(tasks.train_step(run, step, g) for g in range(dp)))
+        await asyncio.gather(*(tasks.sync_weights(run, g, config.rollout.sync_timeout_s) for g in range(dp)))
         shas = {t.params_sha for t in trained}
         if len(shas) != 1:
             raise RuntimeError(f"step {step}: DP replicas diverged ({sorted(shas)})")

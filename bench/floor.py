@@ -5,7 +5,7 @@
 
 The ``floor`` flow has the training flow's structure and nothing else: per step an
 ``iteration`` sub-flow, in it one sub-flow per DP group started concurrently (each given the
-run's real ``RunConfig`` as its parameter, as ``dp_group`` is), and in each group the same
+run's real ``GroupPlan`` as its parameter, as ``dp_group`` is), and in each group the same
 number of stage tasks, which return at once — no engine hosts, no storage, no artifacts, no
 logging of ours. Its time per iteration is the least any design with a Prefect sub-flow per DP
 group per step and a task per stage pays on this machine and server; bench/scale.py runs it
@@ -28,6 +28,7 @@ from prefect.cache_policies import NO_CACHE
 
 from bench import cpu_model
 from engines.config import RunConfig, load_config
+from flows.plan import GroupPlan
 
 # the stage tasks of one DP group in one single-wave iteration: rollout, genrm_score,
 # dynamic_filter, train_step, sync_weights
@@ -40,7 +41,7 @@ async def stage(index: int, group: int) -> dict:
 
 
 @flow(name="floor-dp-group", flow_run_name="floor-{step:04d}-dp-{group}")
-async def floor_group(config: RunConfig, step: int, group: int, tasks: int) -> dict:
+async def floor_group(plan: GroupPlan, step: int, group: int, tasks: int) -> dict:
     for i in range(tasks):
         await stage(i, group)
     return {"group": group}
@@ -49,7 +50,8 @@ async def floor_group(config: RunConfig, step: int, group: int, tasks: int) -> d
 @flow(name="floor-iteration", flow_run_name="floor-iteration-{step:04d}")
 async def floor_iteration(config: RunConfig, step: int, tasks: int) -> float:
     start = time.perf_counter()
-    await asyncio.gather(*(floor_group(config, step, g, tasks) for g in range(config.dp)))
+    plan = GroupPlan.of(config)
+    await asyncio.gather(*(floor_group(plan, step, g, tasks) for g in range(config.dp)))
     return time.perf_counter() - start
 
 

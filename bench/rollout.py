@@ -122,7 +122,7 @@ def bench_task(args, model_dir: str, root: str) -> dict:
             await stages.setup_engines(config, 0, None)
             for step in range(args.repeats + 1):  # step 0 is the warm-up
                 start = time.perf_counter()
-                out = await stages.rollout(config, step, 0, 0, 0, len(prompts))
+                out = await stages.rollout(stages.Run.of(config), step, 0, 0, 0, len(prompts))
                 results.append({"seconds": time.perf_counter() - start, "tokens": out.tokens})
         return results[1:]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 
 from engines.config import RunConfig
+from engines.wire.commands import Evaluate
 from engines.evaluation import figure_order, figures_line, merged, set_metric, sets_of
 from flows.curves import percent
 from storage import objectstore
@@ -27,7 +28,10 @@ async def evaluate_sets(config: RunConfig, label: str) -> dict[str, dict[str, fl
     """Every evaluation set's figures for the current policy ({} when there is none)."""
     if not sets_of(config):
         return {}
-    parts = await asyncio.gather(*(stages.evaluate(config, g, label) for g in range(config.dp)))
+    e = config.eval
+    request = Evaluate(sets=sets_of(config), samples=e.samples, temperature=e.temperature or config.rollout.temperature,
+                       correct_at=e.correct_at, seed=config.seed)
+    parts = await asyncio.gather(*(stages.evaluate(stages.Run.of(config), g, label, request) for g in range(config.dp)))
     return merged([p.sets for p in parts])
 
 

@@ -131,7 +131,7 @@ def waited_files(checkpoint: Checkpoint, waited: list[CheckpointWaitResult | Non
 
 async def finish(config: RunConfig, checkpoint: Checkpoint) -> None:
     """Wait for every group's background write of ``checkpoint`` and commit it."""
-    waited = await asyncio.gather(*(stages.checkpoint_wait(config, g, checkpoint.step) for g in range(config.dp)))
+    waited = await asyncio.gather(*(stages.checkpoint_wait(stages.Run.of(config), g, checkpoint.step) for g in range(config.dp)))
     commit(config, checkpoint, waited_files(checkpoint, list(waited)))
 
 

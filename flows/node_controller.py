@@ -66,7 +66,7 @@ async def run_groups(request: NodeIteration) -> NodeIterationResult:
     from flows.training import _host_lost, dp_group
 
     r = request
-    params = [dict(config=r.config, step=r.step, group=g, cursor=r.cursors[i], end=r.end, written=r.written,
+    params = [dict(plan=r.plan, step=r.step, group=g, cursor=r.cursors[i], checkpoint=r.checkpoint, written=r.written,
                    sampling=r.sampling[i]) for i, g in enumerate(r.groups)]
     client = await warm_client()
 

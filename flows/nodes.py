@@ -36,6 +36,7 @@ from engines.wire.channel import HostClient, HostLost
 from engines.wire.commands import Request, Result
 from engines.wire.launch import HostProcess
 from flows.metrics import GroupStep
+from flows.plan import GroupPlan
 
 
 class NodeConnectResult(Result):
@@ -65,11 +66,11 @@ class NodeIteration(Request):
 
     stage = "node_iteration"
     result = NodeIterationResult
-    config: RunConfig
+    plan: GroupPlan
     step: int
     groups: list[int]
     cursors: list[int]
-    end: int | None = None
+    checkpoint: str | None = None
     written: int | None = None
     sampling: list[dict | None]
     parent: str | None = None  # the iteration's flow run id: the sub-flows show under it in the UI, as in one process
@@ -119,14 +120,14 @@ async def node_controllers(config: RunConfig, hosts):
 
 
 @task(name="node-controller", task_run_name="node {node}: dp {groups}", cache_policy=NO_CACHE, persist_result=False)
-async def node_step(config: RunConfig, step: int, node: int, groups: list[int], cursors: list[int], end: int | None,
+async def node_step(plan: GroupPlan, step: int, node: int, groups: list[int], cursors: list[int], checkpoint: str | None,
                     written: int | None, sampling: list[dict | None]) -> list[GroupStep]:
     """One step of ``groups`` on node controller ``node``; their ``GroupStep`` records."""
-    request = NodeIteration(config=config, step=step, groups=groups, cursors=cursors, end=end, written=written,
+    request = NodeIteration(plan=plan, step=step, groups=groups, cursors=cursors, checkpoint=checkpoint, written=written,
                             sampling=sampling, parent=flow_run.id)
     from tasks._host import _CALLS
 
-    result, logs = await asyncio.get_running_loop().run_in_executor(_CALLS, _nodes[(config.name, node)].call, request)
+    result, logs = await asyncio.get_running_loop().run_in_executor(_CALLS, _nodes[(plan.run.name, node)].call, request)
     logger = get_run_logger()
     for line in logs:
         logger.info(line)
@@ -135,11 +136,12 @@ async def node_step(config: RunConfig, step: int, node: int, groups: list[int], 
     return result.groups
 
 
-async def run_on_nodes(config: RunConfig, step: int, cursors: list[int], end: int | None, written: int | None,
-                       sampling: list[dict | None] | None) -> list[GroupStep]:
+async def run_on_nodes(config: RunConfig, plan: GroupPlan, step: int, cursors: list[int], checkpoint: str | None,
+                       written: int | None, sampling: list[dict | None] | None) -> list[GroupStep]:
     """Every group's step, one node task per node controller; the groups' records in group order."""
     sampling = sampling or [None] * config.dp
-    runs = [asyncio.ensure_future(node_step(config, step, k, g, [cursors[i] for i in g], end, written, [sampling[i] for i in g]))
+    runs = [asyncio.ensure_future(node_step(plan, step, k, g, [cursors[i] for i in g], checkpoint, written,
+                                            [sampling[i] for i in g]))
             for k, g in enumerate(config.controllers.nodes(config.dp))]
     try:
         parts = await asyncio.gather(*runs)

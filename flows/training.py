@@ -38,6 +38,7 @@ from flows.hosts import engine_hosts
 from flows.ledger import Checkpoint, Ledger, StepEnd, close_step, is_checkpoint_step, keep_pending
 from flows.metrics import GroupStep, StageClock, StepMetrics, Wave
 from flows.nodes import node_controllers, run_on_nodes
+from flows.plan import GroupPlan
 from flows.tracking import MetricsLog
 from storage import objectstore
 from storage.lease import Lease
@@ -47,22 +48,19 @@ from tasks import stages
 
 
 @flow(name="dp-group", flow_run_name="iteration-{step:04d}-dp-{group}")
-async def dp_group(config: RunConfig, step: int, group: int, cursor: int | None, end: int | None = None,
+async def dp_group(plan: GroupPlan, step: int, group: int, cursor: int | None, checkpoint: str | None = None,
                    written: int | None = None, sampling: dict | None = None) -> GroupStep:
     """The controller of one DP group for one step: rollout → score → filter, in waves until
     enough groups are kept, then train → sync (→ checkpoint).
 
-    ``end``: this run stops before that step; ``written``: the earlier step whose checkpoint the
-    host is still writing in the background; ``sampling``: the group's dynamic-sampling state
-    after the previous step (``GroupSampling``)."""
-    # one stage answers a wave's scored samples: partial colocation's judge beside the generator, or the streaming
-    # lane's groups (the host picked which at setup: engines/host/worker.py, ``produce``)
-    s, together = config.sampling, config.placement.mode == "partial" or config.rollout.mode == "stream"
+    ``checkpoint``: where this step's checkpoint goes (None: not a checkpoint step); ``written``: the
+    earlier step whose checkpoint the host is still writing in the background; ``sampling``: the group's
+    dynamic-sampling state after the previous step (``GroupSampling``)."""
+    run, s = plan.run, plan.sampling
     if cursor is None:  # overlapping steps: where this group's generation of the previous step ends (flows/pipeline.py)
-        cursor, sampling = await pipeline.generation_start(config.name, step, group)
-    checkpointing = is_checkpoint_step(config, step, end)
-    clock = StageClock(StepProgress(config.name, step, group, wave_stages=2 if together else 3,
-                                    after_stages=2 + (written is not None) + checkpointing))  # live in the UI
+        cursor, sampling = await pipeline.generation_start(run.name, step, group)
+    clock = StageClock(StepProgress(run.name, step, group, wave_stages=2 if plan.together else 3,
+                                    after_stages=2 + (written is not None) + (checkpoint is not None)))  # live in the UI
     state = GroupSampling.from_dict(sampling)
     have = state.carried  # groups the previous step carried over count as kept
     waves: list[Wave] = []
@@ -70,13 +68,16 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int | None,
         if wave:
             clock.progress.another_wave(wave)
         count = plan_wave(s, state, have)  # fixed, or from the keep-ratio estimate (flows/sampling.py)
-        if together:  # rollout and judge resident at once (or the lane's groups)
-            both = await clock("rollout_and_score", stages.rollout_and_score(config, step, group, wave, cursor, count, state.ahead), wave)
+        # one stage answers a wave's scored samples: partial colocation's judge beside the generator, or the streaming
+        # lane's groups (the host picked which at setup: engines/host/loading.py, ``producer``)
+        if plan.together:
+            both = await clock("rollout_and_score", stages.rollout_and_score(run, step, group, wave, cursor, count, state.ahead), wave)
             rolled, scored = both.rollout, both.score
         else:  # full colocation: one engine after the other, each on all the group's devices
-            rolled = await clock("rollout", stages.rollout(config, step, group, wave, cursor, count), wave)
-            scored = await clock("genrm_score", stages.genrm_score(config, step, group, wave), wave)
-        kept = await clock("dynamic_filter", stages.dynamic_filter(config, step, group, wave, state.carry), wave)
+            rolled = await clock("rollout", stages.rollout(run, step, group, wave, cursor, count), wave)
+            scored = await clock("genrm_score", stages.genrm_score(run, step, group, wave), wave)
+        kept = await clock("dynamic_filter", stages.dynamic_filter(run, step, group, wave, s.target_groups, plan.critic,
+                                                                   state.carry), wave)
         waves.append(Wave(rollout=rolled, score=scored, filter=kept))
         cursor, have, state.ahead = rolled.cursor, kept.kept, rolled.ahead
         state.observe(count, kept.new_kept, s.keep_ratio_decay)
@@ -87,22 +88,22 @@ async def dp_group(config: RunConfig, step: int, group: int, cursor: int | None,
                           "keep ratio estimate %.2f", group, step, kept.reason, len(waves),
                           "+".join(str(w.rollout.prompts) for w in waves), kept.carried_out, kept.surplus_dropped,
                           state.keep_ratio or 0.0)
-    if config.rollout.overlapped:  # overlapping steps: train in step order, when the run gives the turn (flows/pipeline.py)
-        turn = await pipeline.generated_then_turn(config.name, step, group, cursor, state.to_dict())
+    if plan.overlapped:  # overlapping steps: train in step order, when the run gives the turn (flows/pipeline.py)
+        turn = await pipeline.generated_then_turn(run.name, step, group, cursor, state.to_dict())
         written = turn.step if turn else None
-    trained = await clock("train_step", stages.train_step(config, step, group))
-    synced = await clock("sync_weights", stages.sync_weights(config, group))
-    if config.rollout.overlapped:  # this group's generation of step + k may start (flows/pipeline.py)
-        pipeline.synced(config.name, step, group)
+    trained = await clock("train_step", stages.train_step(run, step, group))
+    synced = await clock("sync_weights", stages.sync_weights(run, group, plan.sync_timeout_s))
+    if plan.overlapped:  # this group's generation of step + k may start (flows/pipeline.py)
+        pipeline.synced(run.name, step, group)
     waited = saved = None
     if written is not None:
         # The asynchronous write of step `written`'s checkpoint has run beside this whole step
         # (rollout, scoring, training), so this normally answers at once; it comes last, where the
         # write had the most time, and before this step's own checkpoint (one write at a time).
         # The iteration commits that checkpoint once every group has waited for its write.
-        waited = await clock("checkpoint_wait", stages.checkpoint_wait(config, group, written))
-    if checkpointing:
-        saved = await clock("checkpoint", stages.checkpoint(config, group, step, checkpoint_uri(config.run_uri, step)))
+        waited = await clock("checkpoint_wait", stages.checkpoint_wait(run, group, written))
+    if checkpoint is not None:
+        saved = await clock("checkpoint", stages.checkpoint(run, group, step, checkpoint))
     await clock.progress.flush()
     return GroupStep(group=group, waves=waves, train=trained, sync=synced, checkpoint=saved, checkpoint_waited=waited,
                      sampling=state.to_dict(), stage_s=dict(clock.seconds), engine_s=clock.engine_s)
@@ -119,11 +120,13 @@ async def iteration(config: RunConfig, step: int, cursors: list[int] | None, end
     their end, and it is committed here). Returns the step's metrics and where it leaves the run."""
     start = time.perf_counter()
     waiting = written.step if written else None
+    plan = GroupPlan.of(config)  # what the groups' sub-flows read of the config (flows/plan.py)
+    checkpoint = checkpoint_uri(config.run_uri, step) if is_checkpoint_step(config, step, end) else None
     if config.controllers.groups_per_node:  # the same sub-flows, in node controllers' processes (flows/nodes.py)
-        groups = await run_on_nodes(config, step, cursors, end, waiting, sampling)
+        groups = await run_on_nodes(config, plan, step, cursors, checkpoint, waiting, sampling)
     else:
-        runs = [asyncio.ensure_future(dp_group(config, step, g, (cursors or [None] * config.dp)[g], end, waiting, (sampling or [None] * config.dp)[g]))
-                for g in range(config.dp)]
+        runs = [asyncio.ensure_future(dp_group(plan, step, g, (cursors or [None] * config.dp)[g], checkpoint, waiting,
+                                               (sampling or [None] * config.dp)[g])) for g in range(config.dp)]
         try:
             groups = await asyncio.gather(*runs)
         except BaseException:
@@ -357,7 +360,7 @@ async def _train_on(hosts, config: RunConfig, state: RunState | None, first: int
         raise
     tracking.close()
     final_uri = objectstore.join(run_uri, "final")
-    await stages.export_policy(config, final_uri)
+    await stages.export_policy(stages.Run.of(config), final_uri)
     curves.finish(after)
     await asyncio.gather(curves.flush(), run_progress.flush())
     return after, final_uri, state

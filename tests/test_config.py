@@ -61,6 +61,24 @@ def test_yaml_file_applies(tmp_path):
     assert config.rollout == RunConfig().rollout
 
 
+def test_a_command_parses_its_config_once_and_each_caller_gets_its_own_copy(tmp_path):
+    """The command line, the flow run's name and the flow itself load the same config: one parse. A file
+    whose text changed is parsed again; a caller's change to its copy is not seen by the next."""
+    from engines.config import _parsed_text
+
+    path = tmp_path / "run.yaml"
+    path.write_text("name: once\ndp: 2\n")
+    _parsed_text.cache_clear()
+    first = load_config(path, ["train.lr=0.001"])
+    first.dp = 7
+    again = load_config(str(path), ["train.lr=0.001"])
+    assert (again.name, again.dp, again.train.lr) == ("once", 2, 0.001)
+    assert _parsed_text.cache_info().misses == 1
+    path.write_text("name: twice\ndp: 2\n")
+    assert load_config(path, ["train.lr=0.001"]).name == "twice"
+    assert _parsed_text.cache_info().misses == 2
+
+
 def test_empty_yaml_file_is_defaults(tmp_path):
     assert load_config(write(tmp_path, "")) == RunConfig()
 
@@ -293,7 +311,8 @@ def test_the_controller_loads_no_engine_library():
     import sys
 
     heavy = ("torch", "transformers", "vllm", "megatron")
-    code = ("import sys, flows.cli, flows.training, flows.admin, flows.status, engines.config, engines.rl.registry; "
+    code = ("import sys, flows.cli, flows.training, flows.node_controller, flows.admin, flows.status, engines.config, "
+            "engines.rl.registry; "
             f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=helpers.ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import textwrap
 from typing import Annotated, get_args, get_origin
 from pathlib import Path
@@ -276,18 +277,36 @@ def _set_dotted(tree: dict, key: str, value) -> None:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), tree: dict | None = None,
                 source: str | None = None) -> RunConfig:
     """Defaults ← YAML file (or ``tree``, a config as a mapping read from ``source``) ← ``key=value``
-    overrides, validated as a whole."""
-    source = source or (str(path) if path else "<defaults>")
-    tree = copy.deepcopy(tree or {})
+    overrides, validated as a whole.
+
+    A command parses its config once: the same file text and overrides parsed before in this process
+    (the command line's check, the flow run's name, the flow itself) come back as a copy of that parse."""
+    if tree is not None:
+        return _parsed(None, tuple(overrides), source or "<defaults>", tree)
+    text = None
     if path:
         try:
-            tree = yaml.safe_load(Path(path).read_text()) or {}
+            text = Path(path).read_text()
         except FileNotFoundError as e:
             raise ConfigError(f"{path}: config file not found") from e
+    return _parsed_text(text, tuple(overrides), source or (str(path) if path else "<defaults>")).model_copy(deep=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed_text(text: str | None, overrides: tuple[str, ...], source: str) -> RunConfig:
+    """The config of a file's ``text`` (None: no file) and ``overrides``; kept (errors are not)."""
+    return _parsed(text, overrides, source)
+
+
+def _parsed(text: str | None, overrides: tuple[str, ...], source: str, tree: dict | None = None) -> RunConfig:
+    tree = copy.deepcopy(tree or {})
+    if text is not None:
+        try:
+            tree = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+            raise ConfigError(f"{source}: not valid YAML: {e}") from e
         if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level")
+            raise ConfigError(f"{source}: expected a mapping at the top level")
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}': expected key=value")
