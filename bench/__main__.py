@@ -17,7 +17,7 @@ appear once it returns ``rows``.
 What is "baseline" differs per module (see each module's docstring): raw ``LLM.generate``
 (rollout), the SQLite Prefect server against PostgreSQL (overhead), unbalanced DP groups
 (balance), a synchronous checkpoint (checkpoint), Prefect's own server on SQLite (embedded), fixed waves (sampling), full colocation (placement), a single controller
-that gathers and scatters every stage's data (controller), the SQLite server against PostgreSQL at 1-64 DP
+that gathers and scatters every stage's data (controller), hosts started fresh against forked (heal), the SQLite server against PostgreSQL at 1-64 DP
 groups with timing-stub engines, and Prefect's floor beside each (scale), Prefect's default server against
 one with a batched task-run recorder (floor), a DP group of one Megatron rank against one of two (sync), episodes
 one at a time against batched (agents). ``megatron_gpu`` needs CUDA and is
@@ -58,6 +58,7 @@ QUICK = {
     "placement": "--repeats 1 --full-threads 1",
     "controller": "--steps 2",
     "host_start": "--repeats 1",
+    "heal": "--repeats 1",
     "embedded": "--steps 10",
     "overhead": "--scaling '' --steps 4",
     "floor": "--dps 4 --repeats 1",

@@ -210,4 +210,5 @@ def engine_hosts(config: RunConfig):
     if config.hosts.launch == "deployment":
         return DeployedHosts(config)
     return LocalHosts(config.name, config.layout, config.threads_per_host, config.host_timeout_s, config.hosts.devices,
-                      config.timeouts.stage_s, fork=config.hosts.fork)
+                      config.timeouts.stage_s, fork=config.hosts.fork,
+                      node_controllers=bool(config.controllers.groups_per_node))

@@ -36,7 +36,8 @@ def inject(point: str, step: int | None, rank: int | str) -> None:
         if action == "kill":
             os.killpg(0, signal.SIGKILL)  # the host and its engines' processes
         elif action == "kill-run":
-            os.kill(os.getppid(), signal.SIGKILL)
+            # the process that started the host (a forked host's parent is the fork server: engines/host/lifeline.py)
+            os.kill(int(os.environ.get("YATTFLOW_PARENT_PID") or os.getppid()), signal.SIGKILL)
         elif action == "hang":
             while True:
                 time.sleep(3600)

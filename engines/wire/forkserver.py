@@ -6,8 +6,9 @@ keeps the real gloo group). 256 of them do not fit a 24 GB machine. The fork ser
 of that once, freezes the heap (``gc.freeze``: the collector then never writes to those objects'
 pages) and forks each host from itself: the children share the imported pages copy-on-write and
 start in milliseconds. Each child is then what ``python -m MODULE --rank …`` would be — the same
-``main``, arguments, environment (the launcher's, sent per child), its own session, its own READY
-line — so nothing the host does differs; only how its process came to be.
+``main``, arguments, environment, working directory and stderr (the launcher's, sent per child: a
+server outlives a run, engines/wire/launch.py), its own session, its own READY line, a root logger
+without handlers — so nothing the host does differs; only how its process came to be.
 
 Protocol (the launcher is ``ForkServer``, in the training run's process): one JSON line per child
 on the server's stdin (module, argv, env, a FIFO path for the child's stdout), answered with
@@ -22,6 +23,7 @@ from __future__ import annotations
 import gc
 import importlib
 import json
+import logging
 import os
 import runpy
 import select
@@ -33,9 +35,10 @@ import threading
 import time
 from pathlib import Path
 
-# what an engine host and a node controller import before they serve (engines/host/process.py, flows/node_controller.py)
-PRELOAD = ("engines.host.process", "engines.host.worker", "engines.backends.stub.engines", "flows.node_controller",
-           "flows.training", "prefect.flow_engine", "fastapi.encoders")
+# what an engine host and a node controller import before they serve (engines/host/process.py, flows/node_controller.py);
+# a server imports the second only for a run that forks node controllers (Prefect's import: ~3 s of CPU more)
+HOST_MODULES = ("engines.host.process", "engines.host.worker", "engines.backends.stub.engines")
+NODE_CONTROLLER_MODULES = ("flows.node_controller", "flows.training", "prefect.flow_engine", "fastapi.encoders")
 
 
 class Forked:
@@ -88,11 +91,11 @@ class Forked:
 class ForkServer:
     """The launcher's side: starts ``python -m engines.wire.forkserver`` and asks it for children."""
 
-    def __init__(self, env: dict[str, str]):
-        self.folder = Path(tempfile.mkdtemp(prefix="yattflow-fork-"))
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = HOST_MODULES):
+        self.folder, self.preload = Path(tempfile.mkdtemp(prefix="yattflow-fork-")), preload
         env = dict(env, ARROW_DEFAULT_MEMORY_POOL="system", YATTFLOW_PARENT_PID=str(os.getpid()))
-        self.proc = subprocess.Popen([sys.executable, "-m", "engines.wire.forkserver"], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, start_new_session=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "engines.wire.forkserver", *preload], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
         self.lock = threading.Lock()
         self.count = 0
         if self.proc.stdout.readline().strip() != "READY":
@@ -103,7 +106,10 @@ class ForkServer:
             self.count += 1
             fifo = self.folder / f"out-{self.count}"
             os.mkfifo(fifo, 0o600)
-            self.proc.stdin.write(json.dumps({"module": module, "argv": argv, "env": env, "stdout": str(fifo)}) + "\n")
+            # the child's working directory and stderr are the launcher's now (the server may be older than this run)
+            request = {"module": module, "argv": argv, "env": env, "stdout": str(fifo), "cwd": os.getcwd(),
+                       "stderr": f"/proc/{os.getpid()}/fd/2"}
+            self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
             answer = self.proc.stdout.readline().split()
             if len(answer) != 2 or answer[0] != "PID":
@@ -112,6 +118,8 @@ class ForkServer:
 
     def stop(self) -> None:
         """End the server (its children stay: each exits with its own run's connection, or when this process goes)."""
+        if not self.folder.exists():
+            return
         try:
             self.proc.stdin.close()
             self.proc.wait(timeout=10)
@@ -131,11 +139,21 @@ def _child(request: dict) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server's SIG_IGN would break the child's own waits
         os.environ.clear()
         os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        # the module search path python would start with under this environment (a rule module on PYTHONPATH)
+        sys.path[0] = request["cwd"]  # (python -m's first entry)
+        sys.path[1:1] = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         out = os.open(request["stdout"], os.O_WRONLY)
         os.dup2(out, 1)
         os.close(null), os.close(out)
+        try:
+            err = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND)
+            os.dup2(err, 2)
+            os.close(err)
+        except OSError:  # (a socket cannot be opened by its /proc path: the server's own stderr then)
+            pass
         sys.stdin, sys.stdout = open(0, closefd=False), open(1, "w", closefd=False)
         # no gc.unfreeze(): the collector's full passes would then write to every imported object's header and
         # copy every page of the shared heap into the child (seen: 256 hosts at ~330 MB each, the OOM killer)
@@ -149,7 +167,9 @@ def _child(request: dict) -> None:
         module = sys.modules.get(request["module"])
         if module is not None and hasattr(module, "main"):  # preloaded (a node controller): run it, not a second copy
             module.main()
-        else:  # a package's __main__ (the engine host's)
+        else:  # a package's __main__ (the engine host's), which imports no Prefect: its root logger as a fresh
+            logging.root.handlers.clear()  # interpreter's, not the one Prefect's import gave the server (INFO lines shown)
+            logging.root.setLevel(logging.WARNING)
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -169,7 +189,7 @@ def _child(request: dict) -> None:
 def main() -> None:
     from engines.host.lifeline import exit_with_parent
 
-    for module in PRELOAD:
+    for module in sys.argv[1:]:  # what ForkServer asked it to preload
         importlib.import_module(module)
     from engines.host.process import ENGINE_LIBRARIES  # what a host imports before READY (transformers' Auto classes)
 

@@ -9,6 +9,7 @@ imports an engine: a controller that starts hosts loads no model.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import secrets
 import signal
@@ -26,6 +27,8 @@ from engines.wire.channel import HostError, connect, disconnect
 # warning of torch prints its whole stack, e.g. 14 frames for every bad message a stranger sends to rank 0's
 # rendezvous port (TCPStore: "Error processing client message"; 90 lines seen). C++ errors still print.
 QUIET_ENGINES = {"VLLM_LOGGING_LEVEL": "WARNING", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+# The variables the engine libraries a fork server imported read as they were imported: a change starts a new one.
+IMPORT_TIME = ("PREFECT_", "HF_", "TRANSFORMERS_", "TORCH", "OMP_", "MKL_", "CUDA_", "VLLM_", "ARROW_")
 
 
 def host_environment(secret: bytes, threads: int, devices: str | None = None) -> dict[str, str]:
@@ -121,12 +124,39 @@ def with_replica_devices(layout: Layout, devices: list[str | None]) -> list[str 
     return out
 
 
+_forkserver: list = []  # this process's fork server and the environment it was started with
+
+
+def shared_forkserver(node_controllers: bool = False):
+    """This process's fork server (``hosts.fork``), started for its first run's hosts and kept for the run's heals
+    and any later run of the process: a host then starts in ~0.1 s instead of importing the engines again. A
+    new one replaces it when it is gone, lacks the node controllers' imports a run needs, or the engine libraries'
+    environment changed (what they read as they were imported)."""
+    from engines.wire.forkserver import HOST_MODULES, NODE_CONTROLLER_MODULES, ForkServer
+
+    env = QUIET_ENGINES | dict(os.environ)
+    imported = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME)}
+    preload = HOST_MODULES + (NODE_CONTROLLER_MODULES if node_controllers else ())
+    if _forkserver and (_forkserver[0][1] != imported or _forkserver[0][0].proc.poll() is not None
+                        or not set(preload) <= set(_forkserver[0][0].preload)):
+        _forkserver.pop()[0].stop()
+    if not _forkserver:
+        _forkserver.append((ForkServer(env, preload), imported))  # (its children run the torch it imported)
+    return _forkserver[0][0]
+
+
+@atexit.register
+def _stop_forkserver() -> None:
+    while _forkserver:
+        _forkserver.pop()[0].stop()
+
+
 class LocalHosts:
     """Start, supervise and stop the engine hosts of one run as local subprocesses: one per rank of
     ``layout`` (a number: that many groups of one rank)."""
 
     def __init__(self, run: str, layout: Layout | int, threads: int, timeout_s: float, devices: list[str] | None = None,
-                 stage_s: float | None = None, fork: bool = False):
+                 stage_s: float | None = None, fork: bool = False, node_controllers: bool = False):
         self.layout = layout if isinstance(layout, Layout) else Layout(layout)
         self.run, self.world, self.threads = run, self.layout.world, threads
         self.timeout_s, self.stage_s = timeout_s, stage_s or timeout_s  # stage_s: the progress watchdog (channel.py)
@@ -134,15 +164,12 @@ class LocalHosts:
                                                                        os.environ.get("CUDA_VISIBLE_DEVICES")))
         self.hosts: list[HostProcess] = []
         self.master: str | None = None  # rank 0's torch.distributed rendezvous, "host:port"
-        self.fork, self.forkserver = fork, None  # hosts.fork: the node controllers (flows/nodes.py) are forked too
+        # hosts.fork: the node controllers (flows/nodes.py) are forked from it too
+        self.forkserver = shared_forkserver(node_controllers) if fork else None
 
     def __enter__(self) -> "LocalHosts":
         self.secret = secret = secrets.token_bytes(32)  # node controllers (flows/nodes.py) connect with it too
         try:
-            if self.fork:
-                from engines.wire.forkserver import ForkServer
-
-                self.forkserver = ForkServer(QUIET_ENGINES | dict(os.environ))  # (its children run the torch it imported)
             self.hosts = [HostProcess(rank, self.world, self.threads, secret, devices=self.devices[rank],
                                       forkserver=self.forkserver)
                           for rank in range(self.world)]
@@ -162,8 +189,6 @@ class LocalHosts:
         disconnect(self.run, self.world)
         for h in self.hosts:
             h.stop()
-        if self.forkserver is not None:  # after its children: a forked host exits when its parent, the server, goes
-            self.forkserver.stop()
 
     async def __aenter__(self) -> "LocalHosts":
         return self.__enter__()
