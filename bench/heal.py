@@ -20,11 +20,10 @@ import os
 import subprocess
 import sys
 import tempfile
-from datetime import datetime
 from pathlib import Path
 
 from bench import cpu_model
-from bench.host_start import FLOW, LINE, _table
+from bench.host_start import _table, train_log
 from flows.prefect_server import started_server, stop
 from tests.helpers import TINY
 
@@ -33,10 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _run(words: list[str], env: dict) -> dict[str, float]:
     """The start, the heal and the whole run of one ``train`` flow, in seconds, by its log lines."""
-    out = subprocess.run([sys.executable, "-c", FLOW, *words], cwd=ROOT, env=env, capture_output=True, text=True)
-    lines = [(datetime.strptime(t, "%H:%M:%S.%f"), text) for t, text in LINE.findall(out.stdout + out.stderr)]
-    if out.returncode != 0 or not lines:
-        raise RuntimeError(f"the train flow failed:\n{(out.stdout + out.stderr)[-3000:]}")
+    lines, _ = train_log(ROOT, words, env)
     begun = next(t for t, text in lines if text.startswith("Beginning flow run 'train-"))
     first = next(t for t, text in lines if text.startswith("Beginning subflow run 'iteration-"))
     failed = next(t for t, text in lines if "Restarting the engine hosts" in text)

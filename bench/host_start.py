@@ -38,13 +38,20 @@ FLOW = ("import asyncio, sys; from flows.training import train; s = asyncio.run(
         "print('ORCHESTRATION', *(m['step_s'] - m['engine_s'] for m in s['history'][1:-1]))")
 
 
-def _run(checkout: Path, words: list[str], env: dict) -> tuple[float, list[float]]:
-    """Seconds from the ``train`` flow's beginning to the first step's sub-flow's, by their log lines;
-    the orchestration seconds of each step after the first and before the last."""
+def train_log(checkout: Path, words: list[str], env: dict) -> tuple[list, subprocess.CompletedProcess]:
+    """The ``train`` flow of ``words`` run in a fresh process in ``checkout``: its Prefect log lines as
+    (time, text), and the process."""
     out = subprocess.run([sys.executable, "-c", FLOW, *words], cwd=checkout, env=env, capture_output=True, text=True)
     lines = [(datetime.strptime(t, "%H:%M:%S.%f"), text) for t, text in LINE.findall(out.stdout + out.stderr)]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"the train flow failed in {checkout}:\n{(out.stdout + out.stderr)[-3000:]}")
+    return lines, out
+
+
+def _run(checkout: Path, words: list[str], env: dict) -> tuple[float, list[float]]:
+    """Seconds from the ``train`` flow's beginning to the first step's sub-flow's, by their log lines;
+    the orchestration seconds of each step after the first and before the last."""
+    lines, out = train_log(checkout, words, env)
     begun = next(t for t, text in lines if text.startswith("Beginning flow run 'train-"))
     ready = next(t for t, text in lines if text.startswith("Beginning subflow run 'iteration-0000'"))
     steps = next(line for line in out.stdout.splitlines() if line.startswith("ORCHESTRATION")).split()[1:]

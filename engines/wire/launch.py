@@ -124,7 +124,7 @@ def with_replica_devices(layout: Layout, devices: list[str | None]) -> list[str 
     return out
 
 
-_forkserver: list = []  # this process's fork server and the environment it was started with
+_forkserver: dict = {}  # this process's fork server ("server") and the environment it was started with ("imported")
 
 
 def shared_forkserver(node_controllers: bool = False):
@@ -137,18 +137,19 @@ def shared_forkserver(node_controllers: bool = False):
     env = QUIET_ENGINES | dict(os.environ)
     imported = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME)}
     preload = HOST_MODULES + (NODE_CONTROLLER_MODULES if node_controllers else ())
-    if _forkserver and (_forkserver[0][1] != imported or _forkserver[0][0].proc.poll() is not None
-                        or not set(preload) <= set(_forkserver[0][0].preload)):
-        _forkserver.pop()[0].stop()
-    if not _forkserver:
-        _forkserver.append((ForkServer(env, preload), imported))  # (its children run the torch it imported)
-    return _forkserver[0][0]
+    server = _forkserver.get("server")
+    if server is not None and (_forkserver["imported"] != imported or server.proc.poll() is not None
+                               or not set(preload) <= set(server.preload)):
+        _stop_forkserver()
+    if "server" not in _forkserver:
+        _forkserver.update(server=ForkServer(env, preload), imported=imported)  # (its children run the torch it imported)
+    return _forkserver["server"]
 
 
 @atexit.register
 def _stop_forkserver() -> None:
-    while _forkserver:
-        _forkserver.pop()[0].stop()
+    if "server" in _forkserver:
+        _forkserver.pop("server").stop()
 
 
 class LocalHosts:
