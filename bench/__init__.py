@@ -60,7 +60,7 @@ def against(commit: str, prefix: str, **env: str):
     afterwards), an environment without PREFECT_API_URL (each command a temporary Prefect server, its
     home in the folder; plus ``env``) and the ``storage.root=`` override of the suite's tiny store,
     prepared there by this checkout."""
-    from tests.helpers import TINY  # (torch: only for the benchmarks that run the demo)
+    from tests.helpers import TASK  # (torch: only for the benchmarks that run the demo)
 
     root = Path(__file__).resolve().parent.parent
     work = Path(tempfile.mkdtemp(prefix=prefix))
@@ -69,7 +69,7 @@ def against(commit: str, prefix: str, **env: str):
     try:
         environ = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(work / "home")} | env
         store = f"storage.root={work / 'store'}"
-        subprocess.run([sys.executable, "-m", "flows.cli", "prepare", *TINY, store], cwd=root, env=environ,
+        subprocess.run([sys.executable, "-m", "flows.cli", "prepare", *TASK, store], cwd=root, env=environ,
                        capture_output=True, check=True)
         yield work, baseline, environ, store
     finally:

@@ -5,7 +5,7 @@ that pass through it, at 1x and 10x data, with real pictures through a vision-la
     .venv/bin/python -m bench.controller --store DIR        # prepare into DIR once, reuse it afterwards
     .venv/bin/python -m bench.controller --scales 1,10 --steps 4 --image-kb 200
 
-**Data.** Real pictures through a vision-language policy: the test suite's tiny store (``TINY``
+**Data.** Real pictures through a vision-language policy: the test suite's tiny store (``TASK``
 of bench/overhead.py, built by the real ``prepare`` flow) made as the vision demo's
 (``prepare.task=vision``: a tiny Idefics3 policy SFT'd on pictures of two digits, the exact-match
 rule as the reward, no judge), and every training prompt's picture re-encoded as a real PNG of
@@ -74,7 +74,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per engine process
 
-from bench.overhead import TINY  # noqa: E402  (the tiny store bench/overhead.py prepares, and its run shape)
+from bench.overhead import TASK  # noqa: E402  (the tiny store bench/overhead.py prepares, and its run shape)
 
 VARIANTS = ("yattflow", "single-controller")
 MB = 1e6
@@ -404,7 +404,7 @@ def add_pictures(root: str, kb: int, task: list[str] = VISION) -> int:
     from engines.demo.vision import encode_clip
     from storage import datasets, objectstore
 
-    config = load_config(None, TINY + task + [f"storage.root={root}"])
+    config = load_config(None, TASK + task + [f"storage.root={root}"])
     column = "videos" if task is VIDEO else "images"
     side = int((kb * 1024 / 1.5 / (2 if task is VIDEO else 1)) ** 0.5)  # noise of +-8 over 3 channels: ~1.5 bytes a pixel
     side -= side % 2  # H.264's 4:2:0
@@ -435,20 +435,20 @@ def add_pictures(root: str, kb: int, task: list[str] = VISION) -> int:
 
 
 def prepare_store(api_url: str, root: str, work: Path, task: list[str] = VISION) -> float:
-    """The tiny store of bench/overhead.py (same ``TINY``, same ``prepare`` flow in a fresh process),
+    """The tiny store of bench/overhead.py (same ``TASK``, same ``prepare`` flow in a fresh process),
     unless ``root`` has it already; the seconds it took."""
     from engines.config import load_config
     from storage import objectstore
     from tests.postgres import run_flow_subprocess
 
-    config = load_config(None, TINY + task + [f"storage.root={root}"])
+    config = load_config(None, TASK + task + [f"storage.root={root}"])
     needed = [objectstore.join(config.uri(config.model.policy), "MANIFEST.json"),
               objectstore.join(config.uri(config.data.prompts), "part-00000.parquet")]
     if all(objectstore.exists(u) for u in needed):
         return 0.0
     start = time.perf_counter()
     run_flow_subprocess(api_url, "flows.prepare:prepare", log_path=work / "prepare.log",
-                        overrides=TINY + task + [f"storage.root={root}"])
+                        overrides=TASK + task + [f"storage.root={root}"])
     return time.perf_counter() - start
 
 
@@ -584,7 +584,7 @@ def main(argv=None) -> dict:
             for variant in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):  # alternate which goes first
                 name = f"ctl-{'yatt' if variant == 'yattflow' else 'single'}-x{scale}"
                 shutil.rmtree(Path(root) / "runs" / name, ignore_errors=True)  # a fresh run, not a resume
-                overrides = TINY + task + [
+                overrides = TASK + task + [
                     f"storage.root={root}", f"name={name}", f"dp={args.dp}", f"steps={args.steps}", "threads_per_host=1",
                     "data.heldout=null", "checkpoint.every=1000", "rollout.backend=torch", "judge.backend=torch",
                     "train.backend=torch", f"sampling.prompts_per_wave={4 * scale}", f"sampling.target_groups={2 * scale}",

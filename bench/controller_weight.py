@@ -7,7 +7,7 @@ processes, one after the other:
 
 - import s: ``import flows.training`` (median of 3), and how long ``yattflow train`` takes to name an unknown
   config key (the CLI's start, then its first line);
-- the ``yattflow train`` process of a tiny run (``TINY``, ``--dp`` groups, ``--steps`` steps, on the temporary
+- the ``yattflow train`` process of a tiny run (``TASK``, ``--dp`` groups, ``--steps`` steps, on the temporary
   server it starts): its peak RSS (``VmHWM`` of /proc/PID/status, polled until it exits; its engine hosts are
   other processes and not counted) and whether torch was in it (libtorch in /proc/PID/maps);
 - the step as the run pays for it: the median of the seconds each ``train step N/S`` line shows.
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from bench import against, cpu_model
-from tests.helpers import TINY  # the demo at test size
+from tests.helpers import TASK  # the demo at test size
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"^train step \d+/\d+ .*, ([\d.]+)s \(", re.M)  # the plain step line of `yattflow train`
@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
     with against(args.baseline, "yattflow-bench-controller-") as (_, baseline, env, store):
         for name, checkout in (("baseline", baseline), ("yattflow", ROOT)):
             results[name] = {"import_s": _import_s(checkout), "first_line_s": _first_line_s(checkout),
-                             **_watched_train(checkout, [*TINY, store, f"dp={args.dp}", f"steps={args.steps}",
+                             **_watched_train(checkout, [*TASK, store, f"dp={args.dp}", f"steps={args.steps}",
                                                          f"name=weight-{name}"], env)}
     print(f"\n### The controller: `yattflow train`, dp={args.dp}, {args.steps} steps, tiny models ({cpu_model()})\n")
     print(f"| figure | this checkout | baseline ({args.baseline}) | ratio |")

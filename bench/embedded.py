@@ -33,7 +33,7 @@ from pathlib import Path
 from bench import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
-from tests.helpers import TINY  # the demo at test size
+from tests.helpers import TASK  # the demo at test size
 STEP = re.compile(r"step (\d+)/\d+ .*\(([\d.]+)s, ([\d.]+)s in engines\)")
 
 
@@ -85,11 +85,11 @@ def main(argv=None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="yattflow-bench-embedded-", dir=os.environ.get("YATTFLOW_BENCH_DIR")))
     base_env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     store = f"storage.root={work / 'store'}"
-    run = [*TINY, store, f"dp={args.dp}", f"steps={args.steps}"]
+    run = [*TASK, store, f"dp={args.dp}", f"steps={args.steps}"]
     results = {}
     home = work / "home-yattflow"
     env = base_env | {"PREFECT_HOME": str(home)}
-    _yattflow("prepare", *TINY, store, env=env)
+    _yattflow("prepare", *TASK, store, env=env)
     results["yattflow"] = figures(_yattflow("train", *run, "name=embedded-yattflow", env=env))
     home = work / "home-baseline"
     home.mkdir()

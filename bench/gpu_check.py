@@ -135,9 +135,9 @@ def part_tests(args) -> dict:
 def part_demo(args) -> dict:
     root = Path(args.prepared) if args.prepared and args.device == "cpu" else Path(tempfile.mkdtemp(prefix="gpu-check-demo-"))
     if args.device == "cpu":  # the rehearsal: the demo as the tests run it, two RL steps
-        from tests.helpers import TINY
+        from tests.helpers import TASK
 
-        common = [f"storage.root={root}", "dp=1", *TINY, "steps=2"]
+        common = [f"storage.root={root}", "dp=1", *TASK, "steps=2"]
     else:
         common = [f"storage.root={root}", "dp=1"]
     # the shim's Megatron on the CPU is fp32; on the GPU the production setting, bf16
@@ -306,7 +306,7 @@ def main(argv=None) -> int:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     p.add_argument("--budget", type=float, default=420.0, help="seconds for the whole check: a part gets what is left at most")
     p.add_argument("--peak-tflops", type=float, default=None, help="(parts) the measured peak, for MFU")
-    p.add_argument("--prepared", help="(cpu) a storage root where the tiny demo is prepared already (the tests' own, TINY): "
+    p.add_argument("--prepared", help="(cpu) a storage root where the tiny demo is prepared already (the tests' own, TASK): "
                                       "the demo part trains on it rather than preparing it again")
     p.add_argument("--part", choices=tuple(PARTS), help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)

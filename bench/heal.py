@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.heal [--dp 2] [--steps 3] [--repeats 3]
 
-The ``train`` flow of a tiny run (``TINY``, ``--dp`` groups on the torch engines) in a fresh process, one
+The ``train`` flow of a tiny run (``TASK``, ``--dp`` groups on the torch engines) in a fresh process, one
 host SIGKILLed in step 1's rollout (``engines/host/faults.py``): the run restarts its hosts and resumes
 (``retries.run``). Baseline: ``hosts.fork=false``, each host a ``python -m engines.host`` that imports the
 engines; against it ``hosts.fork=true``, the hosts forked from one server that the process keeps
@@ -25,7 +25,7 @@ from pathlib import Path
 from bench import cpu_model
 from bench.host_start import _table, train_log
 from flows.prefect_server import started_server, stop
-from tests.helpers import TINY
+from tests.helpers import TASK
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="yattflow-bench-heal-"))
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(work / "home")}
     store = f"storage.root={work / 'store'}"
-    subprocess.run([sys.executable, "-m", "flows.cli", "prepare", *TINY, store], cwd=ROOT, env=env,
+    subprocess.run([sys.executable, "-m", "flows.cli", "prepare", *TASK, store], cwd=ROOT, env=env,
                    capture_output=True, check=True)
     server, url = started_server(env, work / "server.log", "the benchmark's Prefect server")
     try:
@@ -60,7 +60,7 @@ def main(argv=None) -> dict:
             for name, fork in (("baseline", "false"), ("yattflow", "true")):
                 fired = work / f"fired-{name}-{i}"
                 fired.mkdir()
-                words = [*TINY, store, f"dp={args.dp}", f"steps={args.steps}", f"name=heal-{name}-{i}",
+                words = [*TASK, store, f"dp={args.dp}", f"steps={args.steps}", f"name=heal-{name}-{i}",
                          f"hosts.fork={fork}", "data.heldout=null", "retries.run=1"]
                 faults = {"YATTFLOW_FAULTS": f"rollout@1:dp-{args.dp - 1}:kill", "YATTFLOW_FAULTS_FIRED": str(fired)}
                 for key, seconds in _run(words, env | faults | {"PREFECT_API_URL": url}).items():

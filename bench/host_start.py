@@ -4,7 +4,7 @@ orchestration too.
 
     .venv/bin/python -m bench.host_start [--baseline 5a0cffa] [--dp 2] [--repeats 3] [--steps 1]
 
-The ``train`` flow of a tiny run (``TINY``, ``--dp`` groups on the torch engines, one step) in a fresh
+The ``train`` flow of a tiny run (``TASK``, ``--dp`` groups on the torch engines, one step) in a fresh
 process, as a worker runs a deployment's flow run: no command ran the pre-flight, so rank 0's host
 checks the input before any engine loads (flows/preflight.py). One Prefect server for every run; this
 checkout and ``--baseline`` (a git worktree, the same interpreter) alternate. The figure is the seconds
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from bench import against, cpu_model
 from flows.prefect_server import started_server, stop
-from tests.helpers import TINY
+from tests.helpers import TASK
 
 ROOT = Path(__file__).resolve().parent.parent
 # Prefect's console lines: "HH:MM:SS.mmm | LEVEL | Flow run 'name' - message"
@@ -84,7 +84,7 @@ def main(argv=None) -> dict:
         try:
             for i in range(args.repeats):
                 for name, checkout in (("baseline", baseline), ("yattflow", ROOT)):
-                    words = [*TINY, store, f"dp={args.dp}", f"steps={args.steps}", f"name=start-{name}-{i}"]
+                    words = [*TASK, store, f"dp={args.dp}", f"steps={args.steps}", f"name=start-{name}-{i}"]
                     start, orchestration = _run(checkout, words, env | {"PREFECT_API_URL": url})
                     runs[name].append(start)
                     steps[name] += orchestration

@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 
 from bench import Sampler
-from bench.overhead import TINY, PostgresCluster, PrefectServer, run_flow_subprocess
+from bench.overhead import TASK, PostgresCluster, PrefectServer, run_flow_subprocess
 from bench.scale import STEP_LINE, STUBS, available_mb
 from flows.prefect_server import SERVER_SETTINGS
 
@@ -174,7 +174,7 @@ def one_run(server: PrefectServer, cluster: PostgresCluster, root: str, work: Pa
     timeout = args.timeout or 120 + 25 * dp
     # hang detection no shorter than the run: at hundreds of groups on 2 cores a group can wait minutes at the
     # train step's all-reduce for the last group to start (no host progress meanwhile); this bench measures cost
-    overrides = TINY + STUBS + [f"storage.root={root}", f"name={name}", f"dp={dp}", f"steps={args.steps}", "threads_per_host=1",
+    overrides = TASK + STUBS + [f"storage.root={root}", f"name={name}", f"dp={dp}", f"steps={args.steps}", "threads_per_host=1",
                                 "data.heldout=null", "checkpoint.every=1000", f"host_timeout_s={max(600, timeout)}",
                                 f"timeouts.stage_s={max(300, timeout)}"]
     if per_node:
@@ -241,7 +241,7 @@ def main(argv=None) -> dict:
         root = args.store or str(work / "store")
         if not args.store:
             run_flow_subprocess(server.url, "flows.prepare:prepare", log_path=work / "prepare.log",
-                                overrides=TINY + [f"storage.root={root}"])
+                                overrides=TASK + [f"storage.root={root}"])
         for dp in dps:
             need = dp * (args.host_mb or (250 if args.no_fork else 40)) * 1.2 + 1024
             if available_mb() < need:

@@ -8,7 +8,7 @@ PostgreSQL, same run, same workload.
 Both servers are real ``prefect server`` processes started here (tests/postgres.py): one
 on Prefect's default SQLite database, one on a throwaway PostgreSQL cluster (Debian package
 ``postgresql``). A tiny storage root is built first by the real ``prepare`` flow (the test
-suite's ``TINY`` settings). Every training run is a fresh process (``flows.training:train``,
+suite's ``TASK`` settings). Every training run is a fresh process (``flows.training:train``,
 tiny config, ``threads_per_host=1``, no held-out evaluation) pointed at one server; runs
 alternate between the two servers.
 
@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from tests.postgres import PostgresCluster, PrefectServer, run_flow_subprocess  # noqa: E402
 
-from tests.helpers import TINY  # the demo at test size
+from tests.helpers import TASK  # the demo at test size
 BACKENDS = ("sqlite", "postgresql")
 RETRY_MARKER = "Encountered retryable exception in request"  # one per 503 (SQLite lock) the server answers
 
@@ -221,7 +221,7 @@ def train_once(server: PrefectServer, root: str, work: Path, backend: str, dp: i
     the timing-stub backends); ``timeout``: seconds before the run is killed (``subprocess.TimeoutExpired``);
     ``config_file``: a run config (e.g. deployments/demo.yaml) instead of the tiny settings."""
     name = f"{prefix}-{backend}-dp{dp}-{tag}"
-    overrides = ([] if config_file else TINY) + [f"storage.root={root}", f"name={name}", f"dp={dp}", f"steps={steps}", "threads_per_host=1",
+    overrides = ([] if config_file else TASK) + [f"storage.root={root}", f"name={name}", f"dp={dp}", f"steps={steps}", "threads_per_host=1",
                         "data.heldout=null", "checkpoint.every=1000", *extra]
     log = work / f"{name}.log"
     spy, server_spy, info = None, None, {}
@@ -276,7 +276,7 @@ def main(argv=None) -> dict:
         root = str(work / "store")
         start = time.perf_counter()
         run_flow_subprocess(servers["sqlite"].url, "flows.prepare:prepare", log_path=work / "prepare.log",
-                            overrides=TINY + [f"storage.root={root}"])
+                            overrides=TASK + [f"storage.root={root}"])
         print(f"prepared {root} ({time.perf_counter() - start:.0f}s)", flush=True)
 
         for i, dp in enumerate(dps):

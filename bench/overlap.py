@@ -47,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.overhead import TINY, train_once
+from bench.overhead import TASK, train_once
 from tests.helpers import STUBS
 from tests.postgres import PostgresCluster, PostgresUnavailable, PrefectServer, run_flow_subprocess
 MODES = {"sync": ["rollout.max_staleness=0"],
@@ -133,7 +133,7 @@ def main(argv=None) -> dict:
         root = args.store or str(work / "store")
         if not args.store:
             start = time.perf_counter()
-            run_flow_subprocess(server.url, "flows.prepare:prepare", log_path=work / "prepare.log", overrides=TINY + [f"storage.root={root}"])
+            run_flow_subprocess(server.url, "flows.prepare:prepare", log_path=work / "prepare.log", overrides=TASK + [f"storage.root={root}"])
             print(f"prepared {root} ({time.perf_counter() - start:.0f}s)", flush=True)
         carry = [] if args.carry_age is None else [f"sampling.max_carry_age={args.carry_age}"]
         if not args.no_stub:

@@ -5,7 +5,7 @@ against adaptive waves (with carry-over), same workload.
     .venv/bin/python -m bench.sampling --store DIR          # prepare into DIR once, reuse it afterwards
     .venv/bin/python -m bench.sampling --steps 40 --samples-per-prompt 4
 
-The workload is a real RL loop on the test suite's tiny prepared models (``TINY``: the
+The workload is a real RL loop on the test suite's tiny prepared models (``TASK``: the
 ``prepare`` flow's arithmetic prompts, a 1-layer hidden-32 policy and GenRM judge after 150 SFT
 steps each): one engine host (``engines.host.worker.Worker``, rank 0 of 1, in this process, torch
 engines, 1 thread) runs rollout → score (GenRM judge) → filter waves and a train step per step,
@@ -43,7 +43,7 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per engine process
 
-# tests/conftest.py TINY, the part that shapes the prepared data and models
+# tests/conftest.py TASK, the part that shapes the prepared data and models
 PREPARE = [
     "prepare.train_prompts=600", "prepare.heldout_prompts=40", "sft.hidden_size=32", "sft.layers=1",
     "sft.max_steps=150", "prepare.sft_target=0", "prepare.judge_target=0", "sft.check_every=150",

@@ -50,7 +50,7 @@ from pathlib import Path
 
 
 from bench import Sampler  # noqa: E402
-from bench.overhead import (BACKENDS, TINY, PostgresCluster, PrefectServer, figures,  # noqa: E402
+from bench.overhead import (BACKENDS, TASK, PostgresCluster, PrefectServer, figures,  # noqa: E402
                             run_flow_subprocess, summarize_profile, train_once)
 
 STUBS = ["rollout.backend=stub", "judge.backend=stub", "train.backend=stub"]
@@ -209,7 +209,7 @@ def main(argv=None) -> dict:
         root = args.store or str(work / "store")
         if not args.store:
             run_flow_subprocess(servers["postgresql"].url, "flows.prepare:prepare", log_path=work / "prepare.log",
-                                overrides=TINY + [f"storage.root={root}"])
+                                overrides=TASK + [f"storage.root={root}"])
         print(f"servers up, store prepared ({time.perf_counter() - t0:.0f}s)", flush=True)
         for i, dp in enumerate(dps):
             measured = [r["host_uss_mb"] for r in sorted(out["runs"], key=lambda r: r["dp"]) if r.get("host_uss_mb")]

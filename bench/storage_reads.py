@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.storage_reads [--baseline 1ee9484] [--dp 2]
 
 For this checkout and for ``--baseline`` (a git worktree of that commit, run by the same interpreter), two tiny
-runs each (``TINY``, ``--dp`` groups, on a local store): ``--short`` steps and ``--long`` steps. Every engine host
+runs each (``TASK``, ``--dp`` groups, on a local store): ``--short`` steps and ``--long`` steps. Every engine host
 counts the bytes it reads through fsspec (the store's only reader of stage outputs, state and manifests; a
 ``sitecustomize`` on ``PYTHONPATH`` wraps ``LocalFileOpener.read`` in the host processes, nothing in the project
 changes); a step's bytes are (long run - short run) / (long - short) steps, so setup and the last evaluation
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from bench import against, cpu_model
-from tests.helpers import TINY  # the demo at test size
+from tests.helpers import TASK  # the demo at test size
 
 ROOT = Path(__file__).resolve().parent.parent
 COUNTER = '''
@@ -60,7 +60,7 @@ def main(argv=None) -> dict:
         (work / "site" / "sitecustomize.py").write_text(COUNTER)  # counts in the engine hosts of the runs below
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(work / "site"), os.environ.get("PYTHONPATH")]))
         for name, checkout in (("baseline", baseline), ("yattflow", ROOT)):
-            runs = {steps: _host_bytes(checkout, [*TINY, store, f"dp={args.dp}", f"steps={steps}", "data.heldout=null",
+            runs = {steps: _host_bytes(checkout, [*TASK, store, f"dp={args.dp}", f"steps={steps}", "data.heldout=null",
                                                   f"name=reads-{name}-{steps}"], env, work / f"{name}-{steps}")
                     for steps in (args.short, args.long)}
             results[name] = {"runs": runs, "step_kb": (runs[args.long] - runs[args.short]) / (args.long - args.short) / 1024}

@@ -24,12 +24,15 @@ from engines.backends.base import TrainBatch  # noqa: E402
 
 # The demo at test size: small enough to prepare in seconds, big enough that every stage does real work
 # (the tests' prepared store, tests/conftest.py; the CPU rehearsals and benches that run the demo small).
-TINY = [
+TASK = [  # the demo task at the suite's size, as bench/ runs it
     "prepare.train_prompts=600", "prepare.heldout_prompts=40", "sft.hidden_size=32", "sft.layers=1",
     "sft.max_steps=150", "prepare.sft_target=0", "prepare.judge_target=0", "sft.check_every=150", "data.heldout_limit=40",
     "sampling.prompts_per_wave=4", "sampling.target_groups=2", "rollout.samples_per_prompt=4",
     "data.max_prompt_tokens=48", "rollout.max_new_tokens=8",  # the demo task's lengths (the defaults are a real model's)
 ]
+# ... and as the tests run it: hosts forked from one server per process (engines/wire/launch.py), not each importing
+# the engines (4-8 s of CPU a host, more than most of the suite's runs train); the demos' tests start theirs fresh
+TINY = [*TASK, "hosts.fork=true"]
 STUBS = ["rollout.backend=stub", "judge.backend=stub", "train.backend=stub"]  # the timing stubs: orchestration, no model
 
 BOS, EOS = 1, 2
@@ -264,8 +267,13 @@ def no_engine_hosts_left() -> None:
     import psutil
 
     deadline = time.time() + 30
-    while hosts := [p for p in psutil.process_iter(["cmdline"]) if "engines.host" in " ".join(p.info["cmdline"] or [])
-                    and p.status() != psutil.STATUS_ZOMBIE and p.ppid() == os.getpid()]:
+    def alive(p: psutil.Process) -> bool:  # (a forked host is the fork server's child, so this process's grandchild,
+        try:                                 # named as python -m would name it; the server, kept, is not a host)
+            return "-m engines.host " in " ".join(p.cmdline()) + " " and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    while hosts := [p for p in psutil.Process().children(recursive=True) if alive(p)]:
         assert time.time() < deadline, f"engine hosts left running: {hosts}"
         time.sleep(0.5)
 

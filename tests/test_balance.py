@@ -278,7 +278,7 @@ def host_runs(tmp_path_factory):
     from safetensors.torch import load_file
 
     results = {}
-    with LocalHosts(RUN, 2, 1, 180) as hosts:
+    with LocalHosts(RUN, 2, 1, 180, fork=True) as hosts:
         for aggregation in ("token", "sequence"):
             for on in (True, False):
                 on_both(lambda g: SetupEngines(config=config(on, aggregation), master=hosts.master))

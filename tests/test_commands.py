@@ -105,7 +105,7 @@ def test_requests_travel_as_json_to_a_real_host_and_errors_come_back_named():
     from engines.wire.channel import HostError, client
     from engines.wire.launch import LocalHosts
 
-    with LocalHosts("commands-test", 1, 1, 120):
+    with LocalHosts("commands-test", 1, 1, 120, fork=True):
         host = client("commands-test", 0)
         pong = host.call(Ping())[0]
         assert isinstance(pong, PingResult) and pong.pid != os.getpid() and pong.rank == 0 and pong.host_s >= 0

@@ -205,7 +205,7 @@ def test_a_dp_runs_hosts_listen_on_their_bind_address_only(tmp_path, monkeypatch
     config = RunConfig(name="bind-test", dp=2, storage={"root": str(tmp_path)}, model={"policy": "policy"},
                        data={"prompts": "prompts", "heldout": None}, reward={"genrm_weight": 0.0, "rule_weight": 1.0},
                        rollout={"backend": "stub"}, judge={"backend": "stub"}, train={"backend": "stub"}, host_timeout_s=60)
-    with LocalHosts("bind-test", 2, 1, 60) as hosts:
+    with LocalHosts("bind-test", 2, 1, 60, fork=True) as hosts:
         with ThreadPoolExecutor(2) as pool:  # the rendezvous: both hosts at once
             for f in [pool.submit(client("bind-test", g).call, SetupEngines(config=config, master=hosts.master)) for g in (0, 1)]:
                 f.result()

@@ -69,32 +69,36 @@ def test_a_host_whose_starter_died_during_its_start_goes_too():
 
 
 @pytest.mark.integration
-def test_a_process_keeps_its_fork_server_and_a_child_takes_the_launchers_directory_path_and_stderr(
-        tmp_path, monkeypatch):
+def test_a_process_keeps_its_fork_server_and_a_child_takes_the_launchers_directory_and_stderr(tmp_path, monkeypatch):
     """``hosts.fork``'s server is the process's (engines/wire/launch.py): a later run and a heal fork from the
-    one the first run started, which may be older than the launcher's working directory, PYTHONPATH and stderr;
-    a child takes the launcher's. Another import-time environment, or a run that forks node controllers, gets a
-    new server."""
-    from engines.wire.launch import shared_forkserver
+    one the first run started, which may be older than the launcher's working directory and stderr; a child
+    takes the launcher's. Another import-time environment (``PYTHONPATH`` too: a sitecustomize on it runs as the
+    server starts), or a run that forks node controllers, gets a new server."""
+    from engines.wire.launch import _stop_forkserver, shared_forkserver
 
     first = shared_forkserver()
-    assert shared_forkserver() is first
-    (tmp_path / "probe_module.py").write_text(  # found only on the launcher's PYTHONPATH, run as python -m would
-        "import os, sys\nprint('probe on stderr', file=sys.stderr, flush=True)\nprint('READY', os.getcwd(), flush=True)\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{ROOT}")
-    stderr, saved = tmp_path / "stderr", os.dup(2)
-    os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT), 2)  # the launcher's stderr, now other than the server's
     try:
-        child = first.spawn("probe_module", [], dict(os.environ))
-        assert child.stdout.readline().split() == ["READY", str(tmp_path)]
-        child.wait(timeout=30)
-    finally:
-        os.dup2(saved, 2)
-    assert stderr.read_text() == "probe on stderr\n"
-    assert shared_forkserver() is first  # (the directory and the path are per child)
+        assert shared_forkserver() is first
+        (tmp_path / "probe_module.py").write_text(  # found only in the launcher's directory, run as python -m would
+            "import os, sys\nprint('probe on stderr', file=sys.stderr, flush=True)\nprint('READY', os.getcwd(), flush=True)\n")
+        monkeypatch.chdir(tmp_path)
+        stderr, saved = tmp_path / "stderr", os.dup(2)
+        os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT), 2)  # the launcher's stderr, now other than the server's
+        try:
+            child = first.spawn("probe_module", [], dict(os.environ))
+            assert child.stdout.readline().split() == ["READY", str(tmp_path)]
+            child.wait(timeout=30)
+        finally:
+            os.dup2(saved, 2)
+        assert stderr.read_text() == "probe on stderr\n"
+        assert shared_forkserver() is first  # (the directory and stderr are per child)
 
-    controllers = shared_forkserver(node_controllers=True)  # Prefect's modules too: a new server
-    assert controllers is not first and first.proc.poll() is not None and shared_forkserver() is controllers
-    monkeypatch.setenv("TORCH_SHOW_CPP_STACKTRACES", "1")  # read by torch as it is imported
-    assert shared_forkserver() is not controllers and controllers.proc.poll() is not None
+        controllers = shared_forkserver(node_controllers=True)  # Prefect's modules too: a new server
+        assert controllers is not first and first.proc.poll() is not None and shared_forkserver() is controllers
+        monkeypatch.setenv("TORCH_SHOW_CPP_STACKTRACES", "1")  # read by torch as it is imported
+        path = shared_forkserver()
+        assert path is not controllers and controllers.proc.poll() is not None
+        monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{ROOT}")
+        assert shared_forkserver() is not path and path.proc.poll() is not None
+    finally:
+        _stop_forkserver()  # (the next test's leftover-host check would see none anyway: a server is no host)

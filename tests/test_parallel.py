@@ -167,7 +167,7 @@ def one_step(root: Path, tp: int, pp: int = 1, resume: Path | None = None, repli
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [site, str(ROOT), os.environ.get("PYTHONPATH")])))
-        with LocalHosts(run, config.layout, 1, config.host_timeout_s) as hosts:
+        with LocalHosts(run, config.layout, 1, config.host_timeout_s, fork=True) as hosts:
             step["hosts"] = len(hosts.hosts)
             _, step["setup"] = on_every_group(lambda g: SetupEngines(config=config, master=hosts.master))
             step["rollout"], _ = on_every_group(lambda g: Rollout(step=0, wave=0, cursor=0, count=2, out=out("rollouts", g)))
@@ -402,7 +402,7 @@ def test_a_vllm_rollout_engine_over_two_ranks_samples_with_the_trainers_weights(
                                 "rollout.sync_bucket_mb=0.016"])
     assert config.layout.serving("rollout") == [0]
     out = lambda what, step: str(tmp_path / "steps" / str(step) / what / "part-000.parquet")  # noqa: E731
-    with LocalHosts("vllm-tp", config.layout, 1, config.host_timeout_s) as hosts:
+    with LocalHosts("vllm-tp", config.layout, 1, config.host_timeout_s, fork=True) as hosts:
         group = client("vllm-tp", 0)
         _, setup = group.call(SetupEngines(config=config, master=hosts.master))
         trained = []
@@ -442,7 +442,7 @@ def ppo_steps(root: Path, tp: int, pp: int = 1) -> dict:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT / "tests" / "megatron_cpu_site"), str(ROOT),
                                                               os.environ.get("PYTHONPATH")])))
-        with LocalHosts(run, config.layout, 1, config.host_timeout_s) as hosts:
+        with LocalHosts(run, config.layout, 1, config.host_timeout_s, fork=True) as hosts:
             group = client(run, 0)
             group.call(SetupEngines(config=config, master=hosts.master))
             group.call(ExportPolicy(uri=str(out_dir / "before")))

@@ -487,7 +487,7 @@ class HostsConfig(Section):
         description="Local hosts and node controllers forked from one process that imported the engines once "
         "(engines/wire/forkserver.py: the imports' memory shared, ~0.1 s to start) instead of each started fresh; the "
         "server is kept for the process's later starts (a heal's, another run's). For many timing-stub hosts on one "
-        "machine (bench.nodes); a forked host must not have touched a GPU before.",
+        "machine (bench.nodes) and CPU runs (the tests); a forked host must not have touched a GPU before.",
     )
 
 

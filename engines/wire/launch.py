@@ -27,8 +27,9 @@ from engines.wire.channel import HostError, connect, disconnect
 # warning of torch prints its whole stack, e.g. 14 frames for every bad message a stranger sends to rank 0's
 # rendezvous port (TCPStore: "Error processing client message"; 90 lines seen). C++ errors still print.
 QUIET_ENGINES = {"VLLM_LOGGING_LEVEL": "WARNING", "TORCH_CPP_LOG_LEVEL": "ERROR"}
-# The variables the engine libraries a fork server imported read as they were imported: a change starts a new one.
-IMPORT_TIME = ("PREFECT_", "HF_", "TRANSFORMERS_", "TORCH", "OMP_", "MKL_", "CUDA_", "VLLM_", "ARROW_")
+# The variables the engine libraries a fork server imported read as they were imported, and PYTHONPATH (a
+# sitecustomize on it runs as the interpreter starts): a change starts a new one.
+IMPORT_TIME = ("PREFECT_", "HF_", "TRANSFORMERS_", "TORCH", "OMP_", "MKL_", "CUDA_", "VLLM_", "ARROW_", "PYTHONPATH")
 
 
 def host_environment(secret: bytes, threads: int, devices: str | None = None) -> dict[str, str]:
