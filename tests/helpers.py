@@ -223,27 +223,51 @@ async def children(client, flow_run_id) -> list:
 
 async def read_run_tree(run_name: str, api_url: str | None = None) -> dict:
     """{flow-run name: (state, {task-run name: state})} under the newest ``train-<run_name>``
-    run, read through the Prefect API (``api_url``, else the current one); {} if there is none."""
+    run, read through the Prefect API (``api_url``, else the current one); {} if there is none.
+
+    Read after the run ended, once the server has recorded it (``settled``)."""
     import contextlib
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    async def read(client) -> dict:
+        # filtered by the server: an unfiltered read returns one page, which a busy session server outgrows
+        runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"train-{run_name}"])))
+        if not runs:
+            return {}
+        top = max(runs, key=lambda r: r.created)
+        tree = {top.name: (top.state.type.value, {})}
+        for it in await children(client, top.id):
+            tree[it.name] = (it.state.type.value, {})
+            for group in await children(client, it.id):
+                task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [group.id]}))
+                tree[group.name] = (group.state.type.value, {t.name: t.state.type.value for t in task_runs})
+        return tree
+
     with temporary_settings({PREFECT_API_URL: api_url}) if api_url else contextlib.nullcontext():
         async with get_client() as client:
-            # filtered by the server: an unfiltered read returns one page, which a busy session server outgrows
-            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"train-{run_name}"])))
-            if not runs:
-                return {}
-            top = max(runs, key=lambda r: r.created)
-            tree = {top.name: (top.state.type.value, {})}
-            for it in await children(client, top.id):
-                tree[it.name] = (it.state.type.value, {})
-                for group in await children(client, it.id):
-                    task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [group.id]}))
-                    tree[group.name] = (group.state.type.value, {t.name: t.state.type.value for t in task_runs})
-            return tree
+            return await settled(lambda: read(client))
+
+
+async def settled(read, settle_s: float = 30.0):
+    """``await read()`` (states of runs that ended, in dicts and tuples), read again every 0.5 s until none of
+    them is Scheduled, Pending or Running, for up to ``settle_s``; the last read. A task run's states reach the
+    API as events that the server's task-run recorder writes in batches (once a second, later on a loaded
+    machine), so a task that ended just before its run can still read Running a moment after the run returned."""
+    import asyncio
+    import time
+
+    def unsettled(value) -> bool:
+        if isinstance(value, str):
+            return value in ("SCHEDULED", "PENDING", "RUNNING")
+        return any(unsettled(v) for v in (value.values() if isinstance(value, dict) else value))
+
+    deadline = time.monotonic() + settle_s
+    while unsettled(found := await read()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    return found
 
 
 def assert_steps_completed(tree: dict, steps, groups, also: tuple[str, ...] = ()) -> None:

@@ -74,7 +74,7 @@ def test_a_process_keeps_its_fork_server_and_a_child_takes_the_launchers_directo
     one the first run started, which may be older than the launcher's working directory and stderr; a child
     takes the launcher's. Another import-time environment (``PYTHONPATH`` too: a sitecustomize on it runs as the
     server starts), or a run that forks node controllers, gets a new server."""
-    from engines.wire.launch import _stop_forkserver, shared_forkserver
+    from engines.wire.launch import shared_forkserver, stop_forkserver
 
     first = shared_forkserver()
     try:
@@ -101,4 +101,4 @@ def test_a_process_keeps_its_fork_server_and_a_child_takes_the_launchers_directo
         monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{ROOT}")
         assert shared_forkserver() is not path and path.proc.poll() is not None
     finally:
-        _stop_forkserver()  # (the next test's leftover-host check would see none anyway: a server is no host)
+        stop_forkserver()  # (the next test's leftover-host check would see none anyway: a server is no host)

@@ -8,9 +8,7 @@ import asyncio
 from pathlib import Path
 
 from flows.training import train
-from tests.helpers import TINY, assert_steps_completed, read_run_tree
-
-from tests.helpers import STUBS
+from tests.helpers import STUBS, TINY, assert_steps_completed, read_run_tree, settled
 
 
 async def _node_tasks(run: str) -> dict[str, tuple[str, str]]:
@@ -18,13 +16,16 @@ async def _node_tasks(run: str) -> dict[str, tuple[str, str]]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, TaskRunFilter, TaskRunFilterName
 
-    async with get_client() as client:
+    async def read(client) -> dict[str, tuple[str, str]]:
         top = max(await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"train-{run}"]))),
                   key=lambda r: r.created)
         its = {r.id: r.name for r in await client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id={"any_": [top.id]}))}
         nodes = await client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="node ")),
                                             flow_run_filter=FlowRunFilter(id={"any_": list(its)}))
         return {(its[t.flow_run_id], t.name): t.state.type.value for t in nodes}
+
+    async with get_client() as client:
+        return await settled(lambda: read(client))
 
 
 def test_node_controllers_run_the_groups(prepared):

@@ -141,16 +141,19 @@ def shared_forkserver(node_controllers: bool = False):
     server = _forkserver.get("server")
     if server is not None and (_forkserver["imported"] != imported or server.proc.poll() is not None
                                or not set(preload) <= set(server.preload)):
-        _stop_forkserver()
+        stop_forkserver()
     if "server" not in _forkserver:
         _forkserver.update(server=ForkServer(env, preload), imported=imported)  # (its children run the torch it imported)
     return _forkserver["server"]
 
 
 @atexit.register
-def _stop_forkserver() -> None:
-    if "server" in _forkserver:
-        _forkserver.pop("server").stop()
+def stop_forkserver() -> None:
+    """Stop this process's fork server, if it has one (at exit, or before a replacement)."""
+    server = _forkserver.pop("server", None)
+    _forkserver.clear()
+    if server is not None:
+        server.stop()
 
 
 class LocalHosts:
