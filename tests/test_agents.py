@@ -251,7 +251,9 @@ def test_the_sandbox_contains_escape_attempts(tmp_path):
     listener.bind(("127.0.0.1", 0))
     listener.listen()  # an engine host's port
     port = listener.getsockname()[1]
-    limits = sandbox.Limits(wall_s=3, cpu_s=2)
+    # the endless loop ends at its CPU limit; no probe here is about the wall clock (test_a_wedged_sandbox_... is),
+    # and on a loaded machine a process's first call alone took more than 3 s (the fresh-clone run beside two CPU hogs)
+    limits = sandbox.Limits(wall_s=60, cpu_s=2)
     libc = "import ctypes; libc = ctypes.CDLL(None, use_errno=True)\n"
     probes = {  # what it tries: (its program, what its output must show: each of these)
         "read the run's state.json": (f"print(open({str(run_dir / 'state.json')!r}).read())", "FileNotFoundError"),
