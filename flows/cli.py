@@ -185,7 +185,7 @@ def _in_process(argv: list[str]) -> int:
 
     try:  # every check of the input that needs no server, host or device, before any starts (flows/preflight.py)
         preflight.check(args.command, config, args.overrides, getattr(args, "checkpoint", None), getattr(args, "model", None),
-                        args.config)
+                        args.config, meanwhile=lambda: _import_flows(args.command))
     except preflight.Refused as e:
         print(f"yattflow: {e}", file=sys.stderr)
         return e.exit_code
@@ -219,6 +219,13 @@ def _in_process(argv: list[str]) -> int:
         return 1
     print(f"yattflow {args.command}: done in {time.perf_counter() - start:.0f}s")
     return 0
+
+
+def _import_flows(command: str) -> None:
+    """The modules a train or evaluate command runs with, imported while its pre-flight child checks the input (Prefect's
+    client and the flows: seconds of the other core)."""
+    for module in ("flows.events", "flows.console", "flows.stops", {"train": "flows.training"}.get(command, "flows.evaluate")):
+        importlib.import_module(module)
 
 
 def _heldout_line(summary: dict) -> str:

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
+from typing import Callable
 
 _passed: set[str] = set()  # fingerprints of the configs whose input passed in this process
 _command: str | None = None  # this process is a command's (its name): its flows may run the pre-flight, before any host
@@ -53,27 +54,36 @@ def passed(config) -> bool:
 
 
 def check(command: str, config, overrides: list[str] | None = None, checkpoint: str | None = None, model: str | None = None,
-          config_file: str | None = None) -> None:
+          config_file: str | None = None, meanwhile: Callable[[], None] | None = None) -> None:
     """The command's pre-flight (train, evaluate: its ``--checkpoint`` or ``--model`` folder; the others have none here),
-    in a child process, or ``Refused``."""
+    in a child process, or ``Refused``. ``meanwhile`` runs here while the child checks (the command's own imports:
+    the child's are torch and transformers, seconds of one core each)."""
     global _command
     _command = command
     if command in ("train", "evaluate"):
         _in_child({"command": command, "config": config.model_dump(mode="json"), "overrides": overrides,
-                   "checkpoint": checkpoint, "model": model, "config_file": config_file})
+                   "checkpoint": checkpoint, "model": model, "config_file": config_file}, meanwhile)
 
 
-def _in_child(job: dict) -> None:
-    """``_check(**job)`` in a fresh ``python -m flows.preflight``; its refusal raised here, the fingerprints of
-    what passed kept here."""
+def _in_child(job: dict, meanwhile: Callable[[], None] | None = None) -> None:
+    """``_check(**job)`` in a fresh ``python -m flows.preflight``, ``meanwhile()`` here as it runs; its refusal
+    raised here, the fingerprints of what passed kept here."""
     child = subprocess.Popen([sys.executable, "-m", "flows.preflight"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
     try:
-        out, _ = child.communicate(json.dumps(job))
-    except KeyboardInterrupt:  # Ctrl-C while it checks (a long dataset): nothing started, nothing written
-        child.kill()
+        with child.stdin:  # the job, whole (the child reads to its end before it checks)
+            child.stdin.write(json.dumps(job))
+        if meanwhile is not None:
+            meanwhile()
+        out = child.stdout.read()
         child.wait()
+    except KeyboardInterrupt:  # Ctrl-C while it checks (a long dataset): nothing started, nothing written
         raise Refused(f"{job['command']} stopped while checking the input, before anything started", 130) from None
+    finally:  # (stopped, or meanwhile failed: the child goes too)
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        child.stdout.close()
     try:
         answer = json.loads(out.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
