@@ -336,6 +336,17 @@ def final_parameters(run_dir: Path) -> dict:
     return load_file(str(run_dir / "final" / "model.safetensors"))
 
 
+def same_training(run_dir: Path, reference: Path) -> None:
+    """A run trained every step of ``reference`` (a finished run of the same config) on the same samples with the
+    same rewards, and ended with the same parameters."""
+    got, want = trained(run_dir), trained(reference)
+    assert sorted(got) == sorted(want)
+    for step in want:
+        assert got[step] == want[step], f"step {step} trained other samples or rewards than the uninterrupted run"
+    a, b = final_parameters(run_dir), final_parameters(reference)
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), "final parameters differ"
+
+
 def run_until_healed(args: list[str], faults: str, fired: Path, timeout: float) -> tuple[list[int], object, list]:
     """``flows.training.train(overrides=args)`` in a fresh Python under ``YATTFLOW_FAULTS=faults``
     (engines/host/faults.py; each fault fires once, recorded in ``fired``), run again until it

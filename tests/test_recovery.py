@@ -28,22 +28,13 @@ from flows.training import train
 from storage import objectstore
 from storage.lease import RunInUse
 from storage.runstate import RunState
-from tests.helpers import TINY, final_parameters, no_engine_hosts_left, trained
+from tests.helpers import TINY, no_engine_hosts_left, same_training
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
 COMMON = TINY + [f"steps={STEPS}", "dp=2", "checkpoint.every=2", "data.heldout=null", "timeouts.stage_s=5",
                  "retries.run=3", "run.lease_s=10"]
 TRAIN = "import asyncio, sys\nfrom flows.training import train\nasyncio.run(train(overrides=sys.argv[1:]))\n"
-
-
-def assert_same_training(run_dir: Path, reference: Path) -> None:
-    got, want = trained(run_dir), trained(reference)
-    assert sorted(got) == list(range(STEPS)) == sorted(want)
-    for step in want:
-        assert got[step] == want[step], f"step {step} trained other samples or rewards than the uninterrupted run"
-    a, b = final_parameters(run_dir), final_parameters(reference)
-    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), "final parameters differ"
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +69,7 @@ def test_run_heals_from_dead_and_hung_hosts_and_trains_each_step_once(prepared, 
     summary = asyncio.run(train(overrides=[*COMMON, f"storage.root={prepared}", "name=recovery-healed"]))
     assert sorted(p.name for p in fired.iterdir()) == sorted(planned)  # every fault happened
     assert [m["step"] for m in summary["history"]] == list(range(STEPS))  # a step redone replaced its first try
-    assert_same_training(Path(prepared) / "runs" / "recovery-healed", uninterrupted)
+    same_training(Path(prepared) / "runs" / "recovery-healed", uninterrupted)
     no_engine_hosts_left()
 
 
@@ -131,7 +122,7 @@ def test_killed_run_resumes_exactly_also_from_a_kill_during_the_checkpoint_write
     assert len(list(fired.iterdir())) == 2
     run_dir = Path(prepared) / "runs" / "recovery-killed"
     assert "removed" in run.stderr and "never committed" in run.stderr  # step 3's half-written checkpoint
-    assert_same_training(run_dir, uninterrupted)
+    same_training(run_dir, uninterrupted)
 
 
 def test_two_runs_of_one_name_one_writer(prepared):
@@ -163,96 +154,7 @@ def test_two_runs_of_one_name_one_writer(prepared):
         first.wait()
 
 
-# ---------------------------------------------------------------- stops and damage (issue 28)
-
-
-def stop_with_sigterm(args: list[str], ready) -> str:
-    """``yattflow train args``, sent SIGTERM once ``ready(output so far, its process)``: it must stop
-    as Ctrl-C does — status 130, the stop line last, and every process it had started gone."""
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
-    me, deadline = psutil.Process(proc.pid), time.time() + 240
-    try:
-        while not ready("".join(lines), me):
-            assert proc.poll() is None and time.time() < deadline, "".join(lines)[-3000:]
-            time.sleep(0.05)
-        started = me.children(recursive=True)
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    reader.join(timeout=10)
-    out = "".join(lines)
-    assert code == 130, out[-3000:]
-    assert "TerminationSignal" not in out and "Crash detected" not in out, out[-3000:]
-    _, alive = psutil.wait_procs(started, timeout=30)
-    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], f"left running: {alive}"
-    return out.strip().splitlines()[-1]
-
-
-def latest_states(flow_run_name: str) -> tuple[str, set[str]]:
-    """The state type of the newest flow run of that name on the tests' Prefect server, and the types of
-    its sub-flows, all the way down."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterParentFlowRunId
-    from prefect.client.schemas.sorting import FlowRunSort
-
-    async def read() -> tuple[str, set[str]]:
-        async with get_client() as client:
-            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[flow_run_name])),
-                                               sort=FlowRunSort.START_TIME_DESC, limit=1)
-            seen, level = set(), runs
-            while level := await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id for run in level]))):
-                seen |= {run.state.type.value for run in level}
-            return runs[0].state.type.value, seen
-
-    return asyncio.run(read())
-
-
-def hosts_starting(out: str, me: psutil.Process) -> bool:
-    """The run has started its engine-host processes (they take seconds to answer)."""
-    try:
-        return any("engines.host" in " ".join(p.cmdline()) for p in me.children(recursive=True))
-    except psutil.NoSuchProcess:
-        return False
-
-
-def test_sigterm_at_any_moment_stops_like_ctrl_c_and_the_run_resumes_exactly(prepared, uninterrupted, faults):
-    """SIGTERM (what kill, Kubernetes, Slurm and systemd send) to ``yattflow train`` while its engine
-    hosts start, inside a step (a host hung in step 1's scoring: the run waits on it, its event loop
-    idle, where Prefect's own SIGTERM handler made it crash with exit 1) and between steps (after the
-    line of step 3): each time status 130, the stop line naming the step and the committed
-    checkpoint, nothing left running. The same command then finishes the run, and it trained
-    exactly what the uninterrupted run did. (During a checkpoint's background write, with the CPU
-    hogged, on the embedded server: tests/test_stops.py.)"""
-    faults("genrm_score@1:dp-1:hang")
-    name = "recovery-sigterm"
-    args = [*COMMON, f"storage.root={prepared}", f"name={name}", "timeouts.stage_s=120"]  # the hangs wait for us
-    run_uri = f"file://{prepared}/runs/{name}"
-
-    def stopped(steps: str, checkpoint: str) -> str:
-        return (rf"yattflow train: stopped at step [{steps}] of {STEPS}; last checkpoint: {re.escape(checkpoint)}; "
-                "run the same command to continue")
-
-    last = stop_with_sigterm(args, hosts_starting)
-    assert last == f"yattflow train: stopped before run '{name}' took its first step; run the same command to start it"
-    last = stop_with_sigterm(args, lambda out, _: "fault injection: genrm_score@1:dp-1:hang" in out)
-    assert re.fullmatch(stopped("2", "none yet (it starts from step 1)"), last), last
-    top, below = latest_states(f"train-{name}")
-    assert top == "CANCELLED" and "CANCELLED" in below and "CRASHED" not in below, (top, below)  # a deliberate stop, not a crash
-    last = stop_with_sigterm(args, lambda out, _: "step 3/6" in out)
-    assert re.fullmatch(stopped("4", "step 2"), last), last
-    assert RunState.load(run_uri).step == 1  # step 3's checkpoint was not committed yet
-
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "train", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert_same_training(Path(prepared) / "runs" / name, uninterrupted)
+# ---------------------------------------------------------------- damage (issues 28 and 65)
 
 
 def damaged_copy(prepared: str, reference: Path, name: str) -> Path:
@@ -291,7 +193,7 @@ def test_a_lost_state_json_and_flipped_bytes_in_the_newest_checkpoint_resume_exa
     [aside] = (run_dir / "checkpoints").glob("000005.damaged-*")
     assert (aside / "trainer-torch" / "trainer.pt").read_bytes() == bytes(data)  # kept as it was found
     assert RunState.load(f"file://{run_dir}").step == 5  # step 5's checkpoint committed anew
-    assert_same_training(run_dir, uninterrupted)
+    same_training(run_dir, uninterrupted)
 
 
 def test_a_checkpoint_that_lost_its_manifest_is_kept_and_the_run_resumes_exactly_from_the_one_before(prepared,
@@ -307,7 +209,7 @@ def test_a_checkpoint_that_lost_its_manifest_is_kept_and_the_run_resumes_exactly
     assert (aside / "trainer-torch" / "trainer.pt").read_bytes() == (
         uninterrupted / "checkpoints" / "000005" / "trainer-torch" / "trainer.pt").read_bytes()
     assert RunState.load(f"file://{run_dir}").step == 5  # step 5's checkpoint committed anew
-    assert_same_training(run_dir, uninterrupted)
+    same_training(run_dir, uninterrupted)
 
 
 class Intruder:
@@ -373,7 +275,7 @@ def test_bad_connections_to_every_host_port_change_nothing(prepared, uninterrupt
     assert len({pid for pid, _ in intruder.hit}) >= 2 and len(intruder.hit) >= 3, intruder.hit  # both hosts, several ports
     assert [m["step"] for m in summary["history"]] == list(range(STEPS))
     if staleness == 0:
-        assert_same_training(Path(prepared) / "runs" / name, uninterrupted)
+        same_training(Path(prepared) / "runs" / name, uninterrupted)
     no_engine_hosts_left()
 
 
@@ -438,4 +340,4 @@ def test_a_run_on_s3_rides_out_a_30s_outage_and_trains_what_the_undisturbed_run_
 
     run_dir = tmp_path / "run"
     fs.get(f"{bucket_path}/runs/{name}", str(run_dir), recursive=True)
-    assert_same_training(run_dir, uninterrupted)
+    same_training(run_dir, uninterrupted)

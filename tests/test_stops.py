@@ -10,9 +10,11 @@ of their own), as ``make demo`` does: the stop the tester saw hang was that one'
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -24,7 +26,7 @@ import psutil
 import pytest
 
 from storage.runstate import RunState
-from tests.helpers import TINY, trained, trained_once
+from tests.helpers import TINY, run_train, same_training, trained
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -46,24 +48,29 @@ def _started_by(mark: str) -> list[psutil.Process]:
     return found
 
 
-def _stop_at(args: list[str], env: dict, moment: str, signum: int) -> tuple[int, float, str]:
+def _stop_at(args: list[str], env: dict, ready, signum: int, group: bool, hogs: bool) -> tuple[int, float, str]:
     """``yattflow train args`` in a process group of its own (a terminal's job, or ``timeout``'s), sent
-    ``signum`` to the whole group once its output shows ``moment``, with two CPU hogs started a second
-    before: its exit code, the seconds from the signal to its end, and its output."""
+    ``signum`` once ``ready(output so far, its process)``, to its whole group (``group``: a terminal's
+    Ctrl-C, ``timeout``) or to it alone (kill, Kubernetes, systemd), with two CPU hogs started a second
+    before (``hogs``): its exit code, the seconds from the signal to its end, and its output."""
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
     reader.start()
-    hogs = []
+    me, running = psutil.Process(proc.pid), []
     try:
         deadline = time.monotonic() + 240
-        while moment not in "".join(lines):
+        while not ready("".join(lines), me):
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
             time.sleep(0.05)
-        hogs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(2)]  # both cores, and more
-        time.sleep(1)
-        os.killpg(proc.pid, signum)
+        if hogs:
+            running = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(2)]  # both cores, and more
+            time.sleep(1)
+        if group:
+            os.killpg(proc.pid, signum)
+        else:
+            proc.send_signal(signum)
         signalled = time.monotonic()
         try:
             code = proc.wait(timeout=120)
@@ -71,7 +78,7 @@ def _stop_at(args: list[str], env: dict, moment: str, signum: int) -> tuple[int,
             code = None
         took = time.monotonic() - signalled
     finally:
-        for hog in hogs:
+        for hog in running:
             hog.kill()
             hog.wait()
         if proc.poll() is None:
@@ -81,43 +88,70 @@ def _stop_at(args: list[str], env: dict, moment: str, signum: int) -> tuple[int,
     return code, took, "".join(lines)
 
 
-def test_a_stop_ends_within_30s_under_a_cpu_hog_at_any_moment_and_the_same_command_resumes(prepared, tmp_path):
-    """``yattflow train`` stopped twice, each time while a host hangs at a chosen point (so the moment
-    holds while the test starts two CPU hogs) and by a signal to its whole process group, as
-    ``timeout`` and a terminal's Ctrl-C send it: Ctrl-C during a train step, SIGTERM during a
-    checkpoint's background write. Each time: status 130 within 30 s, nothing it started left running
-    (its temporary Prefect server, its engine hosts), no traceback or "Crashed" line on the console
-    (they are in the log file), the stop line last. Each next run resumes the run, and the last
-    finishes it, every prompt trained once. (SIGTERM as the hosts start and inside a step, before a
-    checkpoint is committed: tests/test_recovery.py, against the session's Prefect server.)"""
+def _hosts_starting(out: str, me: psutil.Process) -> bool:
+    """The command has started its engine-host processes (they take seconds to answer)."""
+    try:
+        return any("engines.host" in " ".join(p.cmdline()) for p in me.children(recursive=True))
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _flow_runs(home: Path) -> list[tuple[str, str]]:
+    """(name, state type) of every flow run in the temporary servers' database under ``home``, oldest first
+    (the servers are gone: their SQLite file is read)."""
+    with contextlib.closing(sqlite3.connect(home / "prefect.db")) as db:
+        return db.execute("SELECT name, state_type FROM flow_run ORDER BY created").fetchall()
+
+
+def test_a_stop_ends_within_30s_at_any_moment_and_the_same_command_resumes_exactly(prepared, tmp_path):
+    """``yattflow train`` stopped three times: SIGTERM to the command alone (what kill, Kubernetes and
+    systemd send) as its engine hosts start; Ctrl-C to its whole process group (a terminal's) while a host
+    hangs in a train step; SIGTERM to it alone while a host hangs in a checkpoint's background write (its
+    event loop idle, waiting on the host: where Prefect's own SIGTERM handler once made it crash with exit
+    1). The hangs hold the moment while the test starts two CPU hogs. Each time: status 130 within 30 s,
+    nothing it started left running (its temporary Prefect server, its engine hosts), no traceback or
+    "Crashed" line on the console (they are in the log file), the stop line last, naming where the run
+    stands; the SIGTERMed run's flow runs Cancelled, not Crashed. The same command then finishes the run,
+    and it trained exactly what an uninterrupted run did (samples, rewards, final parameters)."""
     name, home, fired, mark = "stops", tmp_path / "prefect-home", tmp_path / "fired", uuid.uuid4().hex
     fired.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
         "PREFECT_HOME": str(home), MARK: mark, "YATTFLOW_FAULTS_FIRED": str(fired),
         "YATTFLOW_FAULTS": "train_step@1:dp-1:hang,checkpoint_write@2:dp-0:hang"}
-    args = [*TINY, f"storage.root={prepared}", f"name={name}", f"steps={STEPS}", "dp=2", "checkpoint.every=1",
-            "data.heldout=null", "timeouts.stage_s=120"]  # the hangs wait for the signal
-    stopped = re.compile(rf"yattflow train: stopped at step \d of {STEPS}; last checkpoint: (none yet \(it starts from step 1\)|"
-                         r"step \d); run the same command to continue")  # (a checkpoint commits a step later)
+    common = [f"steps={STEPS}", "dp=2", "checkpoint.every=1", "data.heldout=null", "timeouts.stage_s=120"]  # the hangs wait
+    args = [*TINY, f"storage.root={prepared}", f"name={name}", *common]
+    in_step = re.compile(rf"yattflow train: stopped at step \d of {STEPS}; last checkpoint: (none yet \(it starts from step "
+                         r"1\)|step \d); run the same command to continue")  # (a checkpoint commits a step later)
+    stops = (("hosts starting", _hosts_starting, signal.SIGTERM, False,
+              re.escape(f"yattflow train: stopped before run '{name}' took its first step; run the same command to start it")),
+             ("train_step@1:dp-1", "fault injection: train_step@1:dp-1:hang", signal.SIGINT, True, in_step.pattern),
+             ("checkpoint_write@2:dp-0", "fault injection: checkpoint_write@2:dp-0:hang", signal.SIGTERM, False, in_step.pattern))
     took = {}
-    for point, signum in (("train_step@1:dp-1", signal.SIGINT), ("checkpoint_write@2:dp-0", signal.SIGTERM)):
-        code, took[point], out = _stop_at(args, env, f"fault injection: {point}:hang", signum)
+    for point, moment, signum, group, line in stops:
+        ready = moment if callable(moment) else lambda out, _, moment=moment: moment in out
+        code, took[point], out = _stop_at(args, env, ready, signum, group, hogs=not callable(moment))
         assert code == 130 and took[point] < STOP_BOUND_S, (point, code, took[point], out[-3000:])
         _, left = psutil.wait_procs(_started_by(mark), timeout=10)  # SIGKILLed ones may take a moment to go
         assert not left, f"{point}: left running: {[' '.join(p.cmdline()) for p in left]}"
-        for noise in ("Traceback", "Crashed", "Crash detected", "Error logging to API", "ConnectError"):
+        for noise in ("Traceback", "Crashed", "Crash detected", "Error logging to API", "ConnectError", "TerminationSignal"):
             assert noise not in out, (point, noise, out[-3000:])
-        assert stopped.fullmatch(out.strip().splitlines()[-1]), (point, out[-3000:])
+        assert re.fullmatch(line, out.strip().splitlines()[-1]), (point, out[-3000:])
     print("\n[stops] SIGTERM/Ctrl-C to the end of the command, CPU hogged: "
           + ", ".join(f"{point} {s:.1f}s" for point, s in took.items()))
     assert "Crashed" in (Path(prepared) / "logs" / f"{name}-train.log").read_text()  # Prefect's lines: in the log file
+    runs = _flow_runs(home)
+    last = max(i for i, (run, _) in enumerate(runs) if run == f"train-{name}")
+    states = [state for _, state in runs[last:]]  # the SIGTERMed command's run and its sub-flows
+    print(f"[stops] the SIGTERMed run: {runs[last:]}")
+    assert states[0] == "CANCELLED" and "CRASHED" not in states, runs[last:]
 
     done = subprocess.run([sys.executable, "-m", "flows.cli", "train", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run_dir = Path(prepared) / "runs" / name
     assert sorted(trained(run_dir)) == list(range(STEPS)) and RunState.load(f"file://{run_dir}").step == STEPS - 1
-    trained_once(sorted((run_dir / "steps").iterdir()), (0, 1))
+    run_train(prepared, "name=stops-reference", *common)  # uninterrupted, on the session's server
+    same_training(run_dir, Path(prepared) / "runs" / "stops-reference")
 
 
 WATCHDOG = """
