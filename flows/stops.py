@@ -40,7 +40,7 @@ class StopSignals:
     run, ``capture_sigterm`` in ``prefect.utilities.engine``) raises ``TerminationSignal`` wherever the
     main thread is, often inside the event loop's own code (a crash, exit 1, a traceback, no stop line),
     so Prefect gets this handler as its own (Prefect 3.8 looks the module attribute up each time a flow
-    run starts; tests/test_recovery.py stops runs with SIGTERM and fails if Prefect stops reading it).
+    run starts; tests/test_stops.py stops runs with SIGTERM and fails if Prefect stops reading it).
 
     The clean-up talks to engine hosts, object storage and the Prefect server, each of which may be
     slow or gone (a loaded machine; Prefect's client retries a lost server for a minute a call). So a
