@@ -169,12 +169,8 @@ def read_bytes(uri: str) -> bytes:
         raise StorageError(f"{uri}: a symbolic link (to {os.readlink(path)}), not an object the store wrote; the store "
                            "never follows one: put the file itself there, or point the config at it")
 
-    def read():
-        with fs.open(path, "rb") as f:
-            return f.read()
-
-    try:
-        return retrying(uri, "read", read)
+    try:  # (one GET: open() reads the object's ETag first and fails if a writer replaces it before the read)
+        return retrying(uri, "read", lambda: fs.cat_file(path))
     except FileNotFoundError as e:
         raise StorageError(f"{uri}: not found") from e
     except OSError as e:
