@@ -71,8 +71,8 @@ def _in_child(job: dict, meanwhile: Callable[[], None] | None = None) -> None:
     child = subprocess.Popen([sys.executable, "-m", "flows.preflight"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
     try:
-        with child.stdin:  # the job, whole (the child reads to its end before it checks)
-            child.stdin.write(json.dumps(job))
+        with contextlib.suppress(BrokenPipeError), child.stdin:  # the job, whole (the child reads to its end first)
+            child.stdin.write(json.dumps(job))  # (a child gone at once answers nothing: said below)
         if meanwhile is not None:
             meanwhile()
         out = child.stdout.read()
