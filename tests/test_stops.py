@@ -120,12 +120,12 @@ def test_a_stop_ends_within_30s_at_any_moment_and_the_same_command_resumes_exact
         "YATTFLOW_FAULTS": "train_step@1:dp-1:hang,checkpoint_write@2:dp-0:hang"}
     common = [f"steps={STEPS}", "dp=2", "checkpoint.every=1", "data.heldout=null", "timeouts.stage_s=120"]  # the hangs wait
     args = [*TINY, f"storage.root={prepared}", f"name={name}", *common]
-    in_step = re.compile(rf"yattflow train: stopped at step \d of {STEPS}; last checkpoint: (none yet \(it starts from step "
-                         r"1\)|step \d); run the same command to continue")  # (a checkpoint commits a step later)
+    in_step = (rf"yattflow train: stopped at step \d of {STEPS}; last checkpoint: (none yet \(it starts from step "
+               r"1\)|step \d); run the same command to continue")  # (a checkpoint commits a step later)
     stops = (("hosts starting", _hosts_starting, signal.SIGTERM, False,
               re.escape(f"yattflow train: stopped before run '{name}' took its first step; run the same command to start it")),
-             ("train_step@1:dp-1", "fault injection: train_step@1:dp-1:hang", signal.SIGINT, True, in_step.pattern),
-             ("checkpoint_write@2:dp-0", "fault injection: checkpoint_write@2:dp-0:hang", signal.SIGTERM, False, in_step.pattern))
+             ("train_step@1:dp-1", "fault injection: train_step@1:dp-1:hang", signal.SIGINT, True, in_step),
+             ("checkpoint_write@2:dp-0", "fault injection: checkpoint_write@2:dp-0:hang", signal.SIGTERM, False, in_step))
     took = {}
     for point, moment, signum, group, line in stops:
         ready = moment if callable(moment) else lambda out, _, moment=moment: moment in out
