@@ -60,7 +60,7 @@ def against(commit: str, prefix: str, **env: str):
     afterwards), an environment without PREFECT_API_URL (each command a temporary Prefect server, its
     home in the folder; plus ``env``) and the ``storage.root=`` override of the suite's tiny store,
     prepared there by this checkout."""
-    from tests.helpers import TASK  # (torch: only for the benchmarks that run the demo)
+    from tests.sizes import TASK
 
     root = Path(__file__).resolve().parent.parent
     work = Path(tempfile.mkdtemp(prefix=prefix))

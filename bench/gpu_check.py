@@ -135,7 +135,7 @@ def part_tests(args) -> dict:
 def part_demo(args) -> dict:
     root = Path(args.prepared) if args.prepared and args.device == "cpu" else Path(tempfile.mkdtemp(prefix="gpu-check-demo-"))
     if args.device == "cpu":  # the rehearsal: the demo as the tests run it, two RL steps
-        from tests.helpers import TASK
+        from tests.sizes import TASK
 
         common = [f"storage.root={root}", "dp=1", *TASK, "steps=2"]
     else:

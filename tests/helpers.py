@@ -22,18 +22,7 @@ import torch  # noqa: E402
 from engines.demo.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
 from engines.backends.base import TrainBatch  # noqa: E402
 
-# The demo at test size: small enough to prepare in seconds, big enough that every stage does real work
-# (the tests' prepared store, tests/conftest.py; the CPU rehearsals and benches that run the demo small).
-TASK = [  # the demo task at the suite's size, as bench/ runs it
-    "prepare.train_prompts=600", "prepare.heldout_prompts=40", "sft.hidden_size=32", "sft.layers=1",
-    "sft.max_steps=150", "prepare.sft_target=0", "prepare.judge_target=0", "sft.check_every=150", "data.heldout_limit=40",
-    "sampling.prompts_per_wave=4", "sampling.target_groups=2", "rollout.samples_per_prompt=4",
-    "data.max_prompt_tokens=48", "rollout.max_new_tokens=8",  # the demo task's lengths (the defaults are a real model's)
-]
-# ... and as the tests run it: hosts forked from one server per process (engines/wire/launch.py), not each importing
-# the engines (4-8 s of CPU a host, more than most of the suite's runs train); the demos' tests start theirs fresh
-TINY = [*TASK, "hosts.fork=true"]
-STUBS = ["rollout.backend=stub", "judge.backend=stub", "train.backend=stub"]  # the timing stubs: orchestration, no model
+from tests.sizes import STUBS, TASK, TINY  # noqa: E402,F401  (the suite's run shapes; torch-free there)
 
 BOS, EOS = 1, 2
 FIRST_CHAR_ID = 4  # ids 0..3 are <pad> <s> </s> <unk>
