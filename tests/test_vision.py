@@ -225,9 +225,12 @@ def test_vision_demo_learns(tmp_path, config):
     seed: prepare (pictures, SFT of a tiny VLM from a sloppy teacher), then RL; held-out exact match
     rises by at least 20 points. 4 RL steps of the demos' 15 (eval.every=2, seed 0, Intel Xeon: +22 to
     +30 points after step 2, +39 to +45 after step 4, +40 to +46 after step 8; the demos' 15 leave a
-    margin for other seeds: docs/vision.md). The video demo is this demo's policy (Idefics3) given two
-    frames a prompt: its learning is docs/vision.md's figures, its plumbing the test below."""
-    stdout = _demo(config, tmp_path, "steps=4")
+    margin for other seeds: docs/vision.md). The policy's SFT stops at 90% agreement with its teacher, not
+    the demos' 95%: on the Qwen2.5-VL 300 steps instead of 400 (94.7% then), 51.0% -> 95.7% after 4 RL steps
+    in 146 s against 55.0% -> 95.0% in 173 s (seed 0, AMD EPYC); the Idefics3 stops at 300 either way. The
+    video demo is this demo's policy (Idefics3) given two frames a prompt: its learning is docs/vision.md's
+    figures, its plumbing the test below."""
+    stdout = _demo(config, tmp_path, "steps=4", "prepare.sft_target=0.9")  # the video demo's SFT target (the docstring: why)
     found = re.search(r"reward: ([\d.]+)% before RL → ([\d.]+)% after", stdout)
     assert found, stdout[-3000:]
     before, after = map(float, found.groups())
