@@ -43,6 +43,20 @@ def run_train(root: str, *extra: str) -> dict:
     return asyncio.run(train(overrides=TINY + [f"storage.root={root}", *extra]))
 
 
+def run_demo(root, *overrides: str, env: dict | None = None, config: str = "deployments/demo.yaml") -> tuple[float, float]:
+    """``yattflow demo -c config`` (relative to the checkout) on ``root`` in a subprocess, as a user runs it: its
+    held-out score before and after RL, in percent."""
+    import re
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "demo", "-c", config, f"storage.root={root}", *overrides],
+                         cwd=ROOT, capture_output=True, text=True, timeout=1500, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    match = re.search(r"([\d.]+)% before RL → ([\d.]+)% after", out.stdout)
+    assert match, out.stdout[-2000:]
+    return float(match.group(1)), float(match.group(2))
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct free loopback ports (all held open while choosing, so no repeats)."""
     socks = []

@@ -11,15 +11,13 @@ SFT'd models committed and skips straight to training.
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_demo
+
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = str(ROOT / "deployments" / "demo.yaml")
 # Where a converged warm start lands on every CPU and seed measured (docs/status.md, "The demo task"):
 # below it the SFT has not learned the task, above it greedy decoding is no longer the teacher's.
 SFT_BAND = (25.0, 40.0)
@@ -28,17 +26,6 @@ SFT_BAND = (25.0, 40.0)
 @pytest.fixture(scope="module")
 def demo_root(tmp_path_factory):
     return tmp_path_factory.mktemp("demo")
-
-
-def run_demo(root: Path, *overrides: str, env: dict | None = None, config: str = CONFIG) -> tuple[float, float]:
-    out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "demo", "-c", config, f"storage.root={root}", *overrides],
-        cwd=ROOT, capture_output=True, text=True, timeout=1500, env=env,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    match = re.search(r"([\d.]+)% before RL → ([\d.]+)% after", out.stdout)
-    assert match, out.stdout[-2000:]
-    return float(match.group(1)), float(match.group(2))
 
 
 @pytest.mark.slow
@@ -58,7 +45,7 @@ def test_agent_demo_learns(prefect_server, tmp_path, capsys):
     so its held-out episodes are nearly all wrong; RL with the rule on the last turn lifts them by
     at least 20 points. 10 RL steps of the demo's 30: held-out 0.0% -> 80.3% after step 5 and after step
     10 (`eval.every=5`, seed 0, AMD EPYC, 2026-12-07); the 30 are for every seed (docs/benchmarks.md)."""
-    before, after = run_demo(tmp_path, "steps=10", config=str(ROOT / "deployments" / "agent-demo.yaml"))
+    before, after = run_demo(tmp_path, "steps=10", config="deployments/agent-demo.yaml")
     with capsys.disabled():
         print(f"\n[agent demo] torch engines: held-out exact match {before}% (SFT) -> {after}% (RL)")
     assert before <= 10.0 and after - before >= 20.0

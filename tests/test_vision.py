@@ -10,13 +10,12 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from tests.helpers import ROOT, save_tiny_vlm  # noqa: F401  (puts the checkout on sys.path)
+from tests.helpers import ROOT, run_demo, save_tiny_vlm  # noqa: F401  (puts the checkout on sys.path)
 
 from engines.backends import multimodal
 from engines.backends.base import TrainBatch
@@ -210,14 +209,6 @@ print("ok")
     print(re.search(r"vllm-vs-trainer \S+", out.stdout).group(0))
 
 
-def _demo(config: str, root: Path, *overrides: str) -> str:
-    """``yattflow demo -c deployments/{config}.yaml`` on ``root``: its console output."""
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "demo", "-c", f"deployments/{config}.yaml",
-                          f"storage.root={root}", *overrides], cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    return out.stdout
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("config", ["vision-demo", "qwen-vl-demo"])
 def test_vision_demo_learns(tmp_path, config):
@@ -230,10 +221,7 @@ def test_vision_demo_learns(tmp_path, config):
     in 146 s against 55.0% -> 95.0% in 173 s (seed 0, AMD EPYC); the Idefics3 stops at 300 either way. The
     video demo is this demo's policy (Idefics3) given two frames a prompt: its learning is docs/vision.md's
     figures, its plumbing the test below."""
-    stdout = _demo(config, tmp_path, "steps=4", "prepare.sft_target=0.9")  # the video demo's SFT target (the docstring: why)
-    found = re.search(r"reward: ([\d.]+)% before RL → ([\d.]+)% after", stdout)
-    assert found, stdout[-3000:]
-    before, after = map(float, found.groups())
+    before, after = run_demo(tmp_path, "steps=4", "prepare.sft_target=0.9", config=f"deployments/{config}.yaml")  # (why 0.9: above)
     print(f"[{config}] held-out exact match {before}% (SFT) -> {after}% (RL)")
     assert after - before >= 20, (before, after)
 
@@ -243,9 +231,8 @@ def test_the_video_demo_gives_the_policy_both_seconds_of_each_clip(tmp_path):
     """`yattflow demo -c deployments/video-demo.yaml` end to end at a small size (MP4 clips made,
     a short SFT, one RL step): every rollout's prompt is two frames, each an image, and the run ends
     with its held-out figures."""
-    stdout = _demo("video-demo", tmp_path, "steps=1", "prepare.train_prompts=64", "prepare.heldout_prompts=16",
-                   "data.heldout_limit=16", "prepare.sft_target=0", "sft.max_steps=20", "sft.check_every=20")
-    assert re.search(r"reward: [\d.]+% before RL → [\d.]+% after", stdout), stdout[-3000:]
+    run_demo(tmp_path, "steps=1", "prepare.train_prompts=64", "prepare.heldout_prompts=16", "data.heldout_limit=16",
+             "prepare.sft_target=0", "sft.max_steps=20", "sft.check_every=20", config="deployments/video-demo.yaml")
     rows = datasets.read_table(str(tmp_path / "runs/video-demo/steps/000000/rollouts/group=0"), datasets.ROLLOUTS).to_pylist()
     assert rows and {r["prompt"] for r in rows} == {"<image><image>sum:"}, {r["prompt"] for r in rows}
 
