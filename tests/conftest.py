@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +22,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The commands the tests start are a terminal's jobs: Ctrl-C (SIGINT) reaches them. A shell without job control
+# starts a background job with SIGINT ignored, and every process it starts inherits that (the product keeps it so:
+# flows/stops.py); pytest started that way would have each Ctrl-C test's command ignore its Ctrl-C.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from tests.helpers import TINY, free_port, save_tiny_model  # noqa: E402  (the checkout is on sys.path: above)
 

@@ -423,7 +423,8 @@ def _vllm_child(_rank: int, folders: dict, out: str) -> None:
     from engines.backends.torch.generator import TorchGenerator
     from engines.backends.vllm.generator import VLLMGenerator
 
-    torch.set_num_threads(2)
+    # torch's threads as the process was given them (OMP_NUM_THREADS: on `make check`'s workers one each): two OpenMP
+    # threads beside another busy worker wait out each other at every op's barrier (this setup took 121 s there, 26 s alone)
     results, engines = {}, []
     # the MoE first: vLLM creates its expert-parallel group with the process's first engine, and only for a MoE model
     for arch in sorted(ARCHS, key=lambda a: a != "qwen3_moe"):
