@@ -73,10 +73,14 @@ def test_demo_learns_on_vllm_and_megatron(prefect_server, demo_root, capsys):
     # through sitecustomize (tests only; product code targets CUDA).
     site = str(ROOT / "tests" / "megatron_cpu_site")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [site, str(ROOT), os.environ.get("PYTHONPATH")])))
+    # dp=1: one engine host, whose vLLM engines run in its process. At dp=2 each host is in a two-rank group, so each
+    # vLLM engine gets a process of its own (engines/backends/vllm/generator.py), which test_parallel.py's vLLM over two
+    # ranks checks; the learning is the same (prepared root, 12 steps, seed 0, 2-core AMD EPYC, 2026-12-07: dp=1 31.0%
+    # -> 58.0% in 50.5 s, dp=2 31.0% -> 60.2% in 153.3 s).
     engines = ["rollout.backend=vllm", "judge.backend=vllm", "train.backend=megatron"]
-    before, after = run_demo(demo_root, "name=demo-engines", "steps=12", *engines, env=env)
+    before, after = run_demo(demo_root, "name=demo-engines", "steps=12", "dp=1", *engines, env=env)
     with capsys.disabled():
-        print(f"\n[demo] vLLM + Megatron-Core, 12 steps: held-out exact-match accuracy {before}% (SFT) -> {after}% (RL)")
+        print(f"\n[demo] vLLM + Megatron-Core, dp=1, 12 steps: held-out exact-match accuracy {before}% (SFT) -> {after}% (RL)")
     assert after - before >= 20.0
     run = demo_root / "runs" / "demo-engines"
     checkpoint = run / "checkpoints" / "000011"
